@@ -1,0 +1,1 @@
+"""gemmspec: a problem-spec compiler for nested grouped GEMMs on Hopper."""
