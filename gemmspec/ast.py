@@ -1,0 +1,222 @@
+"""The syntax tree of a .gspec file: what was written, where, nothing inferred.
+
+Every node carries a `Pos` (1-based line and column) so that the checker can
+point at the exact token a problem comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Pos:
+    line: int
+    column: int
+
+    def __str__(self) -> str:
+        return f"{self.line}:{self.column}"
+
+
+@dataclass(frozen=True)
+class Name:
+    """An identifier as written, with its position."""
+
+    text: str
+    pos: Pos
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# ---- integer expressions -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntLit:
+    value: int
+    pos: Pos
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclass(frozen=True)
+class NameRef:
+    name: Name
+
+    @property
+    def pos(self) -> Pos:
+        return self.name.pos
+
+    def __str__(self) -> str:
+        return self.name.text
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str  # "+" or "*"
+    left: Expr
+    right: Expr
+
+    @property
+    def pos(self) -> Pos:
+        return self.left.pos
+
+    def __str__(self) -> str:
+        return f"({self.left} {self.op} {self.right})"
+
+
+Expr = IntLit | NameRef | BinOp
+
+
+# ---- declarations --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DimDecl:
+    name: Name
+    size: int | None  # None: known only at run time
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """How a group partitions a dimension.
+
+    kind is one of "ragged", "split", "uniform", "masked".
+    """
+
+    kind: str
+    dim: Name  # the dimension being partitioned
+    pos: Pos
+    within: Name | None = None  # ragged: the enclosing group
+    tensor: Name | None = None  # ragged: offsets tensor; masked: counts tensor
+    sizes: tuple[Expr, ...] = ()  # split: the segment sizes
+
+
+@dataclass(frozen=True)
+class GroupDecl:
+    name: Name
+    count_dim: Name  # the dimension that indexes the groups (L, E, S ...)
+    count: int | None  # size given in the declaration, if any
+    kind: GroupKind
+
+
+@dataclass(frozen=True)
+class LayoutDecl:
+    """kind: "row_major", "major", "strides" or "segment_major"."""
+
+    kind: str
+    pos: Pos
+    dim: Name | None = None  # major(D)
+    group: Name | None = None  # segment_major(g)
+    strides: tuple[Expr, ...] = ()
+    pad: int | None = None
+
+
+@dataclass(frozen=True)
+class ScaleDecl:
+    dtype: Name
+    block: tuple[IntLit, ...]
+    pos: Pos
+    layout: LayoutDecl | None = None
+    anchor: Name | None = None  # `per GROUP`: blocks restart at each group's start
+    name: Name | None = None  # `as NAME`: the scale tensor's run-time name
+
+
+@dataclass(frozen=True)
+class Derivation:
+    op: Name  # "requantize" or "transpose"
+    source: Name
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: Name
+    dtype: Name
+    shape: tuple[Name, ...]
+    layout: LayoutDecl | None
+    scale: ScaleDecl | None
+    derived: Derivation | None
+
+
+# ---- statements ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Index:
+    """`t` or `lora(t)` inside a tensor reference."""
+
+    var: Name
+    group: Name | None = None
+
+    @property
+    def pos(self) -> Pos:
+        return (self.group or self.var).pos
+
+    def __str__(self) -> str:
+        return f"{self.group}({self.var})" if self.group else self.var.text
+
+
+@dataclass(frozen=True)
+class Ref:
+    tensor: Name
+    indices: tuple[Index, ...]
+
+    def __str__(self) -> str:
+        return f"{self.tensor}[{', '.join(str(i) for i in self.indices)}]"
+
+
+@dataclass(frozen=True)
+class SumIndex:
+    """`k`, or `t in expert(e)` (contraction restricted to one group's segment)."""
+
+    var: Name
+    group: Name | None = None
+    group_var: Name | None = None
+
+    def __str__(self) -> str:
+        if self.group is None:
+            return self.var.text
+        return f"{self.var} in {self.group}({self.group_var})"
+
+
+@dataclass(frozen=True)
+class Statement:
+    out: Ref
+    accumulate: bool  # `+=`
+    sums: tuple[SumIndex, ...]
+    lhs: Ref
+    rhs: Ref
+    pos: Pos
+
+    def __str__(self) -> str:
+        op = "+=" if self.accumulate else "="
+        sums = ", ".join(str(s) for s in self.sums)
+        return f"{self.out} {op} sum[{sums}] {self.lhs} * {self.rhs}"
+
+
+@dataclass(frozen=True)
+class Directive:
+    """kind: "flatten", "split", "target" or "tile"."""
+
+    kind: str
+    pos: Pos
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpecAst:
+    name: Name
+    dims: tuple[DimDecl, ...]
+    groups: tuple[GroupDecl, ...]
+    tensors: tuple[TensorDecl, ...]
+    statements: tuple[Statement, ...]
+    directives: tuple[Directive, ...]
+
+
+@dataclass(frozen=True)
+class FileAst:
+    path: str
+    text: str
+    specs: tuple[SpecAst, ...]

@@ -1,0 +1,266 @@
+"""Kernel configurations and CUDA source rendering for Hopper (sm_90a).
+
+Each config is a frozen value that fixes everything a kernel bakes in at compile
+time; the Jinja2 templates under ``templates/`` only lay those values out as C++
+(``grouped_gemm.cu.jinja``; ``requant.cu.jinja`` holds both FP8 pre-passes).
+Names are procedural and deterministic so that equal configs render equal source
+(and hit the same cubin cache entry).
+
+This module must not import lark (the GPU harness runs where lark is missing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+
+# Element types the kernels understand, with their C++ spellings (CUDA toolkit headers).
+CTYPES: dict[str, str] = {
+    "e4m3": "__nv_fp8_e4m3",
+    "e5m2": "__nv_fp8_e5m2",
+    "bf16": "__nv_bfloat16",
+    "f16": "__half",
+    "f32": "float",
+}
+ELEMENT_BYTES: dict[str, int] = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
+FP8_TYPES = frozenset({"e4m3", "e5m2"})
+OPERAND_TYPES = frozenset({"e4m3", "e5m2", "bf16", "f16"})
+OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
+# Largest finite value of each FP8 format: the quantization target of a requant pass.
+FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8_INTERP: dict[str, str] = {"e4m3": "__NV_E4M3", "e5m2": "__NV_E5M2"}
+# N extents the header provides wgmma wrappers for.
+WGMMA_N = frozenset({16, 32, 64, 128, 256})
+# One swizzle row is 128 bytes: shared-memory tiles are built from these atoms.
+SWIZZLE_BYTES = 128
+SMEM_ALIGN = 1024
+
+
+def _ctype(dtype: str) -> str:
+    try:
+        return CTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"no C++ spelling for dtype {dtype!r}") from None
+
+
+def _cbool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+ENV = Environment(
+    loader=PackageLoader("gemmspec.codegen", "templates"),
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    autoescape=False,
+    keep_trailing_newline=True,
+)
+ENV.filters["ctype"] = _ctype
+ENV.filters["cbool"] = _cbool
+
+
+def include_dir() -> str:
+    """Directory holding gemmspec_ptx.cuh (add it to the NVRTC include path)."""
+    return str(Path(__file__).resolve().parent / "include")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GemmKernelConfig:
+    """Everything a grouped GEMM kernel fixes at compile time.
+
+    ``tile_k`` 0 means "one 128-byte swizzle row of K" (128 for FP8, 64 for 16-bit);
+    ``threads`` 0 means one warpgroup per 64 rows of the tile; ``name`` "" means the
+    procedural name. Unscaled configs normalise the scale block sizes to 1 so that
+    equal kernels compare (and hash) equal.
+    """
+
+    a_type: str
+    b_type: str
+    d_type: str
+    accumulate: bool = False
+    scaled: bool = False
+    sa_bm: int = 1
+    sa_bk: int = 128
+    sb_bn: int = 128
+    sb_bk: int = 128
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 0
+    threads: int = 0
+    stages: int = 2
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        # Frozen: fill the derived defaults through object.__setattr__.
+        if not self.scaled:
+            for f in ("sa_bm", "sa_bk", "sb_bn", "sb_bk"):
+                object.__setattr__(self, f, 1)
+        if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
+            object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
+        if self.threads == 0:
+            object.__setattr__(self, "threads", 128 * max(self.tile_m // 64, 1))
+        self._validate()
+        if not self.name:
+            object.__setattr__(self, "name", gemm_kernel_name(self))
+
+    def _validate(self) -> None:
+        a, b = self.a_type, self.b_type
+        if a not in OPERAND_TYPES or b not in OPERAND_TYPES:
+            raise ValueError(f"operand types must be in {sorted(OPERAND_TYPES)}, got {a}, {b}")
+        if (a in FP8_TYPES) != (b in FP8_TYPES) or (a not in FP8_TYPES and a != b):
+            raise ValueError(f"wgmma cannot mix operand types {a} and {b}")
+        if self.d_type not in OUTPUT_TYPES:
+            raise ValueError(f"output type must be in {sorted(OUTPUT_TYPES)}, got {self.d_type}")
+        if self.scaled:
+            if a not in FP8_TYPES:
+                raise ValueError("block scales are only supported on FP8 operands")
+            if not (self.sa_bk == self.sb_bk == self.tile_k == 128):
+                raise ValueError("scaled kernels need sa_bk == sb_bk == tile_k == 128")
+            if self.sa_bm < 1 or self.sb_bn < 1:
+                raise ValueError("scale block sizes must be positive")
+        if self.tile_m % 64 or self.tile_m <= 0:
+            raise ValueError("tile_m must be a positive multiple of 64 (one warpgroup per 64 rows)")
+        if self.tile_n not in WGMMA_N:
+            raise ValueError(f"tile_n must be one of {sorted(WGMMA_N)}")
+        if self.threads != 128 * (self.tile_m // 64):
+            raise ValueError("threads must be 128 per 64 rows of tile_m")
+        row_bytes = self.tile_k * ELEMENT_BYTES[a]
+        if self.tile_k <= 0 or row_bytes % SWIZZLE_BYTES:
+            raise ValueError("tile_k must fill whole 128-byte swizzle rows")
+        chunks = row_bytes // 16
+        if (self.tile_m * chunks) % self.threads or (self.tile_n * chunks) % self.threads:
+            raise ValueError("tile does not split evenly over the threads")
+        if self.stages != 2:
+            raise ValueError("the register-staged loader double-buffers: stages must be 2")
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.a_type]
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block; the template static_asserts the same sum."""
+        stage = (self.tile_m + self.tile_n) * self.tile_k * self.element_bytes
+        scales = (self.tile_m + self.tile_n) * 4 if self.scaled else 0
+        return SMEM_ALIGN + self.stages * (stage + scales)
+
+    def tiles(self, m: int, n: int) -> int:
+        """Output tiles of one leaf; the leaf table's tile_begin sums these."""
+        return _ceil_div(m, self.tile_m) * _ceil_div(n, self.tile_n) if m > 0 and n > 0 else 0
+
+
+def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
+    """Deterministic C identifier, e.g. gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w256s2_store."""
+    scales = (
+        f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
+    )
+    mode = "acc" if cfg.accumulate else "store"
+    return (
+        f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
+        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}_{mode}"
+    )
+
+
+@dataclass(frozen=True)
+class RequantKernelConfig:
+    """Requantize row-major 1xSX_BK-scaled FP8 to per-segment transposed BLOCK_Tx1 FP8."""
+
+    in_type: str = "e4m3"
+    out_type: str = "e4m3"
+    block_t: int = 128  # tokens per output scale block (anchored at each segment start)
+    tile_c: int = 128  # channels per CTA; equals sx_bk so one input scale per token row
+    sx_bk: int = 128
+    threads: int = 256
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.in_type not in FP8_TYPES or self.out_type not in FP8_TYPES:
+            raise ValueError("requant reads and writes FP8")
+        if self.tile_c != self.sx_bk or self.tile_c % 4 or self.threads % self.tile_c:
+            raise ValueError("tile_c must equal sx_bk, be a multiple of 4 and divide threads")
+        if self.threads % 32 or self.block_t <= 0:
+            raise ValueError("threads must be whole warps, block_t positive")
+        if not self.name:
+            object.__setattr__(
+                self,
+                "name",
+                f"gs_sm90a_requant_{self.in_type}_{self.out_type}_sx1x{self.sx_bk}"
+                f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}",
+            )
+
+    def grid(self, tokens: int, channels: int, groups: int) -> tuple[int, int, int]:
+        """Upper-bound grid: sum_g ceil(len_g / block_t) <= ceil(T / block_t) + G."""
+        return (_ceil_div(tokens, self.block_t) + groups, _ceil_div(channels, self.tile_c), 1)
+
+    def scale_rows_bound(self, tokens: int, groups: int) -> int:
+        """Rows to allocate for SY when the group lengths are only known on the device."""
+        return _ceil_div(tokens, self.block_t) + groups
+
+
+@dataclass(frozen=True)
+class TransposeKernelConfig:
+    """Batched byte transpose [Bt, K, N] -> [Bt, N, K] for FP8 operands."""
+
+    tile: int = 64
+    threads: int = 256
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tile % 4 or self.tile <= 0 or self.threads % 32:
+            raise ValueError("tile must be a positive multiple of 4, threads whole warps")
+        if not self.name:
+            object.__setattr__(self, "name", f"gs_sm90a_transpose_b8_t{self.tile}_w{self.threads}")
+
+    def grid(self, batch: int, k: int, n: int) -> tuple[int, int, int]:
+        return (_ceil_div(n, self.tile), _ceil_div(k, self.tile), batch)
+
+
+def render_gemm(cfg: GemmKernelConfig) -> str:
+    return ENV.get_template("grouped_gemm.cu.jinja").render(
+        name=cfg.name,
+        a_type=cfg.a_type,
+        b_type=cfg.b_type,
+        d_type=cfg.d_type,
+        accumulate=cfg.accumulate,
+        scaled=cfg.scaled,
+        sa_bm=cfg.sa_bm,
+        sa_bk=cfg.sa_bk,
+        sb_bn=cfg.sb_bn,
+        sb_bk=cfg.sb_bk,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        tile_k=cfg.tile_k,
+        threads=cfg.threads,
+        stages=cfg.stages,
+        smem_bytes=cfg.smem_bytes,
+    )
+
+
+def render_requant(cfg: RequantKernelConfig | None = None) -> str:
+    cfg = cfg or RequantKernelConfig()
+    return ENV.get_template("requant.cu.jinja").render(
+        pass_kind="requant",
+        name=cfg.name,
+        in_type=cfg.in_type,
+        out_type=cfg.out_type,
+        out_max=repr(FP8_MAX[cfg.out_type]),
+        out_interp=FP8_INTERP[cfg.out_type],
+        block_t=cfg.block_t,
+        tile_c=cfg.tile_c,
+        sx_bk=cfg.sx_bk,
+        threads=cfg.threads,
+    )
+
+
+def render_transpose(cfg: TransposeKernelConfig | None = None) -> str:
+    cfg = cfg or TransposeKernelConfig()
+    # The transpose lives beside the requant kernel: both are FP8 pre-passes.
+    return ENV.get_template("requant.cu.jinja").render(
+        pass_kind="transpose", name=cfg.name, tile=cfg.tile, threads=cfg.threads
+    )

@@ -1,0 +1,305 @@
+"""Text to syntax tree: lark's LALR parser plus a transformer to `gemmspec.ast`.
+
+Syntax errors become `SpecError`s located at the offending token, with a message
+that names what was expected in words rather than terminal names.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from lark import (
+    Lark,
+    Token,
+    Transformer,
+    UnexpectedCharacters,
+    UnexpectedEOF,
+    UnexpectedToken,
+    v_args,
+)
+from lark.exceptions import VisitError
+
+from . import ast
+from .errors import SourceLocation, SpecError
+
+# Terminal names as a user would say them.
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32)",
+    "ASSIGN": "'=' or '+='",
+    "DERIVE_OP": "'requantize' or 'transpose'",
+    "LBRACE": "'{'",
+    "RBRACE": "'}'",
+    "LSQB": "'['",
+    "RSQB": "']'",
+    "LPAR": "'('",
+    "RPAR": "')'",
+    "COMMA": "','",
+    "COLON": "':'",
+    "EQUAL": "'='",
+    "STAR": "'*'",
+    "PLUS": "'+'",
+    "IN": "'in'",
+    "$END": "end of file",
+}
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    return Lark.open_from_package(
+        "gemmspec",
+        "grammar.lark",
+        parser="lalr",
+        lexer="contextual",
+        strict=True,
+        propagate_positions=True,
+        maybe_placeholders=False,
+    )
+
+
+def _pos(tok: Token) -> ast.Pos:
+    return ast.Pos(tok.line or 1, tok.column or 1)
+
+
+def _name(tok: Token) -> ast.Name:
+    return ast.Name(str(tok), _pos(tok))
+
+
+def _meta_pos(meta) -> ast.Pos:
+    return ast.Pos(getattr(meta, "line", 1), getattr(meta, "column", 1))
+
+
+class _ToAst(Transformer):
+    """Builds frozen `ast` nodes bottom-up; `meta` gives each rule's position."""
+
+    def __default_token__(self, tok):
+        return tok
+
+    # -- expressions
+    def int_lit(self, items):
+        (tok,) = items
+        return ast.IntLit(int(tok), _pos(tok))
+
+    def name_ref(self, items):
+        return ast.NameRef(_name(items[0]))
+
+    def add(self, items):
+        return ast.BinOp("+", items[0], items[1])
+
+    def mul(self, items):
+        return ast.BinOp("*", items[0], items[1])
+
+    # -- dims and groups
+    def dim_def(self, items):
+        size = int(items[1]) if len(items) > 1 else None
+        return ast.DimDecl(_name(items[0]), size)
+
+    def dim_decl(self, items):
+        return ("dims", tuple(items))
+
+    def within(self, items):
+        return _name(items[0])
+
+    def ragged(self, items):
+        dim = _name(items[0])
+        within = items[1] if len(items) == 3 else None
+        return ast.GroupKind("ragged", dim, dim.pos, within=within, tensor=_name(items[-1]))
+
+    def size_list(self, items):
+        return tuple(items)
+
+    def split_sizes(self, items):
+        dim = _name(items[0])
+        return ast.GroupKind("split", dim, dim.pos, sizes=items[1])
+
+    def uniform(self, items):
+        dim = _name(items[0])
+        return ast.GroupKind("uniform", dim, dim.pos)
+
+    def masked(self, items):
+        dim = _name(items[0])
+        return ast.GroupKind("masked", dim, dim.pos, tensor=_name(items[1]))
+
+    def group_decl(self, items):
+        name, count_dim = _name(items[0]), _name(items[1])
+        count = int(items[2]) if len(items) == 4 else None
+        return ("group", ast.GroupDecl(name, count_dim, count, items[-1]))
+
+    # -- tensors
+    def shape(self, items):
+        return tuple(_name(t) for t in items)
+
+    def row_major(self, items):
+        return ("row_major", {})
+
+    def major(self, items):
+        return ("major", {"dim": _name(items[0])})
+
+    def strides(self, items):
+        return ("strides", {"strides": tuple(items)})
+
+    def segment_major(self, items):
+        return ("segment_major", {"group": _name(items[0])})
+
+    def pad(self, items):
+        return int(items[0])
+
+    def block_shape(self, items):
+        return tuple(ast.IntLit(int(t), _pos(t)) for t in items)
+
+    def scale_anchor(self, items):
+        return ("anchor", _name(items[0]))
+
+    def scale_name(self, items):
+        return ("name", _name(items[0]))
+
+    def derived(self, items):
+        return ast.Derivation(_name(items[0]), _name(items[1]))
+
+    def tensor_decl(self, items):
+        name, dtype, shape = _name(items[0]), _name(items[1]), items[2]
+        layout = scale = derived = None
+        for it in items[3:]:
+            if isinstance(it, ast.LayoutDecl):
+                layout = it
+            elif isinstance(it, ast.ScaleDecl):
+                scale = it
+            elif isinstance(it, ast.Derivation):
+                derived = it
+        return ("tensor", ast.TensorDecl(name, dtype, shape, layout, scale, derived))
+
+    # -- statements
+    def index(self, items):
+        if len(items) == 1:
+            return ast.Index(_name(items[0]))
+        return ast.Index(_name(items[1]), group=_name(items[0]))
+
+    def ref(self, items):
+        return ast.Ref(_name(items[0]), tuple(items[1:]))
+
+    def sum_index(self, items):
+        if len(items) == 1:
+            return ast.SumIndex(_name(items[0]))
+        return ast.SumIndex(_name(items[0]), group=_name(items[2]), group_var=_name(items[3]))
+
+    def statement(self, items):
+        out, assign, *rest = items
+        lhs, rhs = rest[-2], rest[-1]
+        sums = tuple(rest[:-2])
+        pos = ast.Pos(out.tensor.pos.line, out.tensor.pos.column)
+        return ("statement", ast.Statement(out, str(assign) == "+=", sums, lhs, rhs, pos))
+
+    # -- rules that need their own source position
+    @v_args(meta=True)
+    def layout_clause(self, meta, items):
+        (kind, fields), *rest = items
+        pad = rest[0] if rest else None
+        return ast.LayoutDecl(kind, _meta_pos(meta), pad=pad, **fields)
+
+    @v_args(meta=True)
+    def scale_clause(self, meta, items):
+        dtype, block, *opts = items
+        layout = anchor = name = None
+        for opt in opts:
+            if isinstance(opt, ast.LayoutDecl):
+                layout = opt
+            elif opt[0] == "anchor":
+                anchor = opt[1]
+            else:
+                name = opt[1]
+        return ast.ScaleDecl(_name(dtype), block, _meta_pos(meta), layout, anchor, name)
+
+    @v_args(meta=True)
+    def flatten(self, meta, items):
+        return ("directive", ast.Directive("flatten", _meta_pos(meta)))
+
+    @v_args(meta=True)
+    def split(self, meta, items):
+        return ("directive", ast.Directive("split", _meta_pos(meta)))
+
+    @v_args(meta=True)
+    def target(self, meta, items):
+        return ("directive", ast.Directive("target", _meta_pos(meta), (str(items[0]),)))
+
+    @v_args(meta=True)
+    def tile(self, meta, items):
+        return ("directive", ast.Directive("tile", _meta_pos(meta), tuple(str(t) for t in items)))
+
+    def spec(self, items):
+        name = _name(items[0])
+        dims, groups, tensors, statements, directives = [], [], [], [], []
+        for it in items[1:]:
+            tag = it[0]
+            if tag == "dims":
+                dims.extend(it[1])
+            elif tag == "group":
+                groups.append(it[1])
+            elif tag == "tensor":
+                tensors.append(it[1])
+            elif tag == "statement":
+                statements.append(it[1])
+            else:
+                directives.append(it[1])
+        return ast.SpecAst(
+            name, tuple(dims), tuple(groups), tuple(tensors), tuple(statements), tuple(directives)
+        )
+
+    def start(self, items):
+        return tuple(items)
+
+
+def _describe_expected(expected: set[str]) -> str:
+    words = sorted({_TERMINAL_WORDS.get(t, f"'{t.lower()}'") for t in expected})
+    if len(words) > 6:
+        words = words[:6] + ["..."]
+    return ", ".join(words)
+
+
+def _location(path: str, text: str, line: int, column: int) -> SourceLocation:
+    lines = text.splitlines()
+    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    return SourceLocation(path, line, column, src)
+
+
+def parse(text: str, path: str = "<string>") -> ast.FileAst:
+    """Parse .gspec text; raise `SpecError` located at the first syntax error."""
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedEOF as e:
+        lines = text.splitlines() or [""]
+        line = len(lines)
+        column = len(lines[-1]) + 1
+        raise SpecError(
+            f"unexpected end of file; expected {_describe_expected(set(e.expected))}",
+            _location(path, text, line, column),
+        ) from None
+    except UnexpectedToken as e:
+        tok = e.token
+        if tok.type == "$END":
+            lines = text.splitlines() or [""]
+            line, column = len(lines), len(lines[-1]) + 1
+            found = "end of file"
+        else:
+            line, column = tok.line, tok.column
+            found = f"'{tok}'"
+        expected = _describe_expected(set(e.expected))
+        raise SpecError(
+            f"unexpected {found}; expected {expected}", _location(path, text, line, column)
+        ) from None
+    except UnexpectedCharacters as e:
+        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
+        raise SpecError(
+            f"unexpected character {ch!r}", _location(path, text, e.line, e.column)
+        ) from None
+    try:
+        specs = _ToAst().transform(tree)
+    except VisitError as e:  # a bug in the transformer, not the user's input
+        raise e.orig_exc from None
+    return ast.FileAst(path, text, specs)
+
+
+def parse_file(path: str | Path) -> ast.FileAst:
+    p = Path(path)
+    return parse(p.read_text(encoding="utf-8"), str(path))

@@ -1,0 +1,306 @@
+"""Device tensors as gemmspec sees them: a pointer, a shape, element strides and a dtype.
+
+`as_device_array` turns what a user passes (a torch CUDA tensor, a CuPy array, anything
+with ``__cuda_array_interface__`` or ``__dlpack__``) into a `DeviceArray`, so the
+argument checks and the launcher never deal with framework types. Torch is imported
+only when a torch object is passed. `DeviceBuffer` is gemmspec's own allocation, for
+leaf tables and for runs where neither torch nor CuPy is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from cuda.bindings import driver
+from cuda.core import Device
+from cuda.core._utils.cuda_utils import CUDAError
+from cuda.core.utils import StridedMemoryView
+
+from gemmspec.errors import ArgumentError, DeviceUnavailableError, GemmspecError
+
+__all__ = [
+    "DTYPES",
+    "DeviceArray",
+    "DeviceBuffer",
+    "as_device_array",
+    "get_device",
+    "numpy_dtype",
+]
+
+# gemmspec dtype name -> host numpy dtype (FP8 and BF16 through ml_dtypes).
+_NUMPY_DTYPES: dict[str, np.dtype] = {
+    "e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f16": np.dtype(np.float16),
+    "f32": np.dtype(np.float32),
+    "f64": np.dtype(np.float64),
+    "i32": np.dtype(np.int32),
+    "i64": np.dtype(np.int64),
+    "u8": np.dtype(np.uint8),
+}
+DTYPES: tuple[str, ...] = tuple(_NUMPY_DTYPES)
+
+# Untyped storage that only a dtype_hint can give meaning to: name -> itemsize.
+_RAW = {"raw8": 1, "raw16": 2}
+_FROM_NUMPY: dict[np.dtype, str] = {v: k for k, v in _NUMPY_DTYPES.items()}
+_FROM_NUMPY.update({np.dtype("V1"): "raw8", np.dtype("V2"): "raw16", np.dtype("<u2"): "raw16"})
+_FROM_TORCH = {
+    "torch.float8_e4m3fn": "e4m3",
+    "torch.float8_e5m2": "e5m2",
+    "torch.bfloat16": "bf16",
+    "torch.float16": "f16",
+    "torch.float32": "f32",
+    "torch.float64": "f64",
+    "torch.int32": "i32",
+    "torch.int64": "i64",
+    "torch.uint8": "u8",
+    "torch.uint16": "raw16",
+}
+
+_SUPPORTED_INPUTS = (
+    "pass a torch CUDA tensor, a CuPy array, or an object with __cuda_array_interface__ "
+    "or __dlpack__"
+)
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The host numpy dtype of a gemmspec dtype name ('e4m3' -> ml_dtypes.float8_e4m3fn)."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        raise ArgumentError(f"unknown dtype {dtype!r}; expected one of {DTYPES}") from None
+
+
+def get_device(ordinal: int = 0) -> Device:
+    """The cuda.core Device `ordinal`, made current; DeviceUnavailableError if there is none.
+
+    This is the one place where a missing driver or GPU is turned into a gemmspec error.
+    """
+    try:
+        device = Device(ordinal)
+        device.set_current()
+    except (RuntimeError, OSError, CUDAError, ValueError) as e:
+        raise DeviceUnavailableError(
+            f"no usable CUDA device {ordinal} (is an NVIDIA GPU and driver present?): {e}"
+        ) from e
+    return device
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """A strided view of device memory; `owner` keeps that memory alive."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+    device: int
+    owner: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def itemsize(self) -> int:
+        return _NUMPY_DTYPES[self.dtype].itemsize
+
+
+def as_device_array(obj: Any, *, name: str, dtype_hint: str | None = None) -> DeviceArray:
+    """View a user's device tensor as a DeviceArray, or say clearly why it cannot be one.
+
+    `dtype_hint` gives untyped storage its meaning: 1-byte data (uint8) as 'e4m3' or
+    'e5m2', 2-byte data ('<u2', '<V2') as 'bf16' or 'f16'.
+    """
+    if dtype_hint is not None and dtype_hint not in _NUMPY_DTYPES:
+        raise ArgumentError(f"dtype_hint {dtype_hint!r} for tensor {name!r} is not one of {DTYPES}")
+    if obj is None:
+        raise ArgumentError(f"tensor {name!r} is missing")
+    if isinstance(obj, DeviceArray):
+        return _retype(obj, obj.dtype, dtype_hint, name)
+    if isinstance(obj, (np.ndarray, np.generic)):
+        raise ArgumentError(f"tensor {name!r} is on the host; pass a CUDA tensor")
+    if type(obj).__module__.startswith("torch"):
+        return _from_torch(obj, name, dtype_hint)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cai(obj, name, dtype_hint)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, name, dtype_hint)
+    raise ArgumentError(
+        f"tensor {name!r} has unsupported type {type(obj).__qualname__}; {_SUPPORTED_INPUTS}"
+    )
+
+
+def _resolve_dtype(source: str, hint: str | None, name: str) -> str:
+    """The gemmspec dtype of data stored as `source` (a dtype name or a raw kind)."""
+    if hint is None or hint == source:
+        if source in _RAW:
+            raise ArgumentError(
+                f"tensor {name!r} holds untyped {8 * _RAW[source]}-bit data; pass "
+                "dtype_hint= to say what it is (e.g. 'bf16')"
+            )
+        return source
+    size = _RAW.get(source, 1 if source == "u8" else 0)
+    if size == _NUMPY_DTYPES[hint].itemsize:
+        return hint
+    raise ArgumentError(
+        f"dtype_hint {hint!r} cannot reinterpret tensor {name!r}, which holds {source} data"
+    )
+
+
+def _retype(arr: DeviceArray, source: str, hint: str | None, name: str) -> DeviceArray:
+    dtype = _resolve_dtype(source, hint, name)
+    if dtype == arr.dtype:
+        return arr
+    return DeviceArray(arr.ptr, arr.shape, arr.strides, dtype, arr.device, arr.owner)
+
+
+def _numpy_source(dtype: np.dtype, what: str, name: str) -> str:
+    source = _FROM_NUMPY.get(dtype)
+    if source is None:
+        raise ArgumentError(
+            f"tensor {name!r} has unsupported element type {what}; gemmspec takes {DTYPES}"
+        )
+    return source
+
+
+def _from_torch(obj: Any, name: str, hint: str | None) -> DeviceArray:
+    import torch
+
+    if not isinstance(obj, torch.Tensor):
+        raise ArgumentError(
+            f"tensor {name!r} is a {type(obj).__qualname__}, not a tensor; {_SUPPORTED_INPUTS}"
+        )
+    if not obj.is_cuda:
+        raise ArgumentError(
+            f"tensor {name!r} is on {obj.device}, not a CUDA device; pass a CUDA tensor"
+        )
+    source = _FROM_TORCH.get(str(obj.dtype))
+    if source is None:
+        raise ArgumentError(
+            f"tensor {name!r} has unsupported element type {obj.dtype}; gemmspec takes {DTYPES}"
+        )
+    dtype = _resolve_dtype(source, hint, name)
+    return DeviceArray(
+        obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, obj.device.index, obj
+    )
+
+
+def _from_cai(obj: Any, name: str, hint: str | None) -> DeviceArray:
+    cai = obj.__cuda_array_interface__
+    typestr = cai.get("typestr", "")
+    try:
+        np_dtype = np.dtype(typestr)
+    except TypeError:
+        raise ArgumentError(f"tensor {name!r} has an invalid typestr {typestr!r}") from None
+    dtype = _resolve_dtype(_numpy_source(np_dtype, repr(typestr), name), hint, name)
+    if cai.get("mask") is not None:
+        raise ArgumentError(f"tensor {name!r} is a masked array; gemmspec needs plain arrays")
+    shape = tuple(int(s) for s in cai["shape"])
+    itemsize = np_dtype.itemsize
+    if cai.get("strides") is None:
+        strides = _contiguous_strides(shape)
+    else:
+        byte_strides = tuple(int(s) for s in cai["strides"])
+        if any(s % itemsize for s in byte_strides):
+            raise ArgumentError(
+                f"tensor {name!r} has byte strides {byte_strides} that are not multiples "
+                f"of its {itemsize}-byte elements"
+            )
+        strides = tuple(s // itemsize for s in byte_strides)
+    return DeviceArray(int(cai["data"][0]), shape, strides, dtype, _cai_device(obj), obj)
+
+
+def _cai_device(obj: Any) -> int:
+    """The CUDA array interface names no device: take CuPy's `.device.id`, else device 0."""
+    device = getattr(obj, "device", None)
+    ident = getattr(device, "id", device)
+    return ident if isinstance(ident, int) else 0
+
+
+def _from_dlpack(obj: Any, name: str, hint: str | None) -> DeviceArray:
+    try:
+        # stream_ptr=-1: no stream synchronisation; the caller orders its own streams.
+        view = StridedMemoryView.from_dlpack(obj, stream_ptr=-1)
+    except (BufferError, TypeError, ValueError, NotImplementedError) as e:
+        raise ArgumentError(f"tensor {name!r} could not be read through DLPack: {e}") from e
+    if not view.is_device_accessible or view.device_id < 0:
+        raise ArgumentError(f"tensor {name!r} is on the host; pass a CUDA tensor")
+    dtype = _resolve_dtype(_numpy_source(view.dtype, str(view.dtype), name), hint, name)
+    shape = tuple(view.shape)
+    strides = _contiguous_strides(shape) if view.strides is None else tuple(view.strides)
+    return DeviceArray(int(view.ptr), shape, strides, dtype, int(view.device_id), view)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def _check(result: tuple, what: str) -> None:
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise GemmspecError(f"{what} failed: {err.name}")
+
+
+class DeviceBuffer:
+    """An owned, contiguous device allocation (freed when the object is collected)."""
+
+    def __init__(self, nbytes: int, *, device: int = 0):
+        dev = get_device(device)
+        self.nbytes = nbytes
+        self.device = dev.device_id
+        try:
+            self._buffer = dev.allocate(max(nbytes, 1), stream=dev.default_stream)
+            # The allocation is stream-ordered; make it usable by any stream from here on.
+            dev.default_stream.sync()
+        except CUDAError as e:
+            raise GemmspecError(f"cannot allocate {nbytes} bytes on device {device}: {e}") from e
+
+    @property
+    def ptr(self) -> int:
+        return int(self._buffer.handle)
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray, *, device: int = 0) -> DeviceBuffer:
+        """Copy a host array (C order) to a new device buffer."""
+        host = np.ascontiguousarray(array)
+        buf = cls(host.nbytes, device=device)
+        if host.nbytes:
+            _check(driver.cuMemcpyHtoD(buf.ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        return buf
+
+    def to_numpy(self, shape: tuple[int, ...] | int, dtype: str | np.dtype) -> np.ndarray:
+        """Copy the buffer's leading bytes back as a C-ordered host array, after all device work."""
+        np_dtype = numpy_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        host = np.empty(shape, dtype=np_dtype)
+        if host.nbytes > self.nbytes:
+            raise ArgumentError(
+                f"cannot read {host.nbytes} bytes from a {self.nbytes}-byte device buffer"
+            )
+        try:
+            get_device(self.device).sync()
+        except CUDAError as e:
+            raise GemmspecError(f"device work before this read-back failed: {e}") from e
+        if host.nbytes:
+            _check(driver.cuMemcpyDtoH(host.ctypes.data, self.ptr, host.nbytes), "cuMemcpyDtoH")
+        return host
+
+    def view(
+        self, shape: tuple[int, ...], dtype: str, strides: tuple[int, ...] | None = None
+    ) -> DeviceArray:
+        """A DeviceArray over this buffer (C-contiguous unless `strides` are given, in elements)."""
+        itemsize = numpy_dtype(dtype).itemsize
+        strides = _contiguous_strides(shape) if strides is None else strides
+        if len(strides) != len(shape):
+            raise ArgumentError(f"strides {strides} do not match shape {shape}")
+        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True) if n > 0)
+        if 0 not in shape and extent * itemsize > self.nbytes:
+            raise ArgumentError(
+                f"a {dtype}{list(shape)} view needs {extent * itemsize} bytes; "
+                f"the buffer has {self.nbytes}"
+            )
+        return DeviceArray(self.ptr, tuple(shape), tuple(strides), dtype, self.device, self)

@@ -1,0 +1,173 @@
+"""Load a cubin and launch its kernels (cuda.core), with arguments checked against the ABI.
+
+cuda.core passes a Python int as a pointer and cannot tell an int32 from an int64, so
+`LoadedKernel.launch` accepts only unambiguous arguments: device arrays and buffers
+(their pointer), None (a null pointer) and numpy scalars (by value), and checks each
+one's size against the kernel's parameter table before launching.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver
+from cuda.core import LaunchConfig, ObjectCode, Stream
+from cuda.core import launch as _cuda_launch
+from cuda.core._utils.cuda_utils import CUDAError
+
+from gemmspec.errors import ArgumentError, GemmspecError
+from gemmspec.runtime.arrays import DeviceArray, DeviceBuffer, get_device
+from gemmspec.runtime.nvrtc import CompiledCubin
+
+__all__ = ["LoadedKernel", "current_stream", "num_sms"]
+
+_MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_STATIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+_POINTER_SIZE = 8
+
+
+def num_sms(device: int = 0) -> int:
+    """Number of SMs: the size of a persistent grid."""
+    return get_device(device).properties.multiprocessor_count
+
+
+def current_stream(stream: object = None, *, device: int = 0) -> Stream:
+    """A cuda.core Stream for what the caller passed.
+
+    Accepts None (the device's default stream), a cuda.core Stream, a torch or CuPy
+    stream, anything with ``__cuda_stream__``, or a raw CUstream handle as an int
+    (0 is the default stream).
+    """
+    if isinstance(stream, Stream):
+        return stream
+    handle = 0 if stream is None else _stream_handle(stream)
+    dev = get_device(device)
+    return dev.default_stream if handle == 0 else Stream.from_handle(handle)
+
+
+def _stream_handle(stream: object) -> int:
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    raise ArgumentError(
+        f"cannot use a {type(stream).__qualname__} as a CUDA stream; pass a torch, CuPy or "
+        "cuda.core stream, a CUstream handle (int), or None"
+    )
+
+
+def _checked(result: tuple, what: str) -> Any:
+    """Unpack a cuda.bindings (err, value...) tuple, raising GemmspecError on failure."""
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise GemmspecError(f"{what} failed: {err.name}")
+    return result[1] if len(result) == 2 else None
+
+
+class LoadedKernel:
+    """One `extern "C"` kernel of a cubin, loaded on a device and ready to launch."""
+
+    def __init__(self, cubin: bytes | CompiledCubin, name: str, *, device: int = 0):
+        dev = get_device(device)
+        self.name = name
+        self.device = dev.device_id
+        data = cubin.cubin if isinstance(cubin, CompiledCubin) else cubin
+        try:
+            self._module = ObjectCode.from_cubin(data, name=name)
+            self._kernel = self._module.get_kernel(name)
+        except CUDAError as e:
+            cc = dev.compute_capability
+            raise GemmspecError(
+                f"cannot load kernel {name!r} on device {self.device} "
+                f"(sm_{cc.major}{cc.minor}): {e}"
+            ) from e
+        self._cu_kernel = driver.CUkernel(int(self._kernel.handle))
+        self._cu_device = driver.CUdevice(self.device)
+        self._smem_limit = self._attribute(_MAX_DYNAMIC_SMEM)
+        self._param_sizes = self._parameter_sizes()
+
+    def _attribute(self, attr: driver.CUfunction_attribute) -> int:
+        result = driver.cuKernelGetAttribute(attr, self._cu_kernel, self._cu_device)
+        return int(_checked(result, f"cuKernelGetAttribute({attr.name})"))
+
+    def _parameter_sizes(self) -> list[int] | None:
+        """Byte size of each kernel parameter, or None where the driver (< 12.4) cannot say."""
+        try:
+            return [info.size for info in self._kernel.arguments_info]
+        except (NotImplementedError, CUDAError):
+            return None
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        """Allow launches with up to `nbytes` of dynamic shared memory (needed above 48 KB)."""
+        static = self._attribute(_STATIC_SMEM)
+        optin = get_device(self.device).properties.max_shared_memory_per_block_optin
+        if nbytes + static > optin:
+            raise ArgumentError(
+                f"kernel {self.name!r} asks for {nbytes} B of dynamic shared memory on top of "
+                f"{static} B static; the device allows {optin} B per block"
+            )
+        result = driver.cuKernelSetAttribute(
+            _MAX_DYNAMIC_SMEM, nbytes, self._cu_kernel, self._cu_device
+        )
+        _checked(result, f"setting {self.name}'s dynamic shared memory to {nbytes} B")
+        self._smem_limit = nbytes
+
+    def launch(
+        self,
+        grid: int | tuple[int, ...],
+        block: int | tuple[int, ...],
+        smem_bytes: int,
+        stream: object,
+        *args: object,
+    ) -> None:
+        """Launch asynchronously on `stream` (see `current_stream` for what it may be).
+
+        Raises the dynamic shared memory limit first when `smem_bytes` needs it.
+        """
+        if self._param_sizes is not None and len(args) != len(self._param_sizes):
+            raise ArgumentError(
+                f"kernel {self.name!r} takes {len(self._param_sizes)} arguments, got {len(args)}"
+            )
+        kernel_args = [self._kernel_arg(i, a) for i, a in enumerate(args)]
+        if smem_bytes > self._smem_limit:
+            self.set_max_dynamic_smem(smem_bytes)
+        cuda_stream = current_stream(stream, device=self.device)
+        config = LaunchConfig(grid=grid, block=block, shmem_size=smem_bytes)
+        try:
+            _cuda_launch(cuda_stream, config, self._kernel, *kernel_args)
+        except CUDAError as e:
+            raise GemmspecError(
+                f"launching {self.name} (grid={grid}, block={block}, smem={smem_bytes} B) "
+                f"failed: {e}"
+            ) from e
+
+    def _kernel_arg(self, index: int, arg: object) -> object:
+        """What cuda.core should pass for `arg`: an int is a pointer, a numpy scalar a value."""
+        if arg is None:
+            value, size = 0, _POINTER_SIZE
+        elif isinstance(arg, (DeviceArray, DeviceBuffer)):
+            if arg.device != self.device:
+                raise ArgumentError(
+                    f"argument {index} of {self.name!r} lives on device {arg.device}, "
+                    f"the kernel on device {self.device}"
+                )
+            value, size = arg.ptr, _POINTER_SIZE
+        elif isinstance(arg, np.generic) and arg.dtype.kind in "biuf":
+            value, size = arg, arg.dtype.itemsize
+        else:
+            raise ArgumentError(
+                f"argument {index} of {self.name!r} is a {type(arg).__qualname__}; pass a "
+                "DeviceArray, DeviceBuffer, None (null pointer) or a numpy scalar such as "
+                "np.int32 (a Python int or float has no fixed width)"
+            )
+        if self._param_sizes is not None and self._param_sizes[index] != size:
+            raise ArgumentError(
+                f"argument {index} of {self.name!r} is a {self._param_sizes[index]}-byte "
+                f"parameter; got {size} bytes ({type(arg).__qualname__})"
+            )
+        return value

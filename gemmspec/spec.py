@@ -1,0 +1,257 @@
+"""The checked spec: names resolved, every statement classified as a GEMM.
+
+This is what `check` produces and everything after it consumes. Nothing here
+refers back to source text except `line` fields kept for messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .expr import Poly
+
+FP8_TYPES = ("e4m3", "e5m2")
+SIXTEEN_BIT_TYPES = ("bf16", "f16")
+ELEMENT_BYTES = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
+KERNEL_K_BLOCK = 128  # FP8 scales must be constant over K blocks of this width
+
+
+@dataclass(frozen=True)
+class Dim:
+    name: str
+    size: int | None  # None: known at run time
+
+    @property
+    def is_runtime(self) -> bool:
+        return self.size is None
+
+    def __str__(self) -> str:
+        return self.name if self.size is None else f"{self.name}={self.size}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A partition of `dim` into `count` segments (masked: a limit per batch entry)."""
+
+    name: str
+    kind: str  # "ragged", "split", "uniform" or "masked"
+    count_dim: str
+    count: int
+    dim: str
+    within: str | None = None
+    tensor: str | None = None  # ragged: offsets; masked: valid counts
+    sizes: tuple[int, ...] = ()  # split/uniform: compile-time segment sizes
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for s in self.sizes:
+            out.append(acc)
+            acc += s
+        return tuple(out)
+
+    def __str__(self) -> str:
+        head = f"{self.name}[{self.count_dim}={self.count}] = {self.kind}({self.dim}"
+        if self.within:
+            head += f" within {self.within}"
+        if self.kind == "ragged":
+            head += f", offsets={self.tensor}"
+        elif self.kind == "masked":
+            head += f", counts={self.tensor}"
+        elif self.sizes:
+            head += f", sizes={list(self.sizes)}"
+        return head + ")"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where logical element (i0, i1, ...) lives, in elements from the base.
+
+    strided: sum(i_d * strides[d]).
+    segment_major: the dim `seg_axis` is cut into `group`'s segments; segment g
+    (start s, length n) is a block at s * prod(other dims), in which the other
+    dims are row-major with strides scaled by n and the segmented dim is
+    contiguous.
+    """
+
+    kind: str  # "strided" or "segment_major"
+    text: str  # as written (or "row_major")
+    strides: tuple[Poly, ...] = ()
+    group: str | None = None
+    seg_axis: int = -1
+    other_strides: tuple[Poly, ...] = ()  # segment_major: strides of the other dims / n
+
+    def contiguous_axis(self) -> int | None:
+        if self.kind == "segment_major":
+            return self.seg_axis
+        for i, s in enumerate(self.strides):
+            if s.is_const and s.value == 1:
+                return i
+        return None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    dtype: str
+    block: tuple[int, ...]  # per logical dim of the tensor
+    layout: Layout  # over the grid of scale blocks
+    anchor: str | None  # blocks along dims split by this group restart at each segment
+
+    def __str__(self) -> str:
+        s = f"scale {self.dtype} {list(self.block)} layout {self.layout}"
+        if self.anchor:
+            s += f" per {self.anchor}"
+        return s + f" as {self.name}"
+
+
+@dataclass(frozen=True)
+class Derivation:
+    op: str  # "requantize" or "transpose"
+    source: str
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
+    layout: Layout
+    scale: Scale | None
+    derived: Derivation | None
+    line: int
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    def __str__(self) -> str:
+        s = f"{self.name}: {self.dtype} [{', '.join(self.dims)}] layout {self.layout}"
+        if self.scale:
+            s += f" {self.scale}"
+        if self.derived:
+            s += f" = {self.derived.op}({self.derived.source})"
+        return s
+
+
+@dataclass(frozen=True)
+class AxisUse:
+    """What indexes one dim of a tensor inside a statement.
+
+    kind "role": the GEMM's m, n or k index; kind "leaf": a leaf axis (group
+    index or batch index), constant inside one leaf.
+    """
+
+    kind: str
+    role: str | None = None  # "m", "n", "k"
+    axis: str | None = None  # leaf axis name
+
+
+@dataclass(frozen=True)
+class Access:
+    tensor: str
+    uses: tuple[AxisUse, ...]
+
+    def axis_of_role(self, role: str) -> int | None:
+        for i, u in enumerate(self.uses):
+            if u.kind == "role" and u.role == role:
+                return i
+        return None
+
+
+@dataclass(frozen=True)
+class LeafAxis:
+    """One axis of the leaf index space: a group's segments or a batch dim."""
+
+    name: str  # group name, or the batch index variable
+    count: int
+    group: str | None  # None for a plain batch dim
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.count}]"
+
+
+@dataclass(frozen=True)
+class RoleDim:
+    """The M, N or K extent of a leaf."""
+
+    role: str
+    var: str
+    dim: str
+    group: str | None  # innermost group splitting this dim per leaf, if any
+    masked_by: str | None = None  # masked group limiting it, if any
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One statement as a grouped GEMM: D(m, n) (+)= sum_k A(m, k) * B(n, k) per leaf."""
+
+    index: int
+    text: str
+    line: int
+    out: Access
+    a: Access
+    b: Access
+    accumulate: bool
+    m: RoleDim
+    n: RoleDim
+    k: RoleDim
+    leaf_axes: tuple[LeafAxis, ...]
+
+    @property
+    def leaf_count(self) -> int:
+        c = 1
+        for ax in self.leaf_axes:
+            c *= ax.count
+        return c
+
+    def role(self, r: str) -> RoleDim:
+        return {"m": self.m, "n": self.n, "k": self.k}[r]
+
+
+@dataclass(frozen=True)
+class Directives:
+    force: str | None = None  # "flatten" or "split"
+    target: str = "sm_90a"
+    tile: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    path: str
+    line: int
+    dims: tuple[Dim, ...]
+    groups: tuple[Group, ...]
+    tensors: tuple[Tensor, ...]
+    gemms: tuple[Gemm, ...]
+    directives: Directives
+
+    def dim(self, name: str) -> Dim:
+        return next(d for d in self.dims if d.name == name)
+
+    def group(self, name: str) -> Group:
+        return next(g for g in self.groups if g.name == name)
+
+    def tensor(self, name: str) -> Tensor:
+        return next(t for t in self.tensors if t.name == name)
+
+    @property
+    def runtime_dims(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims if d.is_runtime)
+
+    def __str__(self) -> str:
+        lines = [f"spec {self.name}"]
+        lines += [f"  dim {d}" for d in self.dims]
+        lines += [f"  group {g}" for g in self.groups]
+        lines += [f"  tensor {t}" for t in self.tensors]
+        for g in self.gemms:
+            lines.append(f"  gemm #{g.index}: {g.text}")
+            lines.append(
+                f"    m={g.m.var}:{g.m.dim} n={g.n.var}:{g.n.dim} k={g.k.var}:{g.k.dim}"
+                f" leaves={' x '.join(str(a) for a in g.leaf_axes) or '1'}"
+            )
+        return "\n".join(lines)
