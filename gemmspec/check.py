@@ -286,9 +286,16 @@ class _Checker:
         )
         self.tensor_ast[t.name.text] = t
 
-    def layout(self, decl: ast.LayoutDecl | None, shape: tuple[ast.Name, ...], owner: str) -> Layout:
+    def layout(
+        self,
+        decl: ast.LayoutDecl | None,
+        shape: tuple[ast.Name, ...],
+        owner: str,
+        sizes: list[Poly] | None = None,
+    ) -> Layout:
         dims = [self.dims[n.text] for n in shape]
-        sizes = [Poly.const(d.size) if d.size is not None else Poly.sym(d.name) for d in dims]
+        if sizes is None:
+            sizes = [Poly.const(d.size) if d.size is not None else Poly.sym(d.name) for d in dims]
         kind = decl.kind if decl else "row_major"
         if kind == "strides":
             assert decl is not None
@@ -396,8 +403,29 @@ class _Checker:
             )
         self.claim(name, "scale tensor")
         # The scale grid's own layout is over block indices; its dims are named after
-        # the tensor's, so `major(T)` reads naturally.
-        layout = self.layout(s.layout, t.shape, f"{t.name.text}'s scale")
+        # the tensor's, so `major(T)` reads naturally. A run-time dim cut into blocks
+        # has a run-time block count, which no stride may depend on.
+        grid: list[Poly] = []
+        for n, b in zip(t.shape, s.block):
+            d = self.dims[n.text]
+            if d.size is not None:
+                grid.append(Poly.const(-(-d.size // b.value)))
+            elif b.value == 1:
+                grid.append(Poly.sym(d.name))
+            else:
+                grid.append(Poly.sym(f"{d.name}_blocks"))
+        if s.layout is not None and s.layout.kind == "segment_major":
+            raise self.error("scales cannot be segment_major; use row_major or major(...)", s.layout.pos)
+        layout = self.layout(s.layout, t.shape, f"{t.name.text}'s scale", grid)
+        for stride in layout.strides:
+            blocked = [sym for sym in stride.symbols if sym.endswith("_blocks")]
+            if blocked:
+                dim = blocked[0][: -len("_blocks")]
+                raise self.error(
+                    f"this scale layout needs the number of blocks along the run-time dim "
+                    f"{dim} in a stride; keep {dim}'s blocks outermost (row_major)",
+                    (s.layout or ast.LayoutDecl("row_major", s.pos)).pos,
+                )
         return Scale(name.text, s.dtype.text, tuple(b.value for b in s.block), layout, anchor)
 
     def check_derivation(self, t: ast.TensorDecl) -> None:
@@ -766,6 +794,17 @@ class _Checker:
                 "bf16, f16 or f32",
                 s.out.tensor.pos,
             )
+        for acc, ref in ((gemm.out, s.out), (gemm.a, s.lhs), (gemm.b, s.rhs)):
+            t = self.tensors[acc.tensor]
+            if t.layout.kind != "segment_major":
+                continue
+            use = acc.uses[t.layout.seg_axis]
+            if use.kind != "role" or gemm.role(use.role).group != t.layout.group:
+                raise self.error(
+                    f"'{t.name}' is stored segment_major({t.layout.group}), but this statement "
+                    f"does not split {t.dims[t.layout.seg_axis]} by '{t.layout.group}' per leaf",
+                    ref.tensor.pos,
+                )
         a_fp8, b_fp8 = a_t.dtype in FP8_TYPES, b_t.dtype in FP8_TYPES
         if a_t.dtype == "f32" or b_t.dtype == "f32":
             bad = s.lhs if a_t.dtype == "f32" else s.rhs

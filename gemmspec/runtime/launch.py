@@ -137,7 +137,10 @@ class LoadedKernel:
         if smem_bytes > self._smem_limit:
             self.set_max_dynamic_smem(smem_bytes)
         cuda_stream = current_stream(stream, device=self.device)
-        config = LaunchConfig(grid=grid, block=block, shmem_size=smem_bytes)
+        try:
+            config = LaunchConfig(grid=grid, block=block, shmem_size=smem_bytes)
+        except ValueError as e:
+            raise ArgumentError(f"bad launch configuration for {self.name}: {e}") from e
         try:
             _cuda_launch(cuda_stream, config, self._kernel, *kernel_args)
         except CUDAError as e:

@@ -1,0 +1,209 @@
+"""Checked spec + nest decision -> flat grouped schedule.
+
+For each planned launch this module writes the problem generator: leaf extents
+from the groups, and every operand's and scale's address as polynomials over the
+per-leaf symbols described in `schedule.py`. It also plans the pre-passes that
+produce derived (requantized or transposed) operands.
+"""
+
+from __future__ import annotations
+
+from ..analyse import LaunchPlan, NestDecision
+from ..expr import ZERO, Poly
+from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
+from .schedule import (
+    Extent,
+    KernelSignature,
+    Launch,
+    OperandMap,
+    PrePass,
+    ProblemGenerator,
+    ScaleMap,
+    Schedule,
+)
+
+
+def _dim_size(spec: Spec, name: str) -> Poly:
+    d = spec.dim(name)
+    return Poly.sym(name) if d.size is None else Poly.const(d.size)
+
+
+def _group_chain(spec: Spec, group: str) -> tuple[str, ...]:
+    """The group and its enclosing groups, outermost first."""
+    chain = []
+    g = spec.group(group)
+    while True:
+        chain.append(g.name)
+        if g.within is None:
+            break
+        g = spec.group(g.within)
+    return tuple(reversed(chain))
+
+
+def _extent(spec: Spec, gemm: Gemm, role: str) -> Extent:
+    rd = gemm.role(role)
+    size = _dim_size(spec, rd.dim)
+    if rd.masked_by is not None:
+        g = spec.group(rd.masked_by)
+        return Extent(role, rd.dim, "masked", size, g.name, g.kind, g.tensor, (g.name,))
+    if rd.group is None:
+        return Extent(role, rd.dim, "fixed", size)
+    g = spec.group(rd.group)
+    if g.kind == "ragged":
+        return Extent(role, rd.dim, "segment", size, g.name, g.kind, g.tensor, _group_chain(spec, g.name))
+    return Extent(
+        role, rd.dim, "segment", size, g.name, g.kind, None, (g.name,), g.starts, g.sizes
+    )
+
+
+def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> OperandMap:
+    t = spec.tensor(acc.tensor)
+    lay = t.layout
+    offset: Poly = ZERO
+    stride: dict[str, Poly] = {}
+    segmented = {r for r in roles if gemm.role(r).group is not None}
+    if lay.kind == "strided":
+        for i, use in enumerate(acc.uses):
+            if use.kind == "role":
+                stride[use.role] = lay.strides[i]
+                if use.role in segmented:
+                    offset = offset + Poly.sym(f"start.{use.role}") * lay.strides[i]
+            else:
+                offset = offset + Poly.sym(f"g.{use.axis}") * lay.strides[i]
+    else:
+        # Segment-major: the leaf's segment is one block, its segmented dim contiguous.
+        seg_role = acc.uses[lay.seg_axis].role
+        others = [i for i in range(t.rank) if i != lay.seg_axis]
+        block = _dim_size(spec, t.dims[others[0]]) * lay.other_strides[0] if others else Poly.const(1)
+        seg_len = Poly.sym(f"len.{seg_role}")
+        offset = Poly.sym(f"start.{seg_role}") * block
+        stride[seg_role] = Poly.const(1)
+        for j, i in enumerate(others):
+            use = acc.uses[i]
+            s = lay.other_strides[j] * seg_len
+            if use.kind == "role":
+                stride[use.role] = s
+            else:
+                offset = offset + Poly.sym(f"g.{use.axis}") * s
+    return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]))
+
+
+def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> ScaleMap | None:
+    t = spec.tensor(acc.tensor)
+    sc = t.scale
+    if sc is None:
+        return None
+    offset: Poly = ZERO
+    stride: dict[str, Poly] = {}
+    block: dict[str, int] = {}
+    anchor: dict[str, str | None] = {}
+    for i, use in enumerate(acc.uses):
+        s = sc.layout.strides[i]
+        if use.kind == "leaf":
+            offset = offset + Poly.sym(f"g.{use.axis}") * s
+            continue
+        r = use.role
+        stride[r], block[r] = s, sc.block[i]
+        group = gemm.role(r).group
+        anchor[r] = sc.anchor if (sc.anchor is not None and sc.anchor == group) else None
+        if group is not None:
+            offset = offset + Poly.sym(f"bstart.{r}") * s
+    return ScaleMap(
+        sc.name,
+        roles,
+        (block[roles[0]], block[roles[1]]),
+        offset,
+        (stride[roles[0]], stride[roles[1]]),
+        (anchor[roles[0]], anchor[roles[1]]),
+    )
+
+
+def _is_k_major(op: OperandMap) -> bool:
+    s = op.strides[1]
+    return s.is_const and s.value == 1
+
+
+def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
+    gemm = spec.gemms[plan.statement]
+    extents = tuple(_extent(spec, gemm, r) for r in ("m", "n", "k"))
+    a = _operand(spec, gemm, gemm.a, ("m", "k"))
+    b = _operand(spec, gemm, gemm.b, ("n", "k"))
+    d = _operand(spec, gemm, gemm.out, ("m", "n"))
+    sa = _scale(spec, gemm, gemm.a, ("m", "k"))
+    sb = _scale(spec, gemm, gemm.b, ("n", "k"))
+    runtime_tensors = tuple(dict.fromkeys(e.tensor for e in extents if e.tensor))
+    polys = [a.offset, *a.strides, b.offset, *b.strides, d.offset, *d.strides]
+    polys += [e.size for e in extents]
+    for s in (sa, sb):
+        if s is not None:
+            polys += [s.offset, *s.strides]
+    dims = spec.runtime_dims
+    runtime_dims = tuple(n for n in dims if any(n in p.symbols for p in polys))
+    problems = ProblemGenerator(
+        leaf_axes=gemm.leaf_axes,
+        fixed_axes=plan.pinned,
+        extents=extents,
+        a=a,
+        b=b,
+        d=d,
+        sa=sa,
+        sb=sb,
+        runtime_tensors=runtime_tensors,
+        runtime_dims=runtime_dims,
+    )
+    fp8 = a.dtype in FP8_TYPES
+    sig = KernelSignature(
+        a_type=a.dtype,
+        b_type=b.dtype,
+        d_type=d.dtype,
+        accumulate=gemm.accumulate,
+        scaled=sa is not None,
+        sa_block=sa.block if sa else (1, 1),
+        sb_block=sb.block if sb else (1, 1),
+        a_k_major=_is_k_major(a),
+        b_k_major=_is_k_major(b),
+        tile_m=plan.tile_m,
+        tile_n=plan.tile_n,
+        tile_k=128 if fp8 else 64,
+    )
+    return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
+
+
+def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
+    assert t.derived is not None and t.scale is not None
+    src = spec.tensor(t.derived.source)
+    assert src.scale is not None
+    return PrePass(
+        kind=t.derived.op,
+        source=src.name,
+        target=t.name,
+        source_layout=str(src.layout),
+        target_layout=str(t.layout),
+        source_scale=src.scale.name,
+        target_scale=t.scale.name,
+        source_block=src.scale.block,
+        target_block=t.scale.block,
+        anchor=t.scale.anchor,
+        reads_before=readers,
+    )
+
+
+def lower(spec: Spec, decision: NestDecision) -> Schedule:
+    launches = tuple(_launch(spec, p, i) for i, p in enumerate(decision.plans))
+    reasons = list(decision.reasons)
+    prepasses = []
+    for t in spec.tensors:
+        if t.derived is None:
+            continue
+        readers = tuple(
+            launch.index
+            for launch in launches
+            if t.name in (launch.problems.a.tensor, launch.problems.b.tensor)
+        )
+        if readers:
+            prepasses.append(_prepass(spec, t, readers))
+            reasons.append(
+                f"pre-pass: {t.name} = {t.derived.op}({t.derived.source}) before launch"
+                f"{'es' if len(readers) > 1 else ''} {', '.join(map(str, readers))}"
+            )
+    return Schedule(spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches)

@@ -1,0 +1,273 @@
+"""The flat grouped schedule: the IR between lowering and code generation.
+
+A schedule is pre-passes plus an ordered list of launches. Each launch is one
+kernel signature and a *problem generator*: for leaf number i it says, through
+polynomials over per-leaf symbols, where that leaf's A, B, D and scales live and
+how large its M, N and K are. Per-leaf symbols:
+
+- `g.<axis>`      the leaf's index along a leaf axis (group or batch dim)
+- `start.<r>`     first element of the leaf along role r (m, n or k)
+- `len.<r>`       the leaf's extent along role r
+- `bstart.<r>`    index of the leaf's first scale block along role r (anchored
+                  blocks: a prefix sum of ceil(len/block) over earlier segments)
+
+plus run-time dims by name. The reference executor and the device-side table
+builder both evaluate exactly these formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..expr import Poly
+from ..spec import LeafAxis
+
+ROLES = ("m", "n", "k")
+
+
+@dataclass(frozen=True)
+class Extent:
+    """How a leaf's range along one role is found.
+
+    kind "fixed": [0, size). kind "segment": the segment of `group` picked by the
+    leaf's indices of `index_axes` (ragged: read from the run-time `tensor`,
+    shaped [outer counts..., count + 1]; split/uniform: the compile-time
+    `starts`/`sizes`). kind "masked": [0, min(counts[g], size)).
+    """
+
+    role: str
+    dim: str
+    kind: str
+    size: Poly  # fixed: the extent; masked: the padded bound; segment: the whole dim
+    group: str | None = None
+    group_kind: str | None = None
+    tensor: str | None = None
+    index_axes: tuple[str, ...] = ()  # leaf axes indexing the offsets/counts tensor
+    starts: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"{self.role}: [0, {self.size})"
+        if self.kind == "masked":
+            return f"{self.role}: [0, min({self.tensor}[g.{self.group}], {self.size}))"
+        if self.group_kind == "ragged":
+            idx = ", ".join(f"g.{a}" for a in self.index_axes)
+            return (
+                f"{self.role}: [{self.tensor}[{idx}], {self.tensor}[{idx} + 1])"
+                f"  ({self.group} segments of {self.dim})"
+            )
+        return (
+            f"{self.role}: {self.group_kind} segments of {self.dim}, starts {list(self.starts)}, "
+            f"sizes {list(self.sizes)} by g.{self.group}"
+        )
+
+
+@dataclass(frozen=True)
+class OperandMap:
+    """Element (i, j) of a leaf's operand lives at base + offset + i*stride_i + j*stride_j."""
+
+    tensor: str
+    dtype: str
+    roles: tuple[str, str]  # ("m","k") for A, ("n","k") for B, ("m","n") for D
+    offset: Poly
+    strides: tuple[Poly, Poly]
+
+    def __str__(self) -> str:
+        r0, r1 = self.roles
+        return (
+            f"{self.tensor}({r0}, {r1}) = {self.tensor}_base[{self.offset} + {r0}*({self.strides[0]})"
+            f" + {r1}*({self.strides[1]})]"
+        )
+
+
+@dataclass(frozen=True)
+class ScaleMap:
+    """Scale of element (i, j): base[offset + (i/bi)*stride_i + (j/bj)*stride_j].
+
+    `anchors[r]` names the group whose segments restart the blocks along role r,
+    or None when blocks are aligned to the dim's origin (then bstart.r = start.r / block).
+    """
+
+    tensor: str
+    roles: tuple[str, str]
+    block: tuple[int, int]
+    offset: Poly
+    strides: tuple[Poly, Poly]
+    anchors: tuple[str | None, str | None]
+
+    def __str__(self) -> str:
+        r0, r1 = self.roles
+        b0, b1 = self.block
+        anchored = [f"{r} per {a}" for r, a in zip(self.roles, self.anchors) if a]
+        extra = f"  (blocks anchored: {', '.join(anchored)})" if anchored else ""
+        return (
+            f"{self.tensor}[{self.offset} + ({r0}/{b0})*({self.strides[0]}) + "
+            f"({r1}/{b1})*({self.strides[1]})]{extra}"
+        )
+
+
+@dataclass(frozen=True)
+class ProblemGenerator:
+    leaf_axes: tuple[LeafAxis, ...]
+    fixed_axes: tuple[tuple[str, int], ...]  # axes pinned to one index in this launch
+    extents: tuple[Extent, Extent, Extent]  # m, n, k
+    a: OperandMap
+    b: OperandMap
+    d: OperandMap
+    sa: ScaleMap | None
+    sb: ScaleMap | None
+    runtime_tensors: tuple[str, ...]
+    runtime_dims: tuple[str, ...]
+
+    @property
+    def free_axes(self) -> tuple[LeafAxis, ...]:
+        pinned = dict(self.fixed_axes)
+        return tuple(a for a in self.leaf_axes if a.name not in pinned)
+
+    @property
+    def leaf_count(self) -> int:
+        c = 1
+        for a in self.free_axes:
+            c *= a.count
+        return c
+
+    def extent(self, role: str) -> Extent:
+        return self.extents[ROLES.index(role)]
+
+    def leaf_indices(self, leaf: int) -> dict[str, int]:
+        """Mixed-radix decode of a leaf number, outermost axis first."""
+        idx = dict(self.fixed_axes)
+        rest = leaf
+        for ax in reversed(self.free_axes):
+            idx[ax.name] = rest % ax.count
+            rest //= ax.count
+        return idx
+
+    def __str__(self) -> str:
+        axes = " x ".join(str(a) for a in self.free_axes) or "1"
+        lines = [f"leaves: {axes} = {self.leaf_count} (outermost first)"]
+        for ax, i in self.fixed_axes:
+            lines.append(f"  pinned: g.{ax} = {i}")
+        lines += [f"  {e}" for e in self.extents]
+        lines += [f"  A {self.a}", f"  B {self.b}", f"  D {self.d}"]
+        if self.sa:
+            lines.append(f"  scale A {self.sa}")
+        if self.sb:
+            lines.append(f"  scale B {self.sb}")
+        if self.runtime_tensors:
+            lines.append(f"  reads at run time: {', '.join(self.runtime_tensors)}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """Everything a kernel fixes at compile time; equal signatures can share a launch."""
+
+    a_type: str
+    b_type: str
+    d_type: str
+    accumulate: bool
+    scaled: bool
+    sa_block: tuple[int, int]  # (m, k) block of A's scales; (1, 1) when unscaled
+    sb_block: tuple[int, int]  # (n, k)
+    a_k_major: bool
+    b_k_major: bool
+    tile_m: int
+    tile_n: int
+    tile_k: int
+
+    @property
+    def name(self) -> str:
+        """Procedural name spelling every choice, used for symbols and cache keys."""
+        scale = (
+            f"s{self.sa_block[0]}x{self.sa_block[1]}_{self.sb_block[0]}x{self.sb_block[1]}"
+            if self.scaled
+            else "ns"
+        )
+        majors = ("k" if self.a_k_major else "m") + ("k" if self.b_k_major else "n")
+        mode = "acc" if self.accumulate else "store"
+        return (
+            f"gs_sm90a_{self.a_type}{self.b_type}_{self.d_type}_{scale}_{majors}_"
+            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{mode}"
+        )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Launch:
+    index: int
+    statement: int
+    statement_text: str
+    signature: KernelSignature
+    problems: ProblemGenerator
+    note: str = ""
+
+    @property
+    def leaf_count(self) -> int:
+        return self.problems.leaf_count
+
+    def __str__(self) -> str:
+        head = f"launch {self.index}: statement #{self.statement}: {self.statement_text}"
+        lines = [head, f"  kernel {self.signature.name}"]
+        if self.note:
+            lines.append(f"  {self.note}")
+        lines += ["  " + ln for ln in str(self.problems).splitlines()]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PrePass:
+    """A pass that produces a derived operand before the launches that read it.
+
+    kind "requantize": dequantize `source` with its scales, transpose so the new
+    contracted dim is contiguous, and quantize again with the target's blocks, in
+    one FP8-in, FP8-out pass. kind "transpose": move bytes only, scales kept.
+    """
+
+    kind: str
+    source: str
+    target: str
+    source_layout: str
+    target_layout: str
+    source_scale: str
+    target_scale: str
+    source_block: tuple[int, ...]
+    target_block: tuple[int, ...]
+    anchor: str | None
+    reads_before: tuple[int, ...] = field(default=())  # launches that read the target
+
+    def describe(self) -> str:
+        if self.kind == "transpose":
+            return (
+                f"transpose {self.source} ({self.source_layout}) -> {self.target} "
+                f"({self.target_layout}); scales {list(self.source_block)} move with it"
+            )
+        anchor = f" per {self.anchor}" if self.anchor else ""
+        return (
+            f"requantize {self.source} ({self.source_layout}, scales {list(self.source_block)}) "
+            f"-> {self.target} ({self.target_layout}, scales {list(self.target_block)}{anchor}): "
+            "dequantize, transpose, quantize in one FP8-in FP8-out pass"
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    spec: str
+    decision: str  # "flatten" or "split"
+    reasons: tuple[str, ...]
+    prepasses: tuple[PrePass, ...]
+    launches: tuple[Launch, ...]
+
+    def __str__(self) -> str:
+        lines = [f"schedule {self.spec}: {self.decision}"]
+        lines += [f"  reason: {r}" for r in self.reasons]
+        for i, p in enumerate(self.prepasses):
+            lines.append(f"prepass {i}: {p}")
+        lines += [str(launch) for launch in self.launches]
+        return "\n".join(lines)

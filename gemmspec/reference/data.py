@@ -1,0 +1,262 @@
+"""Run-time data for the reference executors: segments, scales, storage.
+
+Everything here follows the spec's *definitions* (what a ragged offsets tensor
+means, where a scale block starts, how a layout places elements), written
+independently of the lowering, so that the two executors can check each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from ..spec import FP8_TYPES, Spec, Tensor
+
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+NUMPY_TYPES = {
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "bf16": ml_dtypes.bfloat16,
+    "f16": np.float16,
+    "f32": np.float32,
+}
+
+
+@dataclass
+class Runtime:
+    """Values known only at run time: dim sizes and offsets/counts tensors."""
+
+    dims: dict[str, int]
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Segment:
+    chain: tuple[int, ...]  # indices of the group and its enclosing groups, outermost first
+    start: int
+    length: int
+
+
+def dim_size(spec: Spec, rt: Runtime, name: str) -> int:
+    d = spec.dim(name)
+    return d.size if d.size is not None else int(rt.dims[name])
+
+
+def segments(spec: Spec, rt: Runtime, group: str) -> list[Segment]:
+    """The segments of a partitioning group in flat order (outer groups first)."""
+    g = spec.group(group)
+    if g.kind in ("split", "uniform"):
+        return [Segment((i,), s, n) for i, (s, n) in enumerate(zip(g.starts, g.sizes))]
+    assert g.kind == "ragged"
+    off = np.asarray(rt.tensors[g.tensor], dtype=np.int64)
+    out = []
+    for outer in np.ndindex(*off.shape[:-1]):
+        row = off[outer]
+        for i in range(g.count):
+            out.append(Segment((*outer, i), int(row[i]), int(row[i + 1] - row[i])))
+    return out
+
+
+def membership(spec: Spec, rt: Runtime, group: str) -> np.ndarray:
+    """For each position of the group's dim, its index within the group (-1: none)."""
+    g = spec.group(group)
+    gid = np.full(dim_size(spec, rt, g.dim), -1, dtype=np.int64)
+    for seg in segments(spec, rt, group):
+        gid[seg.start : seg.start + seg.length] = seg.chain[-1]
+    return gid
+
+
+# ---- scales -----------------------------------------------------------------------------
+
+
+def block_index(spec: Spec, rt: Runtime, t: Tensor, axis: int) -> np.ndarray:
+    """Scale-grid row of every position along one dim of `t`."""
+    sc = t.scale
+    assert sc is not None
+    dim, b = t.dims[axis], sc.block[axis]
+    n = dim_size(spec, rt, dim)
+    anchor = sc.anchor if sc.anchor and spec.group(sc.anchor).dim == dim else None
+    if anchor is None:
+        return np.arange(n) // b
+    idx = np.full(n, -1, dtype=np.int64)
+    base = 0
+    for seg in segments(spec, rt, anchor):
+        idx[seg.start : seg.start + seg.length] = base + np.arange(seg.length) // b
+        base += -(-seg.length // b)
+    return idx
+
+
+def scale_grid_shape(spec: Spec, rt: Runtime, t: Tensor) -> tuple[int, ...]:
+    return tuple(int(block_index(spec, rt, t, a).max(initial=-1)) + 1 for a in range(t.rank))
+
+
+def expand_scales(spec: Spec, rt: Runtime, t: Tensor, grid: np.ndarray) -> np.ndarray:
+    """Per-element scale of `t` (logical shape) from its scale grid."""
+    out = grid.astype(np.float64)
+    for axis in range(t.rank):
+        out = np.take(out, block_index(spec, rt, t, axis), axis=axis)
+    return out
+
+
+def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Round to `dtype` and return the rounded values as float64."""
+    return values.astype(NUMPY_TYPES[dtype]).astype(np.float64)
+
+
+def requantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize real values with `target`'s scale blocks: (fp8 values, scale grid)."""
+    sc = target.scale
+    assert sc is not None
+    shape = scale_grid_shape(spec, rt, target)
+    amax = np.zeros(shape)
+    idx = np.ix_(*[block_index(spec, rt, target, a) for a in range(target.rank)])
+    np.maximum.at(amax, idx, np.abs(real))
+    grid = np.where(amax > 0, amax / FP8_MAX[target.dtype], 1.0).astype(np.float32)
+    q = quantize(real / expand_scales(spec, rt, target, grid), target.dtype)
+    return q, grid
+
+
+# ---- storage ------------------------------------------------------------------------------
+
+
+def element_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
+    """Offset in elements of every logical element of `t` (its layout's definition)."""
+    shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+    lay = t.layout
+    env = dict(rt.dims)
+    if lay.kind == "strided":
+        off = np.zeros(shape, dtype=np.int64)
+        for axis, s in enumerate(lay.strides):
+            ix = np.arange(shape[axis]).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+            off = off + ix * s.evaluate(env)
+        return off
+    axis = lay.seg_axis
+    others = [a for a in range(t.rank) if a != axis]
+    inner = int(np.prod([shape[a] for a in others]))
+    off = np.full(shape, -1, dtype=np.int64)
+    other_pos = np.zeros([shape[a] for a in others], dtype=np.int64)
+    for j, a in enumerate(others):
+        ix = np.arange(shape[a]).reshape([-1 if b == j else 1 for b in range(len(others))])
+        other_pos = other_pos + ix * lay.other_strides[j].evaluate(env)
+    for seg in segments(spec, rt, lay.group):
+        for i in range(seg.length):
+            sl = [slice(None)] * t.rank
+            sl[axis] = seg.start + i
+            off[tuple(sl)] = seg.start * inner + other_pos * seg.length + i
+    return off
+
+
+def pack(offsets: np.ndarray, values: np.ndarray, fill: float = np.nan) -> np.ndarray:
+    flat = np.full(int(offsets.max(initial=-1)) + 1, fill, dtype=np.float64)
+    flat[offsets] = values
+    return flat
+
+
+def scale_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
+    sc = t.scale
+    assert sc is not None
+    shape = scale_grid_shape(spec, rt, t)
+    env = dict(rt.dims)
+    off = np.zeros(shape, dtype=np.int64)
+    for axis, s in enumerate(sc.layout.strides):
+        ix = np.arange(shape[axis]).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        off = off + ix * s.evaluate(env)
+    return off
+
+
+# ---- random problems ------------------------------------------------------------------------
+
+
+def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list[int]] | None = None, dims: dict[str, int] | None = None) -> Runtime:
+    """Offsets and counts for every run-time group, with optional explicit lengths.
+
+    `lengths[group]` gives the segment lengths in flat order; otherwise they are
+    drawn at random (zero-length segments included).
+    """
+    lengths = dict(lengths or {})
+    rt_dims = dict(dims or {})
+    rt = Runtime(rt_dims)
+    for g in spec.groups:
+        if g.kind == "masked":
+            bound = spec.dim(g.dim).size
+            rt.tensors[g.tensor] = rng.integers(0, bound + 1, size=g.count).astype(np.int32)
+            if g.name in lengths:
+                rt.tensors[g.tensor] = np.asarray(lengths[g.name], dtype=np.int32)
+            continue
+        if g.kind != "ragged":
+            continue
+        if g.within is None:
+            lens = lengths.get(g.name)
+            if lens is None:
+                total = rt_dims.get(g.dim, int(rng.integers(0, 300)))
+                lens = _random_split(rng, total, g.count)
+            off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            rt_dims.setdefault(g.dim, int(off[-1]))
+            if int(off[-1]) != rt_dims[g.dim]:
+                raise ValueError(f"lengths of {g.name} add up to {off[-1]}, not {g.dim}={rt_dims[g.dim]}")
+            rt.tensors[g.tensor] = off
+        else:
+            outer = segments(spec, rt, g.within)
+            flat = lengths.get(g.name)
+            rows = []
+            for j, seg in enumerate(outer):
+                lens = flat[j * g.count : (j + 1) * g.count] if flat else _random_split(rng, seg.length, g.count)
+                rows.append(seg.start + np.concatenate([[0], np.cumsum(lens)]))
+            outer_shape = tuple(spec.group(n).count for n in _ancestors(spec, g.name))
+            rt.tensors[g.tensor] = np.asarray(rows, dtype=np.int32).reshape(*outer_shape, g.count + 1)
+    for d in spec.dims:
+        if d.size is None and d.name not in rt_dims:
+            rt_dims[d.name] = int(rng.integers(1, 300))
+    return rt
+
+
+def _ancestors(spec: Spec, group: str) -> list[str]:
+    out = []
+    g = spec.group(group)
+    while g.within:
+        out.append(g.within)
+        g = spec.group(g.within)
+    return list(reversed(out))
+
+
+def _random_split(rng: np.random.Generator, total: int, parts: int) -> list[int]:
+    cuts = np.sort(rng.integers(0, total + 1, size=parts - 1))
+    edges = np.concatenate([[0], cuts, [total]])
+    return [int(x) for x in np.diff(edges)]
+
+
+@dataclass
+class TensorData:
+    """A tensor's stored values (already rounded to its type) and scale grid."""
+
+    values: np.ndarray  # logical shape, float64 of the stored element values
+    scale_grid: np.ndarray | None = None
+
+
+def random_inputs(spec: Spec, rt: Runtime, rng: np.random.Generator) -> dict[str, TensorData]:
+    """Random data for every tensor that no statement writes and no pass derives."""
+    written = {g.out.tensor for g in spec.gemms}
+    data: dict[str, TensorData] = {}
+    for t in spec.tensors:
+        if t.derived is not None:
+            continue
+        shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+        if t.name in written:
+            if any(g.accumulate for g in spec.gemms if g.out.tensor == t.name):
+                data[t.name] = TensorData(quantize(rng.standard_normal(shape), t.dtype))
+            continue
+        if t.dtype in FP8_TYPES:
+            grid = (2.0 ** rng.uniform(-4, 2, size=scale_grid_shape(spec, rt, t))).astype(np.float32)
+            q = quantize(rng.uniform(-FP8_MAX[t.dtype], FP8_MAX[t.dtype], size=shape) * 0.5, t.dtype)
+            data[t.name] = TensorData(q, grid)
+        else:
+            data[t.name] = TensorData(quantize(rng.standard_normal(shape), t.dtype))
+    return data
+
+
+def real_values(spec: Spec, rt: Runtime, t: Tensor, d: TensorData) -> np.ndarray:
+    if d.scale_grid is None:
+        return d.values
+    return d.values * expand_scales(spec, rt, t, d.scale_grid)

@@ -1,0 +1,129 @@
+"""The spec's direct semantics on logical arrays, in float64.
+
+No schedule, no layouts, no offsets formulas: each statement is evaluated as its
+index notation says, with group membership taken from the definitions of
+ragged, split, uniform and masked groups. Derived tensors are computed from
+their sources first (requantize: dequantize, then quantize with the target's
+blocks; transpose: same values).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ..spec import Gemm, Spec
+from .data import Runtime, TensorData, dim_size, real_values, requantize_values, segments
+
+
+def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, TensorData]:
+    """Add every derived tensor to `data` (returns a new dict)."""
+    out = dict(data)
+    for t in spec.tensors:
+        if t.derived is None:
+            continue
+        src = spec.tensor(t.derived.source)
+        if t.derived.op == "transpose":
+            out[t.name] = TensorData(data[src.name].values, data[src.name].scale_grid)
+        else:
+            real = real_values(spec, rt, src, data[src.name])
+            q, grid = requantize_values(spec, rt, real, t)
+            out[t.name] = TensorData(q, grid)
+    return out
+
+
+def _group_mask(spec: Spec, rt: Runtime, group: str, chain: dict[str, int]) -> np.ndarray:
+    """Positions of the group's dim that belong to segment chain[group] (with its outer indices)."""
+    g = spec.group(group)
+    n = dim_size(spec, rt, g.dim)
+    mask = np.zeros(n, dtype=bool)
+    names = _chain_names(spec, group)
+    want = tuple(chain[x] for x in names)
+    for seg in segments(spec, rt, group):
+        if seg.chain == want:
+            mask[seg.start : seg.start + seg.length] = True
+    return mask
+
+
+def _chain_names(spec: Spec, group: str) -> tuple[str, ...]:
+    names = [group]
+    g = spec.group(group)
+    while g.within:
+        names.append(g.within)
+        g = spec.group(g.within)
+    return tuple(reversed(names))
+
+
+def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], out: np.ndarray) -> np.ndarray:
+    """Return the new value of the output tensor (float64, logical shape)."""
+    a_t, b_t = spec.tensor(gemm.a.tensor), spec.tensor(gemm.b.tensor)
+    a_real = real_values(spec, rt, a_t, data[a_t.name])
+    b_real = real_values(spec, rt, b_t, data[b_t.name])
+    size = {r: dim_size(spec, rt, gemm.role(r).dim) for r in "mnk"}
+    total = np.zeros(out.shape)
+    written = np.zeros(out.shape, dtype=bool)
+    for combo in itertools.product(*[range(ax.count) for ax in gemm.leaf_axes]):
+        at = {ax.name: i for ax, i in zip(gemm.leaf_axes, combo)}
+        masks = {r: np.ones(size[r], dtype=bool) for r in "mnk"}
+        for ax in gemm.leaf_axes:
+            if ax.group is None:
+                continue
+            g = spec.group(ax.group)
+            for r in "mnk":
+                if gemm.role(r).dim != g.dim:
+                    continue
+                if g.kind == "masked":
+                    count = int(rt.tensors[g.tensor][at[g.name]])
+                    masks[r] &= np.arange(size[r]) < count
+                else:
+                    masks[r] &= _group_mask(spec, rt, g.name, at)
+        a = _slice(gemm.a, a_real, at, ("m", "k"))
+        b = _slice(gemm.b, b_real, at, ("n", "k"))
+        k = masks["k"].astype(np.float64)
+        part = (a * masks["m"][:, None] * k[None, :]) @ (b * masks["n"][:, None] * k[None, :]).T
+        sel = _out_index(gemm, at)
+        view = total[sel]
+        wview = written[sel]
+        mn_order = [u.role for u in gemm.out.uses if u.kind == "role"]
+        if mn_order == ["n", "m"]:
+            part = part.T
+            cover = np.outer(masks["n"], masks["m"])
+        else:
+            cover = np.outer(masks["m"], masks["n"])
+        view += part * cover
+        wview |= cover
+        total[sel] = view
+        written[sel] = wview
+    if gemm.accumulate:
+        return out + total
+    return np.where(written, total, out)
+
+
+def _slice(acc, real: np.ndarray, at: dict[str, int], roles: tuple[str, str]) -> np.ndarray:
+    """The 2-D (roles[0], roles[1]) view of an operand at one leaf-axis assignment."""
+    index = []
+    order = []
+    for u in acc.uses:
+        if u.kind == "leaf":
+            index.append(at[u.axis])
+        else:
+            index.append(slice(None))
+            order.append(u.role)
+    view = real[tuple(index)]
+    return view if order == list(roles) else view.T
+
+
+def _out_index(gemm: Gemm, at: dict[str, int]) -> tuple:
+    return tuple(at[u.axis] if u.kind == "leaf" else slice(None) for u in gemm.out.uses)
+
+
+def run_direct(spec: Spec, rt: Runtime, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Evaluate every statement in order; `init` holds each output's starting values."""
+    data = derive(spec, rt, inputs)
+    results = {k: v.copy() for k, v in init.items()}
+    for gemm in spec.gemms:
+        name = gemm.out.tensor
+        results[name] = run_statement(spec, rt, gemm, data, results[name])
+        data[name] = TensorData(results[name])
+    return results

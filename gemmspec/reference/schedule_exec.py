@@ -1,0 +1,152 @@
+"""Execute a flat grouped schedule on flat memory, the way the GPU does.
+
+Tensors live in flat float64 buffers laid out by their declared layouts. For
+every launch, leaf by leaf in leaf order, the per-leaf symbols are computed from
+the run-time offsets tensors (as the device-side table builder does), each
+operand is gathered through its offset/stride polynomials, the product is
+formed one 128-wide K block at a time with that block's scales, and D is stored
+or accumulated through its own polynomial.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..lower.schedule import Extent, Launch, OperandMap, ProblemGenerator, ScaleMap, Schedule
+from ..spec import Spec
+from .data import (
+    Runtime,
+    TensorData,
+    element_offsets,
+    pack,
+    quantize,
+    real_values,
+    requantize_values,
+    scale_offsets,
+    segments,
+)
+from .direct import _chain_names
+
+K_BLOCK = 128
+
+
+def _segment_of(spec: Spec, rt: Runtime, ext: Extent, idx: dict[str, int]) -> tuple[int, int]:
+    """(start, length) of a leaf along one role."""
+    if ext.kind == "fixed":
+        return 0, ext.size.evaluate(rt.dims)
+    if ext.kind == "masked":
+        count = int(rt.tensors[ext.tensor][idx[ext.group]])
+        return 0, max(0, min(count, ext.size.evaluate(rt.dims)))
+    if ext.group_kind == "ragged":
+        off = np.asarray(rt.tensors[ext.tensor])
+        row = off[tuple(idx[a] for a in ext.index_axes[:-1])]
+        g = idx[ext.index_axes[-1]]
+        return int(row[g]), int(row[g + 1] - row[g])
+    g = idx[ext.group]
+    return ext.starts[g], ext.sizes[g]
+
+
+def _anchored_block_start(spec: Spec, rt: Runtime, group: str, idx: dict[str, int], block: int) -> int:
+    """Scale blocks of all segments before this leaf's: sum of ceil(len / block)."""
+    want = tuple(idx[n] for n in _chain_names(spec, group))
+    total = 0
+    for seg in segments(spec, rt, group):
+        if seg.chain == want:
+            return total
+        total += -(-seg.length // block)
+    raise AssertionError("segment not found")
+
+
+def leaf_symbols(spec: Spec, rt: Runtime, pg: ProblemGenerator, leaf: int) -> dict[str, int]:
+    """Every per-leaf symbol of the problem generator, for leaf number `leaf`."""
+    idx = pg.leaf_indices(leaf)
+    env: dict[str, int] = dict(rt.dims)
+    for name, i in idx.items():
+        env[f"g.{name}"] = i
+    for ext in pg.extents:
+        start, length = _segment_of(spec, rt, ext, idx)
+        env[f"start.{ext.role}"], env[f"len.{ext.role}"] = start, length
+    for sm in (pg.sa, pg.sb):
+        if sm is None:
+            continue
+        for role, block, anchor in zip(sm.roles, sm.block, sm.anchors):
+            if anchor is not None:
+                env[f"bstart.{role}"] = _anchored_block_start(spec, rt, anchor, idx, block)
+            else:
+                start = env[f"start.{role}"]
+                assert start % block == 0, "checker guarantees aligned blocks"
+                env[f"bstart.{role}"] = start // block
+    return env
+
+
+def _gather(flat: np.ndarray, op: OperandMap | ScaleMap, env: dict[str, int], rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    base = op.offset.evaluate(env)
+    s0, s1 = (s.evaluate(env) for s in op.strides)
+    return flat[base + rows[:, None] * s0 + cols[None, :] * s1]
+
+
+def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarray]) -> None:
+    pg = launch.problems
+    sig = launch.signature
+    for leaf in range(pg.leaf_count):
+        env = leaf_symbols(spec, rt, pg, leaf)
+        m, n, k = env["len.m"], env["len.n"], env["len.k"]
+        if m == 0 or n == 0:
+            continue
+        rm, rn = np.arange(m), np.arange(n)
+        acc = np.zeros((m, n))
+        for k0 in range(0, k, K_BLOCK):
+            rk = np.arange(k0, min(k, k0 + K_BLOCK))
+            a = _gather(flat[pg.a.tensor], pg.a, env, rm, rk)
+            b = _gather(flat[pg.b.tensor], pg.b, env, rn, rk)
+            part = a @ b.T
+            if sig.scaled:
+                sa = _gather(flat[pg.sa.tensor], pg.sa, env, rm // pg.sa.block[0], np.array([k0 // pg.sa.block[1]]))
+                sb = _gather(flat[pg.sb.tensor], pg.sb, env, rn // pg.sb.block[0], np.array([k0 // pg.sb.block[1]]))
+                part = part * sa * sb.T
+            acc += part
+        d_off = pg.d.offset.evaluate(env)
+        ds0, ds1 = (s.evaluate(env) for s in pg.d.strides)
+        where = d_off + rm[:, None] * ds0 + rn[None, :] * ds1
+        if sig.accumulate:
+            flat[pg.d.tensor][where] += acc
+        else:
+            flat[pg.d.tensor][where] = acc
+
+
+def run_prepass(spec: Spec, rt: Runtime, p, flat: dict[str, np.ndarray], data: dict[str, TensorData]) -> None:
+    """Produce the target's buffers from the source's (FP8 in, FP8 and scales out)."""
+    src, dst = spec.tensor(p.source), spec.tensor(p.target)
+    src_off, dst_off = element_offsets(spec, rt, src), element_offsets(spec, rt, dst)
+    q_src = flat[src.name][src_off]
+    grid_src = flat[src.scale.name][scale_offsets(spec, rt, src)]
+    if p.kind == "transpose":
+        q, grid = q_src, grid_src
+    else:
+        real = real_values(spec, rt, src, TensorData(q_src, grid_src))
+        q, grid = requantize_values(spec, rt, real, dst)
+    flat[dst.name] = pack(dst_off, q)
+    flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
+
+
+def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run pre-passes and launches on flat buffers; return each output's logical values."""
+    flat: dict[str, np.ndarray] = {}
+    for name, d in inputs.items():
+        t = spec.tensor(name)
+        flat[name] = pack(element_offsets(spec, rt, t), d.values)
+        if d.scale_grid is not None:
+            flat[t.scale.name] = pack(scale_offsets(spec, rt, t), d.scale_grid)
+    for name, v in init.items():
+        flat[name] = pack(element_offsets(spec, rt, spec.tensor(name)), v)
+    for p in schedule.prepasses:
+        run_prepass(spec, rt, p, flat, inputs)
+    for launch in schedule.launches:
+        run_launch(spec, rt, launch, flat)
+    out = {}
+    for name in init:
+        out[name] = flat[name][element_offsets(spec, rt, spec.tensor(name))]
+    return out
+
+
+__all__ = ["run_schedule", "leaf_symbols", "quantize"]
