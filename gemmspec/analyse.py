@@ -114,18 +114,25 @@ def analyse(spec: Spec) -> NestDecision:
     gemms = [spec.gemms[i] for i in order]
 
     if len(gemms) > 1:
-        sigs = {signature_key(spec, g) for g in gemms}
-        if len(sigs) > 1:
-            kinds = "; ".join(f"#{g.index}: {describe_signature(spec, g)}" for g in gemms)
+        by_sig: dict[tuple, list[Gemm]] = {}
+        for g in gemms:
+            by_sig.setdefault(signature_key(spec, g), []).append(g)
+        if len(by_sig) > 1:
+            kinds = "; ".join(
+                f"{', '.join('#' + str(g.index) for g in gs)}: {describe_signature(spec, gs[0])}"
+                for gs in by_sig.values()
+            )
             reasons.append(
                 f"not legal as one launch: the statements differ in what a kernel fixes at "
                 f"compile time ({kinds})"
             )
-        else:
-            reasons.append(
-                "not legal as one launch: the statements read different base tensors, and one "
-                "launch would need a per-leaf pointer table, which the kernel ABI does not have"
-            )
+        for gs in by_sig.values():
+            if len(gs) > 1:
+                reasons.append(
+                    f"{', '.join('#' + str(g.index) for g in gs)} share a kernel signature but read "
+                    "different base tensors; one launch would need a per-leaf pointer table, "
+                    "which the kernel ABI does not have, so each gets its own launch"
+                )
         if order != sorted(order):
             reasons.append(
                 "launch order follows data dependencies: "
@@ -208,8 +215,19 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
     if forced == "split" and single:
         reasons.append("split requested, but a single flat grouped launch has nothing to split")
     n_desc = "run-time N" if None in extents.values() else f"N up to {max(n for n in extents.values())}"
+    runtime = [
+        r.upper() for r in "mnk"
+        if g.role(r).group and spec.group(g.role(r).group).kind == "ragged"
+        or g.role(r).masked_by
+        or spec.dim(g.role(r).dim).size is None
+    ]
+    known = (
+        f"{' and '.join(runtime)} extents are known only at run time"
+        if runtime
+        else "all extents are known at compile time"
+    )
     reasons.append(
-        f"{prefix}profitable as one launch: tile {tile_m}x{widest} for {n_desc}; M extents are "
-        "known only at run time, tiles never straddle leaves and ragged edges are masked"
+        f"{prefix}profitable as one launch: tile {tile_m}x{widest} for {n_desc}; {known}, tiles "
+        "never straddle leaves and ragged edges are masked"
     )
     return [LaunchPlan(g.index, (), tile_m, widest)]

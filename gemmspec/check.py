@@ -234,7 +234,7 @@ class _Checker:
             if sum(sizes) != dim.size:
                 raise self.error(
                     f"split sizes add up to {sum(sizes)} but dim '{dim.name}' is {dim.size}",
-                    k.pos,
+                    k.sizes[0].pos,
                 )
         elif k.kind == "uniform":
             if dim.size is None or dim.size % count:
@@ -828,8 +828,10 @@ class _Checker:
                     f"`scale f32 [{', '.join('1' for _ in t.dims)}]`",
                     ref.tensor.pos,
                 )
-            self.check_k_major(gemm, acc, ref, t)
+            # Scale blocks first: a scale that varies along K needs a requantization,
+            # which also fixes the major-ness, so that is the more useful message.
             self.check_scale_blocks(gemm, acc, ref, t)
+            self.check_k_major(gemm, acc, ref, t)
 
     def check_k_major(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
         k_axis = acc.axis_of_role("k")

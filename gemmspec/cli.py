@@ -1,0 +1,109 @@
+"""The `gemmspec` command line.
+
+Errors in specs print as `FILE:LINE:COL: error: ...` with the source line and a
+caret, and the command exits with status 1; no Python traceback reaches a user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import GemmspecError
+
+EXIT_SPEC_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", type=Path, help="a .gspec file")
+    p.add_argument(
+        "--dump-ir",
+        metavar="DIR",
+        type=Path,
+        help="write every stage's output (AST, checked spec, decision, schedule, ...) to DIR",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gemmspec",
+        description=(
+            "Compile declarative grouped-GEMM specs (nested groups, FP8 scaling granularity, "
+            "layouts) to CUDA for NVIDIA Hopper (sm_90a)."
+        ),
+        epilog="See docs/language.md for the .gspec language and docs/cli.md for every command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "check",
+        help="parse and check a spec; report the first error with its location",
+        description="Parse and check FILE. Prints 'ok' per spec, or a located error and exits 1.",
+    )
+    _add_common(p)
+    p.set_defaults(run=cmd_check)
+
+    p = sub.add_parser(
+        "explain",
+        help="show the nest, the flatten/split decision with reasons, launches and pre-passes",
+        description=(
+            "Explain how FILE is lowered: the nest of groups, whether it flattens into one "
+            "launch or splits (with every reason), each launch's kernel signature and flat "
+            "problem formulas, and any requantization/transpose pre-passes."
+        ),
+    )
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="print the documented JSON form instead")
+    p.set_defaults(run=cmd_explain)
+    return parser
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .pipeline import lower_file
+
+    for x in lower_file(args.file, args.dump_ir):
+        print(f"{args.file}: {x.spec.name}: ok ({len(x.spec.gemms)} statement(s))")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import explain_text, schedule_json
+    from .pipeline import lower_file
+
+    lowered = lower_file(args.file, args.dump_ir)
+    if args.json:
+        print(json.dumps([schedule_json(x.spec, x.schedule) for x in lowered], indent=2))
+    else:
+        print("\n\n".join(explain_text(x.spec, x.schedule) for x in lowered))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except GemmspecError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_SPEC_ERROR
+    except FileNotFoundError as e:
+        print(f"gemmspec: error: cannot read {e.filename}: no such file", file=sys.stderr)
+        return EXIT_USAGE
+    except IsADirectoryError as e:
+        print(f"gemmspec: error: {e.filename} is a directory, not a .gspec file", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `gemmspec explain ... | head`
+        sys.stderr.close()
+        return 0
+    except UnicodeDecodeError:
+        print(f"gemmspec: error: {args.file} is not UTF-8 text", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

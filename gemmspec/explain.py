@@ -1,0 +1,117 @@
+"""`gemmspec explain`: the nest, the decision and its reasons, the flat problem
+formulas, the launches and the pre-passes, as text and as JSON.
+
+The JSON form is a documented contract (docs/explain-json.md): for each spec it
+has `name`, `decision`, `reasons`, `launches` (each with `leaf_count`) and
+`prepasses` (each with `kind`).
+"""
+
+from __future__ import annotations
+
+from .lower.schedule import Launch, Schedule
+from .spec import Spec
+
+JSON_VERSION = 1
+
+
+def _launch_json(launch: Launch) -> dict:
+    pg = launch.problems
+    sig = launch.signature
+    doc = {
+        "index": launch.index,
+        "statement": launch.statement,
+        "statement_text": launch.statement_text,
+        "kernel": sig.name,
+        "leaf_count": launch.leaf_count,
+        "leaf_axes": [{"name": a.name, "count": a.count, "group": a.group} for a in pg.free_axes],
+        "pinned_axes": {a: i for a, i in pg.fixed_axes},
+        "signature": {
+            "a_type": sig.a_type,
+            "b_type": sig.b_type,
+            "d_type": sig.d_type,
+            "accumulate": sig.accumulate,
+            "scaled": sig.scaled,
+            "a_scale_block": list(sig.sa_block) if sig.scaled else None,
+            "b_scale_block": list(sig.sb_block) if sig.scaled else None,
+            "a_k_major": sig.a_k_major,
+            "b_k_major": sig.b_k_major,
+            "tile": [sig.tile_m, sig.tile_n, sig.tile_k],
+        },
+        "extents": {e.role: str(e) for e in pg.extents},
+        "operands": {
+            "A": _map_json(pg.a),
+            "B": _map_json(pg.b),
+            "D": _map_json(pg.d),
+        },
+        "scales": {
+            "A": _map_json(pg.sa) if pg.sa else None,
+            "B": _map_json(pg.sb) if pg.sb else None,
+        },
+        "runtime_tensors": list(pg.runtime_tensors),
+        "runtime_dims": list(pg.runtime_dims),
+    }
+    if launch.note:
+        doc["note"] = launch.note
+    return doc
+
+
+def _map_json(m) -> dict:
+    doc = {
+        "tensor": m.tensor,
+        "offset": str(m.offset),
+        "strides": {r: str(s) for r, s in zip(m.roles, m.strides)},
+    }
+    if hasattr(m, "block"):
+        doc["block"] = dict(zip(m.roles, m.block))
+        doc["anchored_per"] = {r: a for r, a in zip(m.roles, m.anchors) if a}
+    return doc
+
+
+def schedule_json(spec: Spec, schedule: Schedule) -> dict:
+    return {
+        "version": JSON_VERSION,
+        "name": spec.name,
+        "file": spec.path,
+        "decision": schedule.decision,
+        "reasons": list(schedule.reasons),
+        "nest": [
+            {"name": g.name, "kind": g.kind, "dim": g.dim, "count": g.count, "within": g.within}
+            for g in spec.groups
+        ],
+        "launches": [_launch_json(x) for x in schedule.launches],
+        "prepasses": [
+            {
+                "kind": p.kind,
+                "source": p.source,
+                "target": p.target,
+                "source_layout": p.source_layout,
+                "target_layout": p.target_layout,
+                "source_scale": {"name": p.source_scale, "block": list(p.source_block)},
+                "target_scale": {"name": p.target_scale, "block": list(p.target_block)},
+                "anchored_per": p.anchor,
+                "before_launches": list(p.reads_before),
+                "description": p.describe(),
+            }
+            for p in schedule.prepasses
+        ],
+    }
+
+
+def explain_text(spec: Spec, schedule: Schedule) -> str:
+    lines = [f"spec {spec.name} ({spec.path}:{spec.line})"]
+    lines.append("nest:")
+    if not spec.groups:
+        lines.append("  (no groups)")
+    for g in spec.groups:
+        lines.append(f"  {g}")
+    lines.append(f"decision: {schedule.decision}")
+    lines += [f"  - {r}" for r in schedule.reasons]
+    if schedule.prepasses:
+        lines.append("pre-passes:")
+        for i, p in enumerate(schedule.prepasses):
+            before = ", ".join(map(str, p.reads_before))
+            lines.append(f"  [{i}] {p.describe()} (before launch {before})")
+    lines.append(f"launches: {len(schedule.launches)}")
+    for launch in schedule.launches:
+        lines += ["  " + ln for ln in str(launch).splitlines()]
+    return "\n".join(lines)
