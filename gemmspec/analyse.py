@@ -78,9 +78,11 @@ def n_extents(spec: Spec, g: Gemm) -> dict[int, int | None]:
 
 
 def best_tile_n(n: int | None) -> int:
-    if n is None or n >= MAX_TILE_N:
-        return MAX_TILE_N
-    return max(16, -(-n // 16) * 16)
+    """The narrowest wgmma-friendly tile (16, 32, 64 or 128 columns) covering n."""
+    tile = 16
+    while tile < MAX_TILE_N and (n is None or tile < n):
+        tile *= 2
+    return tile
 
 
 def _dependency_order(spec: Spec) -> list[int]:

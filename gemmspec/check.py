@@ -965,10 +965,10 @@ class _Checker:
                     )
             elif d.kind == "tile":
                 tm, tn = int(d.args[0]), int(d.args[1])
-                if tm not in (64, 128) or tn % 16 or not 16 <= tn <= 256:
+                if tm not in (64, 128) or tn not in (16, 32, 64, 128, 256):
                     raise self.error(
-                        f"tile({tm}, {tn}) is not a wgmma tile: rows must be 64 or 128, columns "
-                        "a multiple of 16 from 16 to 256",
+                        f"tile({tm}, {tn}) is not a supported tile: rows must be 64 or 128, "
+                        "columns 16, 32, 64, 128 or 256",
                         d.pos,
                     )
                 tile = (tm, tn)

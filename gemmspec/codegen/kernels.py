@@ -157,9 +157,7 @@ class GemmKernelConfig:
 
 def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     """Deterministic C identifier, e.g. gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w256s2_store."""
-    scales = (
-        f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
-    )
+    scales = f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
     mode = "acc" if cfg.accumulate else "store"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"

@@ -92,7 +92,7 @@ CASES = [
     ("segment-major-unrelated", edit(BASE, 6, "bf16 [E, N, K]", "bf16 [E, N, K] layout segment_major(expert)"), 6, "expert)", "does not split any dim of 'w'"),
     ("flatten-and-split", insert(insert(BASE, 8, "  flatten"), 9, "  split"), 10, "split", "contradicts the earlier 'flatten'"),
     ("bad-target", insert(BASE, 8, "  target sm_80"), 9, "target", "unsupported target 'sm_80'"),
-    ("bad-tile", insert(BASE, 8, "  tile(96, 128)"), 9, "tile", "is not a wgmma tile"),
+    ("bad-tile", insert(BASE, 8, "  tile(96, 128)"), 9, "tile", "is not a supported tile"),
     ("write-derived", None, None, None, None),
     ("no-statement", "gemm g {\n  dim T\n}\n", 1, "g {", "has no GEMM statement"),
     ("duplicate-spec", BASE + BASE.replace("gemm g {", "gemm g {"), 10, "g {", "defined twice"),
