@@ -78,8 +78,9 @@ def n_extents(spec: Spec, g: Gemm) -> dict[int, int | None]:
 
 
 def best_tile_n(n: int | None) -> int:
-    """The narrowest wgmma-friendly tile (16, 32, 64 or 128 columns) covering n."""
-    tile = 16
+    """The narrowest tile (32, 64 or 128 columns) covering n; 32 keeps the loader's
+    16-byte chunks evenly spread over two warpgroups."""
+    tile = 32
     while tile < MAX_TILE_N and (n is None or tile < n):
         tile *= 2
     return tile

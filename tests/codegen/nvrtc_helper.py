@@ -35,7 +35,9 @@ def cuda_header_dir() -> str:
     return str(found)
 
 
-def compile_cubin(source: str, include_dirs: list[str], name: str = "kernel.cu") -> tuple[bytes, str]:
+def compile_cubin(
+    source: str, include_dirs: list[str], name: str = "kernel.cu"
+) -> tuple[bytes, str]:
     """Return (cubin bytes, compiler log) for sm_90a; raises with the log on failure."""
     from cuda.core import Program, ProgramOptions
 
@@ -71,10 +73,17 @@ def disassemble(cubin: bytes) -> str:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         out = subprocess.run(
-            [cuobjdump, "--dump-sass", str(path)], capture_output=True, text=True, env=env, check=True
+            [cuobjdump, "--dump-sass", str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
         )
         res = subprocess.run(
             [cuobjdump, "--dump-resource-usage", str(path)],
-            capture_output=True, text=True, env=env, check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
         )
     return out.stdout + "\n" + res.stdout

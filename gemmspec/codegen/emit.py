@@ -1,0 +1,278 @@
+"""Flat grouped schedule -> CUDA source, one translation unit per launch.
+
+Each launch becomes a leaf-table builder (evaluating the problem generator's
+polynomials on the device from the run-time offsets tensors) plus the grouped
+GEMM kernel for its signature. Pre-passes become the FP8 requantize/transpose
+kernels. Python computes every expression; the templates only lay them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import GemmspecError
+from ..expr import Poly
+from ..lower.schedule import Extent, Launch, PrePass, ProblemGenerator, Schedule
+from ..spec import Spec
+from .kernels import (
+    ENV,
+    GemmKernelConfig,
+    RequantKernelConfig,
+    TransposeKernelConfig,
+    render_gemm,
+    render_requant,
+    render_transpose,
+)
+
+HEADER = '#include "gemmspec_ptx.cuh"\n'
+
+
+class EmitError(GemmspecError):
+    """The schedule needs something the kernel templates cannot express yet."""
+
+
+def c_symbol(sym: str) -> str:
+    """Per-leaf symbols become locals; run-time dims become `dim_<name>` parameters."""
+    if "." in sym:
+        kind, name = sym.split(".", 1)
+        return {"g": "g_", "start": "start_", "len": "len_", "bstart": "bstart_"}[kind] + name
+    return f"dim_{sym}"
+
+
+def c_expr(p: Poly) -> str:
+    if not p.terms:
+        return "0LL"
+    parts = []
+    for mono, coeff in p.terms:
+        factors = [f"{coeff}LL"] + [c_symbol(s) for s in mono]
+        if coeff == 1 and mono:
+            factors = factors[1:]
+        parts.append(" * ".join(factors))
+    return "(" + " + ".join(parts) + ")"
+
+
+def tensor_param(name: str) -> str:
+    return f"p_{name}"
+
+
+@dataclass(frozen=True)
+class EmittedLaunch:
+    launch: Launch
+    gemm: GemmKernelConfig
+    table_kernel: str
+    table_params: tuple[str, ...]  # run-time tensors, in parameter order
+    dim_params: tuple[str, ...]  # run-time dims, in parameter order
+    leaf_count: int
+    source: str
+
+
+@dataclass(frozen=True)
+class EmittedPrePass:
+    prepass: PrePass
+    kernel: str
+    source: str
+
+
+@dataclass(frozen=True)
+class EmittedProgram:
+    spec: str
+    prepasses: tuple[EmittedPrePass, ...]
+    launches: tuple[EmittedLaunch, ...]
+
+    def sources(self) -> dict[str, str]:
+        """File name -> CUDA source."""
+        out = {f"{self.spec}_prepass{i}.cu": p.source for i, p in enumerate(self.prepasses)}
+        out.update({f"{self.spec}_launch{x.launch.index}.cu": x.source for x in self.launches})
+        return out
+
+
+def _flat_index(axes: tuple[str, ...], counts: dict[str, int], last_extra: int = 0) -> str:
+    """Row-major index over leaf axes; the last axis has `last_extra` more entries."""
+    expr = ""
+    for i, ax in enumerate(axes):
+        n = counts[ax] + (last_extra if i == len(axes) - 1 else 0)
+        expr = f"g_{ax}" if not expr else f"({expr}) * {n} + g_{ax}"
+    return expr or "0"
+
+
+def _extent_lines(spec: Spec, ext: Extent, counts: dict[str, int]) -> list[str]:
+    r = ext.role
+    size = c_expr(ext.size)
+    if ext.kind == "fixed":
+        return [f"const long long start_{r} = 0;", f"const long long len_{r} = {size};"]
+    if ext.kind == "masked":
+        t = tensor_param(ext.tensor)
+        return [
+            f"const long long start_{r} = 0;",
+            f"long long len_{r} = {t}[g_{ext.group}];",
+            f"len_{r} = len_{r} < 0 ? 0 : (len_{r} > {size} ? {size} : len_{r});",
+        ]
+    if ext.group_kind == "ragged":
+        t = tensor_param(ext.tensor)
+        outer = ext.index_axes[:-1]
+        row = _flat_index(outer, counts) if outer else "0"
+        idx = f"({row}) * {counts[ext.group] + 1} + g_{ext.group}"
+        # Clamped so that malformed offsets can never address outside the dim.
+        return [
+            f"long long start_{r} = {t}[{idx}];",
+            f"long long end_{r} = {t}[{idx} + 1];",
+            f"start_{r} = start_{r} < 0 ? 0 : (start_{r} > {size} ? {size} : start_{r});",
+            f"end_{r} = end_{r} < start_{r} ? start_{r} : (end_{r} > {size} ? {size} : end_{r});",
+            f"const long long len_{r} = end_{r} - start_{r};",
+        ]
+    return [
+        f"const long long start_{r} = {_select(ext.group, ext.starts)};",
+        f"const long long len_{r} = {_select(ext.group, ext.sizes)};",
+    ]
+
+
+def _select(axis: str, values: tuple[int, ...]) -> str:
+    """values[g_axis] as a chain of selects: a run-time-indexed local array would
+    live in local memory."""
+    expr = f"{values[-1]}LL"
+    for i in range(len(values) - 2, -1, -1):
+        expr = f"(g_{axis} == {i} ? {values[i]}LL : {expr})"
+    return expr
+
+
+def _bstart_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> list[str]:
+    lines: list[str] = []
+    done: set[str] = set()
+    for sm in (pg.sa, pg.sb):
+        if sm is None:
+            continue
+        for role, block, anchor in zip(sm.roles, sm.block, sm.anchors):
+            if role in done or f"bstart.{role}" not in _symbols(pg):
+                continue
+            done.add(role)
+            if anchor is None:
+                lines.append(f"const long long bstart_{role} = start_{role} / {block};")
+                continue
+            g = spec.group(anchor)
+            ext = pg.extent(role)
+            if g.kind != "ragged":
+                prefix, acc = [], 0
+                for s in g.sizes:
+                    prefix.append(acc)
+                    acc += -(-s // block)
+                lines.append(f"const long long bstart_{role} = {_select(anchor, tuple(prefix))};")
+                continue
+            # Anchored blocks: ceil(len / block) summed over every earlier segment.
+            t = tensor_param(g.tensor)
+            c = counts[anchor]
+            flat = _flat_index(ext.index_axes, counts)
+            size = c_expr(ext.size)
+            lines += [
+                f"long long bstart_{role} = 0;",
+                f"for (long long j = 0; j < {flat}; ++j) {{",
+                f"  long long s = {t}[(j / {c}) * {c + 1} + j % {c}];",
+                f"  long long e = {t}[(j / {c}) * {c + 1} + j % {c} + 1];",
+                f"  s = s < 0 ? 0 : (s > {size} ? {size} : s);",
+                f"  e = e < s ? s : (e > {size} ? {size} : e);",
+                f"  bstart_{role} += (e - s + {block - 1}) / {block};",
+                "}",
+            ]
+    return lines
+
+
+def _symbols(pg: ProblemGenerator) -> set[str]:
+    polys = [pg.a.offset, *pg.a.strides, pg.b.offset, *pg.b.strides, pg.d.offset, *pg.d.strides]
+    for s in (pg.sa, pg.sb):
+        if s is not None:
+            polys += [s.offset, *s.strides]
+    return {sym for p in polys for sym in p.symbols}
+
+
+def gemm_config(launch: Launch) -> GemmKernelConfig:
+    sig = launch.signature
+    return GemmKernelConfig(
+        a_type=sig.a_type,
+        b_type=sig.b_type,
+        d_type=sig.d_type,
+        accumulate=sig.accumulate,
+        scaled=sig.scaled,
+        sa_bm=sig.sa_block[0],
+        sa_bk=sig.sa_block[1] if sig.scaled else 128,
+        sb_bn=sig.sb_block[0],
+        sb_bk=sig.sb_block[1] if sig.scaled else 128,
+        tile_m=sig.tile_m,
+        tile_n=sig.tile_n,
+    )
+
+
+def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
+    pg = launch.problems
+    cfg = gemm_config(launch)
+    counts = {ax.name: ax.count for ax in pg.leaf_axes}
+    body: list[str] = []
+    for ext in pg.extents:
+        body += _extent_lines(spec, ext, counts)
+    body += _bstart_lines(spec, pg, counts)
+    fields = [
+        ("a_off", c_expr(pg.a.offset)), ("a_sm", c_expr(pg.a.strides[0])), ("a_sk", c_expr(pg.a.strides[1])),
+        ("b_off", c_expr(pg.b.offset)), ("b_sn", c_expr(pg.b.strides[0])), ("b_sk", c_expr(pg.b.strides[1])),
+        ("d_off", c_expr(pg.d.offset)), ("d_sm", c_expr(pg.d.strides[0])), ("d_sn", c_expr(pg.d.strides[1])),
+    ]
+    for prefix, sm in (("sa", pg.sa), ("sb", pg.sb)):
+        r0 = "sm" if prefix == "sa" else "sn"
+        if sm is None:
+            fields += [(f"{prefix}_off", "0LL"), (f"{prefix}_{r0}", "0LL"), (f"{prefix}_sk", "0LL")]
+        else:
+            fields += [
+                (f"{prefix}_off", c_expr(sm.offset)),
+                (f"{prefix}_{r0}", c_expr(sm.strides[0])),
+                (f"{prefix}_sk", c_expr(sm.strides[1])),
+            ]
+    table_name = f"{cfg.name}_{spec.name}_l{launch.index}_leaves"
+    params = tuple(tensor_param(t) for t in pg.runtime_tensors)
+    dims = tuple(c_symbol(d) for d in pg.runtime_dims)
+    table = ENV.get_template("leaf_table.cu.jinja").render(
+        name=table_name,
+        spec_name=spec.name,
+        launch_index=launch.index,
+        statement=launch.statement_text,
+        leaf_count=pg.leaf_count,
+        tensor_params=params,
+        dim_params=dims,
+        free_axes=[{"var": f"g_{a.name}", "count": a.count} for a in reversed(pg.free_axes)],
+        pinned_axes=[{"var": f"g_{a}", "value": i} for a, i in pg.fixed_axes],
+        body=body,
+        fields=fields,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+    )
+    source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
+    return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)
+
+
+def emit_prepass(spec: Spec, p: PrePass) -> EmittedPrePass:
+    src, dst = spec.tensor(p.source), spec.tensor(p.target)
+    if p.kind == "transpose":
+        if src.layout.kind != "strided" or dst.layout.kind != "strided" or src.rank != 2:
+            raise EmitError(f"transpose {p.source} -> {p.target}: only 2-D strided tensors are emitted so far")
+        if src.scale.layout.strides != dst.scale.layout.strides:
+            raise EmitError(f"transpose {p.source} -> {p.target}: the scale layouts must match (scales are shared)")
+        cfg = TransposeKernelConfig()
+        return EmittedPrePass(p, cfg.name, HEADER + render_transpose(cfg))
+    ok = (
+        src.rank == 2
+        and src.scale.block == (1, 128)
+        and dst.scale.block == (128, 1)
+        and src.layout.kind == "strided"
+        and src.layout.contiguous_axis() == 1
+    )
+    if not ok:
+        raise EmitError(
+            f"requantize {p.source} -> {p.target}: the emitted pass handles 2-D row-major "
+            "[T, C] FP8 with [1, 128] scales into [128, 1] scales"
+        )
+    cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
+    return EmittedPrePass(p, cfg.name, HEADER + render_requant(cfg))
+
+
+def emit(spec: Spec, schedule: Schedule) -> EmittedProgram:
+    return EmittedProgram(
+        schedule.spec,
+        tuple(emit_prepass(spec, p) for p in schedule.prepasses),
+        tuple(emit_launch(spec, x) for x in schedule.launches),
+    )
