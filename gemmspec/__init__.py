@@ -1,1 +1,7 @@
 """gemmspec: a problem-spec compiler for nested grouped GEMMs on Hopper."""
+
+from .build import build
+from .errors import ArgumentError, CompileError, GemmspecError, SpecError
+
+__all__ = ["build", "ArgumentError", "CompileError", "GemmspecError", "SpecError"]
+__version__ = "0.1.0"

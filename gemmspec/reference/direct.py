@@ -80,19 +80,16 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
                     masks[r] &= _group_mask(spec, rt, g.name, at)
         a = _slice(gemm.a, a_real, at, ("m", "k"))
         b = _slice(gemm.b, b_real, at, ("n", "k"))
-        k = masks["k"].astype(np.float64)
-        part = (a * masks["m"][:, None] * k[None, :]) @ (b * masks["n"][:, None] * k[None, :]).T
+        im, in_, ik = (np.flatnonzero(masks[r]) for r in "mnk")
+        # Only the rows, columns and contraction range this leaf covers.
+        part = a[np.ix_(im, ik)] @ b[np.ix_(in_, ik)].T
         sel = _out_index(gemm, at)
         view = total[sel]
         wview = written[sel]
         mn_order = [u.role for u in gemm.out.uses if u.kind == "role"]
-        if mn_order == ["n", "m"]:
-            part = part.T
-            cover = np.outer(masks["n"], masks["m"])
-        else:
-            cover = np.outer(masks["m"], masks["n"])
-        view += part * cover
-        wview |= cover
+        where = np.ix_(in_, im) if mn_order == ["n", "m"] else np.ix_(im, in_)
+        view[where] += part.T if mn_order == ["n", "m"] else part
+        wview[where] = True
         total[sel] = view
         written[sel] = wview
     if gemm.accumulate:

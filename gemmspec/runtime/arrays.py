@@ -304,3 +304,18 @@ class DeviceBuffer:
                 f"the buffer has {self.nbytes}"
             )
         return DeviceArray(self.ptr, tuple(shape), tuple(strides), dtype, self.device, self)
+
+
+def copy_to_host(array: DeviceArray, shape: tuple[int, ...]) -> np.ndarray:
+    """A contiguous device array's contents on the host, after all device work.
+
+    Used for the small offsets/counts tensors that are validated before a launch.
+    """
+    host = np.empty(shape, dtype=numpy_dtype(array.dtype))
+    try:
+        get_device(array.device).sync()
+    except CUDAError as e:
+        raise GemmspecError(f"device work before reading '{array}' failed: {e}") from e
+    if host.nbytes:
+        _check(driver.cuMemcpyDtoH(host.ctypes.data, array.ptr, host.nbytes), "cuMemcpyDtoH")
+    return host

@@ -12,7 +12,7 @@ import pytest
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.pipeline import lower_file
-from gemmspec.runtime.nvrtc import compile_cubin, cuda_include_dirs, disassemble
+from gemmspec.runtime.nvrtc import compile_cubin, disassemble
 from gemmspec.spec import FP8_TYPES
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
@@ -44,14 +44,16 @@ def test_example_compiles_to_tensor_core_sass(path, tmp_path):
 def test_emitted_cu_files_compile_standalone_with_nvcc(tmp_path):
     from gemmspec.cli import main
 
+    # nvcc uses its own toolkit headers: the .cu files need nothing but gemmspec_ptx.cuh.
     out = tmp_path / "out"
-    assert main(["compile", str(EXAMPLES[0]), "-o", str(out)]) == 0
+    for example in EXAMPLES:
+        assert main(["compile", str(example), "-o", str(out)]) == 0
     cus = sorted(out.glob("*.cu"))
-    assert cus
+    assert len(cus) >= len(EXAMPLES)
     for cu in cus:
         proc = subprocess.run(
             ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-c", str(cu),
-             "-o", str(tmp_path / (cu.stem + ".o")), *[f"-I{d}" for d in cuda_include_dirs()]],
+             "-o", str(tmp_path / (cu.stem + ".o"))],
             capture_output=True, text=True, cwd=out,
         )
         assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,180 @@
+"""Run a compiled spec on random data and compare with the float64 reference.
+
+Inputs are fresh random values quantized with the spec's own scales (never
+zeros); `=` outputs are poisoned with NaN first and must come back fully
+written; `+=` outputs start from random values. The reference is the spec's
+direct semantics on the dequantized inputs (gemmspec.reference.direct).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..reference.data import (
+    NUMPY_TYPES,
+    Runtime,
+    TensorData,
+    dim_size,
+    element_offsets,
+    random_inputs,
+    random_runtime,
+    scale_grid_shape,
+    scale_offsets,
+)
+from ..reference.direct import run_direct
+from ..spec import Tensor
+from .arrays import DeviceBuffer
+from .executor import Executable
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    tensor: str
+    rel_error: float
+    unwritten: int  # elements the reference writes that the GPU left as NaN
+    clobbered: int  # elements the reference leaves alone that the GPU changed
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_error < self.tolerance and not self.unwritten and not self.clobbered
+
+
+@dataclass(frozen=True)
+class RunReport:
+    spec: str
+    dims: dict
+    checks: tuple[OutputCheck, ...]
+    seconds: float
+    useful_flops: float
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def tflops(self) -> float:
+        return self.useful_flops / self.seconds / 1e12 if self.seconds else 0.0
+
+
+def _flat_buffer(spec, rt, t: Tensor, values: np.ndarray, fill: float) -> tuple[np.ndarray, DeviceBuffer]:
+    off = element_offsets(spec, rt, t)
+    n = int(off.max(initial=-1)) + 1
+    flat = np.full(n, fill, dtype=np.float64)
+    flat[off] = values
+    host = flat.astype(NUMPY_TYPES[t.dtype])
+    return host, DeviceBuffer.from_numpy(host.view(np.uint8) if host.size else np.zeros(16, np.uint8))
+
+
+def _useful_flops(spec, rt) -> float:
+    total = 0.0
+    from ..reference.data import segments
+
+    for g in spec.gemms:
+        sizes = {r: dim_size(spec, rt, g.role(r).dim) for r in "mnk"}
+        leaves = 1
+        for ax in g.leaf_axes:
+            if ax.group is None:
+                leaves *= ax.count
+        split = [r for r in "mnk" if g.role(r).group or g.role(r).masked_by]
+        if not split:
+            total += 2.0 * leaves * sizes["m"] * sizes["n"] * sizes["k"]
+            continue
+        r = split[0]
+        others = [x for x in "mnk" if x != r]
+        rd = g.role(r)
+        if rd.masked_by:
+            lens = [int(c) for c in rt.tensors[spec.group(rd.masked_by).tensor]]
+            lens = [min(max(c, 0), sizes[r]) for c in lens]
+        else:
+            lens = [s.length for s in segments(spec, rt, rd.group)]
+        total += 2.0 * sum(lens) * sizes[others[0]] * sizes[others[1]] * (leaves if not rd.masked_by else 1)
+    return total
+
+
+def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dict | None = None, seed: int = 0, repeats: int = 10) -> RunReport:
+    spec = exe.spec
+    rng = np.random.default_rng(seed)
+    rt: Runtime = random_runtime(spec, rng, lengths=lengths, dims=dims)
+    data = random_inputs(spec, rt, rng)
+    outputs = {g.out.tensor for g in spec.gemms}
+    init = {}
+    for name in outputs:
+        t = spec.tensor(name)
+        shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+        init[name] = data.pop(name).values if name in data else np.full(shape, np.nan)
+    args: dict[str, object] = {}
+    keep = []
+    for name, d in data.items():
+        t = spec.tensor(name)
+        host, buf = _flat_buffer(spec, rt, t, d.values, 0.0)
+        args[name] = _shaped(buf, t, spec, rt)
+        keep.append(buf)
+        if d.scale_grid is not None:
+            grid_off = scale_offsets(spec, rt, t)
+            flat = np.zeros(int(grid_off.max(initial=-1)) + 1, dtype=np.float32)
+            flat[grid_off] = d.scale_grid
+            sbuf = DeviceBuffer.from_numpy(flat if flat.size else np.zeros(4, np.float32))
+            keep.append(sbuf)
+            shape = scale_grid_shape(spec, rt, t)
+            strides = tuple(s.evaluate(rt.dims) for s in t.scale.layout.strides)
+            args[t.scale.name] = sbuf.view(shape, "f32", strides)
+    out_bufs = {}
+    for name, v in init.items():
+        t = spec.tensor(name)
+        host, buf = _flat_buffer(spec, rt, t, v, np.nan)
+        out_bufs[name] = (buf, host)
+        args[name] = _shaped(buf, t, spec, rt)
+    for name, arr in rt.tensors.items():
+        buf = DeviceBuffer.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
+        keep.append(buf)
+        args[name] = buf.view(arr.shape, "i32")
+    exe(**args)
+    results = {}
+    for name, (buf, host) in out_bufs.items():
+        t = spec.tensor(name)
+        flat = buf.to_numpy(host.shape, host.dtype).astype(np.float64)
+        results[name] = flat[element_offsets(spec, rt, t)]
+    reference = run_direct(spec, rt, {k: v for k, v in data.items()}, init)
+    checks = []
+    for name in sorted(outputs):
+        t = spec.tensor(name)
+        ref, got = reference[name], results[name]
+        should = ~np.isnan(ref)
+        unwritten = int(np.isnan(got[should]).sum())
+        clobbered = int((~np.isnan(got[~should])).sum())
+        num = np.linalg.norm(np.nan_to_num(got[should]) - ref[should])
+        den = np.linalg.norm(ref[should]) or 1.0
+        a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
+        tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
+        checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))
+    # Timing: the whole schedule (validation excluded), median of `repeats` runs.
+    seconds = _time(exe, args, repeats) if repeats else 0.0
+    del keep
+    return RunReport(spec.name, dict(rt.dims), tuple(checks), seconds, _useful_flops(spec, rt))
+
+
+def _shaped(buf: DeviceBuffer, t: Tensor, spec, rt):
+    shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+    if t.layout.kind == "strided":
+        strides = tuple(s.evaluate(rt.dims) for s in t.layout.strides)
+    else:
+        strides = None
+    return buf.view(shape, t.dtype, strides)
+
+
+def _time(exe: Executable, args: dict, repeats: int) -> float:
+    run = exe.prepare(**args)
+    run()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples))
+
+
+__all__ = ["run_random", "RunReport", "OutputCheck", "TensorData"]
