@@ -90,11 +90,17 @@ class Executable:
         devices = {a.device for a in arrays.values()}
         if len(devices) > 1:
             raise ArgumentError(f"{self.spec.name}: tensors are on different devices {sorted(devices)}")
+        # Metadata first (no device access), then the values of offsets and counts,
+        # then what depends on them (scale grids anchored at segment starts).
         dims = self._runtime_dims(arrays)
-        offsets = self._check_group_tensors(arrays, dims)
+        self._check_group_metadata(arrays)
         for t in self.spec.tensors:
             if t.derived is None:
-                self._check_tensor(t, arrays, dims, offsets)
+                self._check_tensor(t, arrays, dims)
+        offsets = self._check_group_values(arrays, dims)
+        for t in self.spec.tensors:
+            if t.derived is None and t.scale is not None:
+                self._check_scale(t, arrays, dims, offsets)
         return _Bound(arrays, dims, offsets)
 
     def _tensor_named(self, name: str) -> Tensor | None:
@@ -121,25 +127,33 @@ class Executable:
                         )
         return dims
 
-    def _check_group_tensors(self, arrays, dims) -> dict[str, np.ndarray]:
-        host: dict[str, np.ndarray] = {}
+    def _group_tensor_shape(self, g) -> tuple[int, ...]:
+        chain = []
+        outer = g
+        while outer.within:
+            outer = self.spec.group(outer.within)
+            chain.insert(0, outer.count)
+        return (*chain, g.count + 1) if g.kind == "ragged" else (g.count,)
+
+    def _check_group_metadata(self, arrays) -> None:
         for g in self.spec.groups:
             if not g.tensor:
                 continue
             a = arrays[g.tensor]
+            shape = self._group_tensor_shape(g)
             if a.dtype != "i32":
                 raise ArgumentError(f"'{g.tensor}' must be int32, got {a.dtype}")
-            chain = []
-            outer = g
-            while outer.within:
-                outer = self.spec.group(outer.within)
-                chain.insert(0, outer.count)
-            shape = (*chain, g.count + 1) if g.kind == "ragged" else (g.count,)
             if tuple(a.shape) != shape:
-                raise ArgumentError(f"'{g.tensor}' must have shape {shape}, got {tuple(a.shape)}")
+                raise ArgumentError(f"'{g.tensor}' must have shape {list(shape)}, got {list(a.shape)}")
             if a.strides != _row_major(shape):
                 raise ArgumentError(f"'{g.tensor}' must be contiguous")
-            values = copy_to_host(a, shape)
+
+    def _check_group_values(self, arrays, dims) -> dict[str, np.ndarray]:
+        host: dict[str, np.ndarray] = {}
+        for g in self.spec.groups:
+            if not g.tensor:
+                continue
+            values = copy_to_host(arrays[g.tensor], self._group_tensor_shape(g)).astype(np.int64)
             host[g.tensor] = values
             size = dims.get(g.dim, self.spec.dim(g.dim).size)
             if g.kind == "masked":
@@ -151,7 +165,8 @@ class Executable:
                 raise ArgumentError(f"'{g.tensor}' must be non-decreasing along each row")
             if g.within is None and (rows[0, 0] != 0 or rows[0, -1] != size):
                 raise ArgumentError(
-                    f"'{g.tensor}' must start at 0 and end at {g.dim} = {size}, got {rows[0, 0]}..{rows[0, -1]}"
+                    f"'{g.tensor}' must start at 0 and end at {g.dim} = {size}, "
+                    f"got {rows[0, 0]}..{rows[0, -1]}"
                 )
             if g.within is not None:
                 outer_off = host[self.spec.group(g.within).tensor].reshape(-1)
@@ -162,9 +177,7 @@ class Executable:
                     )
         return host
 
-    def _check_tensor(self, t: Tensor, arrays, dims, offsets) -> None:
-        from ..reference.data import Runtime, scale_grid_shape
-
+    def _check_tensor(self, t: Tensor, arrays, dims) -> None:
         a = arrays[t.name]
         if a.dtype != t.dtype:
             raise ArgumentError(f"tensor '{t.name}' must be {t.dtype}, got {a.dtype}")
@@ -180,25 +193,35 @@ class Executable:
             ok = a.strides == want or 0 in shape
         if not ok:
             raise ArgumentError(
-                f"tensor '{t.name}' must have element strides {list(want)} ({t.layout}), got {list(a.strides)}"
+                f"tensor '{t.name}' must have element strides {list(want)} ({t.layout}), "
+                f"got {list(a.strides)}"
             )
         if a.ptr % ALIGN:
             raise ArgumentError(f"tensor '{t.name}' must be {ALIGN}-byte aligned")
-        if t.scale is None:
-            return
+        if t.scale is not None:
+            s = arrays[t.scale.name]
+            if s.dtype != "f32":
+                raise ArgumentError(f"scale '{t.scale.name}' must be float32, got {s.dtype}")
+            if len(s.shape) != t.rank:
+                raise ArgumentError(f"scale '{t.scale.name}' must have {t.rank} dims, got {len(s.shape)}")
+            if s.ptr % ALIGN:
+                raise ArgumentError(f"scale '{t.scale.name}' must be {ALIGN}-byte aligned")
+            want = tuple(x.evaluate(env) for x in t.scale.layout.strides)
+            if not all(w == x or n <= 1 for w, x, n in zip(want, s.strides, s.shape)):
+                raise ArgumentError(
+                    f"scale '{t.scale.name}' must have element strides {list(want)} "
+                    f"({t.scale.layout}), got {list(s.strides)}"
+                )
+
+    def _check_scale(self, t: Tensor, arrays, dims, offsets) -> None:
+        from ..reference.data import Runtime, scale_grid_shape
+
         s = arrays[t.scale.name]
-        if s.dtype != "f32":
-            raise ArgumentError(f"scale '{t.scale.name}' must be float32, got {s.dtype}")
         grid = scale_grid_shape(self.spec, Runtime(dims, offsets), t)
         if tuple(s.shape) != grid:
-            raise ArgumentError(f"scale '{t.scale.name}' must have shape {list(grid)}, got {list(s.shape)}")
-        want = tuple(x.evaluate(env) for x in t.scale.layout.strides)
-        if not all(w == x or n <= 1 for w, x, n in zip(want, s.strides, grid)):
             raise ArgumentError(
-                f"scale '{t.scale.name}' must have element strides {list(want)} ({t.scale.layout}), got {list(s.strides)}"
+                f"scale '{t.scale.name}' must have shape {list(grid)}, got {list(s.shape)}"
             )
-        if s.ptr % ALIGN:
-            raise ArgumentError(f"scale '{t.scale.name}' must be {ALIGN}-byte aligned")
 
     # ---- launching --------------------------------------------------------------------
     def _kernel(self, source: str, name: str) -> LoadedKernel:
@@ -209,61 +232,54 @@ class Executable:
 
     def __call__(self, stream: object = None, **tensors: object) -> None:
         """Validate, then run the whole schedule on `stream` and wait for it."""
-        self.prepare(stream, **tensors)()
+        run = self.prepare(stream, **tensors)
+        run.enqueue()
+        run.synchronize()
 
-    def prepare(self, stream: object = None, **tensors: object):
-        """Validate once; return a function that runs the schedule and waits for it."""
+    def prepare(self, stream: object = None, **tensors: object) -> PreparedRun:
+        """Validate once, allocate workspaces, and return the launch list.
+
+        `enqueue()` on the result issues every kernel on the stream without
+        synchronising (so it can be timed or captured in a CUDA graph).
+        """
         bound = self._bind(tensors)
-        s = current_stream(stream)
-
-        def run() -> None:
-            ptrs: dict[str, object] = dict(bound.arrays)
-            for p in self.program.prepasses:
-                self._run_prepass(p, bound, ptrs, s)
-            for x in self.program.launches:
-                self._run_launch(x, bound, ptrs, s)
-            s.sync()  # workspaces in `bound` must outlive the kernels that use them
-            bound.workspace.clear()
-
+        run = PreparedRun(current_stream(stream), workspace=[])
+        ptrs: dict[str, object] = dict(bound.arrays)
+        for p in self.program.prepasses:
+            self._plan_prepass(p, bound, ptrs, run)
+        for x in self.program.launches:
+            self._plan_launch(x, bound, ptrs, run)
         return run
 
-    def _run_prepass(self, p: EmittedPrePass, bound: _Bound, ptrs: dict, stream) -> None:
+    def _plan_prepass(self, p: EmittedPrePass, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
         spec = self.spec
         src, dst = spec.tensor(p.prepass.source), spec.tensor(p.prepass.target)
         env = dict(bound.dims)
         shape = [bound.dims.get(d) or spec.dim(d).size for d in src.dims]
-        nbytes = max(int(np.prod(shape)), 1)
-        out = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN)
-        bound.workspace.append(out)
+        out = run.allocate(max(int(np.prod(shape)), 1))
+        kern = self._kernel(p.source, p.kernel)
         if p.prepass.kind == "transpose":
             cfg = TransposeKernelConfig()
             rows, cols = shape
-            kern = self._kernel(p.source, p.kernel)
-            kern.launch(
-                cfg.grid(1, rows, cols), cfg.threads, 0, stream,
+            run.add(
+                kern, cfg.grid(1, rows, cols), cfg.threads, 0,
                 ptrs[src.name], out, np.int32(1), np.int32(rows), np.int32(cols),
                 np.int64(rows * cols), np.int64(src.layout.strides[0].evaluate(env)),
                 np.int64(rows * cols), np.int64(dst.layout.strides[1].evaluate(env)),
             )
             ptrs[dst.name] = out
-            ptrs[dst.scale.name] = ptrs[src.scale.name]
+            ptrs[dst.scale.name] = ptrs[src.scale.name]  # transpose keeps the scale grid
             return
         cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
         tokens, channels = shape
         if dst.layout.kind == "segment_major":
             group = spec.group(dst.layout.group)
-            offsets = ptrs[group.tensor]
-            groups = group.count
+            offsets, groups = ptrs[group.tensor], group.count
         else:  # one segment spanning all tokens
-            offsets = DeviceBuffer.from_numpy(np.array([0, tokens], dtype=np.int32))
-            bound.workspace.append(offsets)
-            groups = 1
-        rows = cfg.scale_rows_bound(tokens, groups)
-        sy = DeviceBuffer(max(rows * channels, 1) * 4)
-        bound.workspace.append(sy)
-        kern = self._kernel(p.source, p.kernel)
-        kern.launch(
-            cfg.grid(tokens, channels, groups), cfg.threads, 0, stream,
+            offsets, groups = run.upload(np.array([0, tokens], dtype=np.int32)), 1
+        sy = run.allocate(max(cfg.scale_rows_bound(tokens, groups) * channels, 1) * 4)
+        run.add(
+            kern, cfg.grid(tokens, channels, groups), cfg.threads, 0,
             ptrs[src.name], np.int64(src.layout.strides[0].evaluate(env)),
             ptrs[src.scale.name], np.int64(src.scale.layout.strides[0].evaluate(env)),
             np.int64(src.scale.layout.strides[1].evaluate(env)),
@@ -271,20 +287,48 @@ class Executable:
         )
         ptrs[dst.name], ptrs[dst.scale.name] = out, sy
 
-    def _run_launch(self, x: EmittedLaunch, bound: _Bound, ptrs: dict, stream) -> None:
-        table = DeviceBuffer((x.leaf_count + 1) * GS_LEAF_BYTES)
-        bound.workspace.append(table)
+    def _plan_launch(self, x: EmittedLaunch, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
+        table = run.allocate((x.leaf_count + 1) * GS_LEAF_BYTES)
         builder = self._kernel(x.source, x.table_kernel)
-        args = [table] + [ptrs[t] for t in x.table_params] + [np.int64(bound.dims[d]) for d in x.dim_params]
-        builder.launch(1, 256, 0, stream, *args)
+        args = [ptrs[t] for t in x.table_params] + [np.int64(bound.dims[d]) for d in x.dim_params]
+        run.add(builder, 1, 256, 0, table, *args)
         pg = x.launch.problems
         gemm = self._kernel(x.source, x.gemm.name)
         sa = ptrs[pg.sa.tensor] if pg.sa else None
         sb = ptrs[pg.sb.tensor] if pg.sb else None
-        gemm.launch(
-            num_sms(), x.gemm.threads, x.gemm.smem_bytes, stream,
+        run.add(
+            gemm, num_sms(), x.gemm.threads, x.gemm.smem_bytes,
             table, np.int32(x.leaf_count), ptrs[pg.a.tensor], ptrs[pg.b.tensor], ptrs[pg.d.tensor], sa, sb,
         )
+
+
+@dataclass
+class PreparedRun:
+    """Validated arguments, owned workspaces and the ordered kernel launches."""
+
+    stream: object
+    workspace: list
+    launches: list = field(default_factory=list)
+
+    def allocate(self, nbytes: int) -> DeviceBuffer:
+        buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN)
+        self.workspace.append(buf)
+        return buf
+
+    def upload(self, array: np.ndarray) -> DeviceBuffer:
+        buf = DeviceBuffer.from_numpy(array)
+        self.workspace.append(buf)
+        return buf
+
+    def add(self, kernel: LoadedKernel, grid, block, smem: int, *args) -> None:
+        self.launches.append((kernel, grid, block, smem, args))
+
+    def enqueue(self) -> None:
+        for kernel, grid, block, smem, args in self.launches:
+            kernel.launch(grid, block, smem, self.stream, *args)
+
+    def synchronize(self) -> None:
+        self.stream.sync()
 
 
 def _row_major(shape) -> tuple[int, ...]:

@@ -167,12 +167,15 @@ def _shaped(buf: DeviceBuffer, t: Tensor, spec, rt):
 
 
 def _time(exe: Executable, args: dict, repeats: int) -> float:
+    """Median wall time of enqueue + synchronise (launch overhead included)."""
     run = exe.prepare(**args)
-    run()
+    run.enqueue()
+    run.synchronize()
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run()
+        run.enqueue()
+        run.synchronize()
         samples.append(time.perf_counter() - t0)
     return float(np.median(samples))
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything that needs the H200, in one go: build, GPU tests, sanitizer, benchmark.
+# Run from the repository root on a machine with a Hopper GPU. Logs go to $OUT (or ./out).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import lark" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gs-site .whl/*.whl && export PYTHONPATH=/tmp/gs-site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+status=0
+python3 tests/runtime/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || status=1
+python3 -m pytest -q -m gpu tests/gpu -rs -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+  -k "bad_offsets or nested or single_expert" 2>&1 | tail -25 | tee "$OUT/sanitizer.log" || status=1
+python3 scripts/bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+exit $status

@@ -1,0 +1,93 @@
+"""prepare() turns every example into the right launch list (no GPU needed):
+kernel order, grid/block/shared memory, and one argument per kernel parameter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gemmspec
+from gemmspec.codegen.header import entry_points
+from gemmspec.reference.data import dim_size, random_runtime, scale_grid_shape
+from gemmspec.runtime import executor
+from gemmspec.runtime.arrays import DeviceArray
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
+
+
+class FakeBuffer:
+    _next = 1 << 32
+
+    def __init__(self, nbytes, **_):
+        self.nbytes = nbytes
+        self.ptr = FakeBuffer._next
+        FakeBuffer._next += ((nbytes + 255) // 256 + 1) * 256
+
+    @classmethod
+    def from_numpy(cls, array, **_):
+        return cls(array.nbytes)
+
+
+class FakeKernel:
+    def __init__(self, compiled, name, **_):
+        self.name = name
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    host = {}
+    monkeypatch.setattr(executor, "DeviceBuffer", FakeBuffer)
+    monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
+    monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
+    monkeypatch.setattr(executor, "num_sms", lambda: 132)
+    monkeypatch.setattr(executor, "current_stream", lambda s: "stream")
+    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
+    return host
+
+
+def _arrays(exe, host, rng):
+    spec = exe.spec
+    rt = random_runtime(spec, rng, dims={d: 300 for d in spec.runtime_dims})
+    args = {}
+    ptr = 1 << 20
+    for t in spec.tensors:
+        if t.derived is not None:
+            continue
+        shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+        strides = tuple(s.evaluate(rt.dims) for s in t.layout.strides) if t.layout.kind == "strided" else executor._row_major(shape)
+        args[t.name] = DeviceArray(ptr, shape, strides, t.dtype, 0, None)
+        ptr += 1 << 30
+        if t.scale:
+            grid = scale_grid_shape(spec, rt, t)
+            sstr = tuple(s.evaluate(rt.dims) for s in t.scale.layout.strides)
+            args[t.scale.name] = DeviceArray(ptr, grid, sstr, "f32", 0, None)
+            ptr += 1 << 30
+    for name, values in rt.tensors.items():
+        args[name] = DeviceArray(ptr, values.shape, executor._row_major(values.shape), "i32", 0, None)
+        host[ptr] = np.asarray(values)
+        ptr += 1 << 20
+    return args
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_prepare_builds_one_argument_per_parameter(path, offline):
+    exe = gemmspec.build(path)
+    run = exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(0)))
+    params = {}
+    for source in exe.sources.values():
+        for decl in entry_points(source):
+            name = decl.split("void ", 1)[1].split("(", 1)[0]
+            params[name] = decl.count(",") + 1
+    names = [k.name for k, *_ in run.launches]
+    expected = len(exe.program.prepasses) + 2 * len(exe.program.launches)
+    assert len(names) == expected
+    for kernel, grid, block, smem, args in run.launches:
+        assert len(args) == params[kernel.name], kernel.name
+        assert grid and block in (128, 256) and 0 <= smem <= 227 * 1024
+        assert all(not isinstance(a, (int, float)) or isinstance(a, np.generic) for a in args)
+    # Every launch is a table builder followed by its GEMM, after all pre-passes.
+    gemms = names[len(exe.program.prepasses):]
+    for x, (table, gemm) in zip(exe.program.launches, zip(gemms[::2], gemms[1::2])):
+        assert (table, gemm) == (x.table_kernel, x.gemm.name)
