@@ -86,7 +86,7 @@ def best_tile_n(n: int | None) -> int:
     return tile
 
 
-def _dependency_order(spec: Spec) -> list[int]:
+def dependency_order(spec: Spec) -> list[int]:
     """Statement order that puts every writer before its readers (source order otherwise)."""
     writers: dict[str, list[int]] = {}
     for g in spec.gemms:
@@ -113,7 +113,7 @@ def analyse(spec: Spec) -> NestDecision:
     reasons: list[str] = []
     plans: list[LaunchPlan] = []
     forced = spec.directives.force
-    order = _dependency_order(spec)
+    order = dependency_order(spec)
     gemms = [spec.gemms[i] for i in order]
 
     if len(gemms) > 1:

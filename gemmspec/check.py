@@ -210,7 +210,13 @@ class _Checker:
             if k.within.text not in self.groups:
                 raise self.error(f"unknown group '{k.within.text}'", k.within.pos)
             outer = self.groups[k.within.text]
-            if outer.dim != dim.name or outer.kind not in GROUP_KINDS_THAT_PARTITION:
+            if outer.kind != "ragged":
+                raise self.error(
+                    f"group '{g.name.text}' can nest only within a ragged group; "
+                    f"'{outer.name}' is {outer.kind}",
+                    k.within.pos,
+                )
+            if outer.dim != dim.name:
                 raise self.error(
                     f"group '{g.name.text}' splits {dim.name} within '{outer.name}', but "
                     f"'{outer.name}' does not split {dim.name}",

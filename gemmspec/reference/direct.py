@@ -13,6 +13,7 @@ import itertools
 
 import numpy as np
 
+from ..analyse import dependency_order
 from ..spec import Gemm, Spec
 from .data import Runtime, TensorData, dim_size, real_values, requantize_values, segments
 
@@ -119,7 +120,9 @@ def run_direct(spec: Spec, rt: Runtime, inputs: dict[str, TensorData], init: dic
     """Evaluate every statement in order; `init` holds each output's starting values."""
     data = derive(spec, rt, inputs)
     results = {k: v.copy() for k, v in init.items()}
-    for gemm in spec.gemms:
+    # Statements take effect in data-dependency order (writers before readers).
+    for index in dependency_order(spec):
+        gemm = spec.gemms[index]
         name = gemm.out.tensor
         results[name] = run_statement(spec, rt, gemm, data, results[name])
         data[name] = TensorData(results[name])

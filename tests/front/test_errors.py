@@ -86,6 +86,7 @@ CASES = [
     ("f32-operand", edit(BASE, 5, "bf16 [T, K]", "f32 [T, K]"), 8, "x[", "tensor cores take FP8, BF16 or F16"),
     ("split-sizes-sum", insert(BASE, 4, "  group part[P = 2] = split(N, sizes = [100, 100])"), 5, "100, 100", "add up to 200 but dim 'N' is 256"),
     ("uniform-not-divisible", insert(BASE, 4, "  group part[P = 3] = uniform(N)"), 5, "N", "compile-time multiple of 3"),
+    ("within-not-ragged", insert(insert(BASE, 4, "  group part[P = 2] = uniform(N)"), 5, "  group sub[S = 2] = ragged(N within part, offsets = o2)"), 6, "part,", "can nest only within a ragged group"),
     ("within-unrelated", insert(BASE, 4, "  group sub[S = 2] = ragged(N within expert, offsets = o2)"), 5, "expert", "does not split N"),
     ("major-unknown-dim", edit(BASE, 5, "bf16 [T, K]", "bf16 [T, K] layout major(N)"), 5, "N)", "is not a dim of 'x'"),
     ("strides-count", edit(BASE, 5, "bf16 [T, K]", "bf16 [T, K] layout strides(K)"), 5, "layout", "gives 1 strides for the 2 dims"),
