@@ -971,10 +971,10 @@ class _Checker:
                     )
             elif d.kind == "tile":
                 tm, tn = int(d.args[0]), int(d.args[1])
-                if tm not in (64, 128) or tn not in (16, 32, 64, 128, 256):
+                if tm != 128 or tn not in (32, 64, 128):
                     raise self.error(
-                        f"tile({tm}, {tn}) is not a supported tile: rows must be 64 or 128, "
-                        "columns 16, 32, 64, 128 or 256",
+                        f"tile({tm}, {tn}) is not a supported tile: the kernels take 128 rows "
+                        "by 32, 64 or 128 columns",
                         d.pos,
                     )
                 tile = (tm, tn)

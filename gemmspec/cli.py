@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Compile declarative grouped-GEMM specs (nested groups, FP8 scaling granularity, "
             "layouts) to CUDA for NVIDIA Hopper (sm_90a)."
         ),
-        epilog="See docs/language.md for the .gspec language and docs/cli.md for every command.",
+        epilog="See docs/language.md for the .gspec language and docs/usage.md for every command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

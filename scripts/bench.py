@@ -122,13 +122,13 @@ def main() -> int:
     recorded = {}
     for path in args.anchors:
         recorded.update(json.loads(path.read_text()))
-    print(f"{'case':40} {'implementation':36} {'ms':>8} {'TFLOPS':>8} {'vs anchor':>10}")
+    print(f"{'case':40} {'implementation':36} {'ms':>8} {'TFLOPS':>8} {'gemmspec/this':>14}")
     results = []
     for case, impl, ms, flops in rows:
         tflops = flops / ms / 1e9
         ours = next(t for c, i, m, f in rows if c == case and i.startswith("gemmspec") for t in [f / m / 1e9])
         ratio = ours / tflops
-        print(f"{case:40} {impl:36} {ms:8.3f} {tflops:8.1f} {ratio:10.2f}")
+        print(f"{case:40} {impl:36} {ms:8.3f} {tflops:8.1f} {ratio:14.2f}")
         results.append({"case": case, "impl": impl, "ms": ms, "tflops": tflops, "gemmspec_over_this": ratio})
     for key, value in recorded.items():
         if key.endswith("TFLOPS") or "TFLOPS(" in key:
