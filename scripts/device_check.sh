@@ -18,7 +18,7 @@ fi
 # API errors are off: cuda.core probes each kernel's parameters with cuKernelGetParamInfo
 # until it answers INVALID_VALUE, which is how the parameter count is found.
 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 --log-file "$OUT/sanitizer_full.log" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-  -k "bad_offsets or nested or single_expert" 2>&1 | tail -5 | tee "$OUT/sanitizer.log" || status=1
+  -k "bad_offsets or nested or single_expert or linear_fp8_training or wgrad_k_grouped and 576" 2>&1 | tail -5 | tee "$OUT/sanitizer.log" || status=1
 grep -v "Host Frame" "$OUT/sanitizer_full.log" | head -60
 python3 -m gemmspec run examples/moe_fp8_forward.gspec --dims T=32768 2>&1 | tee "$OUT/run_cli.log" || status=1
 if [ -z "${SKIP_BENCH:-}" ]; then
