@@ -39,7 +39,7 @@ def _group_mask(spec: Spec, rt: Runtime, group: str, chain: dict[str, int]) -> n
     g = spec.group(group)
     n = dim_size(spec, rt, g.dim)
     mask = np.zeros(n, dtype=bool)
-    names = _chain_names(spec, group)
+    names = chain_names(spec, group)
     want = tuple(chain[x] for x in names)
     for seg in segments(spec, rt, group):
         if seg.chain == want:
@@ -47,7 +47,7 @@ def _group_mask(spec: Spec, rt: Runtime, group: str, chain: dict[str, int]) -> n
     return mask
 
 
-def _chain_names(spec: Spec, group: str) -> tuple[str, ...]:
+def chain_names(spec: Spec, group: str) -> tuple[str, ...]:
     names = [group]
     g = spec.group(group)
     while g.within:

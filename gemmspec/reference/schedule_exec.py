@@ -12,20 +12,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..lower.schedule import Extent, Launch, OperandMap, ProblemGenerator, ScaleMap, Schedule
+from ..lower.schedule import (
+    Extent,
+    Launch,
+    OperandMap,
+    PrePass,
+    ProblemGenerator,
+    ScaleMap,
+    Schedule,
+)
 from ..spec import Spec
 from .data import (
     Runtime,
     TensorData,
     element_offsets,
     pack,
-    quantize,
     real_values,
     requantize_values,
     scale_offsets,
     segments,
 )
-from .direct import _chain_names
+from .direct import chain_names
 
 K_BLOCK = 128
 
@@ -48,7 +55,7 @@ def _segment_of(spec: Spec, rt: Runtime, ext: Extent, idx: dict[str, int]) -> tu
 
 def _anchored_block_start(spec: Spec, rt: Runtime, group: str, idx: dict[str, int], block: int) -> int:
     """Scale blocks of all segments before this leaf's: sum of ceil(len / block)."""
-    want = tuple(idx[n] for n in _chain_names(spec, group))
+    want = tuple(idx[n] for n in chain_names(spec, group))
     total = 0
     for seg in segments(spec, rt, group):
         if seg.chain == want:
@@ -114,7 +121,7 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
             flat[pg.d.tensor][where] = acc
 
 
-def run_prepass(spec: Spec, rt: Runtime, p, flat: dict[str, np.ndarray], data: dict[str, TensorData]) -> None:
+def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]) -> None:
     """Produce the target's buffers from the source's (FP8 in, FP8 and scales out)."""
     src, dst = spec.tensor(p.source), spec.tensor(p.target)
     src_off, dst_off = element_offsets(spec, rt, src), element_offsets(spec, rt, dst)
@@ -140,7 +147,7 @@ def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, 
     for name, v in init.items():
         flat[name] = pack(element_offsets(spec, rt, spec.tensor(name)), v)
     for p in schedule.prepasses:
-        run_prepass(spec, rt, p, flat, inputs)
+        run_prepass(spec, rt, p, flat)
     for launch in schedule.launches:
         run_launch(spec, rt, launch, flat)
     out = {}
@@ -149,4 +156,4 @@ def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, 
     return out
 
 
-__all__ = ["run_schedule", "leaf_symbols", "quantize"]
+__all__ = ["run_schedule", "leaf_symbols"]

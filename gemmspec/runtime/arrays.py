@@ -281,13 +281,7 @@ class DeviceBuffer:
             raise ArgumentError(
                 f"cannot read {host.nbytes} bytes from a {self.nbytes}-byte device buffer"
             )
-        try:
-            get_device(self.device).sync()
-        except CUDAError as e:
-            raise GemmspecError(f"device work before this read-back failed: {e}") from e
-        if host.nbytes:
-            _check(driver.cuMemcpyDtoH(host.ctypes.data, self.ptr, host.nbytes), "cuMemcpyDtoH")
-        return host
+        return _read_back(self.ptr, self.device, host)
 
     def view(
         self, shape: tuple[int, ...], dtype: str, strides: tuple[int, ...] | None = None
@@ -311,11 +305,15 @@ def copy_to_host(array: DeviceArray, shape: tuple[int, ...]) -> np.ndarray:
 
     Used for the small offsets/counts tensors that are validated before a launch.
     """
-    host = np.empty(shape, dtype=numpy_dtype(array.dtype))
+    return _read_back(array.ptr, array.device, np.empty(shape, dtype=numpy_dtype(array.dtype)))
+
+
+def _read_back(ptr: int, device: int, host: np.ndarray) -> np.ndarray:
+    """Fill `host` from device address `ptr` once the device has finished its work."""
     try:
-        get_device(array.device).sync()
+        get_device(device).sync()
     except CUDAError as e:
-        raise GemmspecError(f"device work before reading '{array}' failed: {e}") from e
+        raise GemmspecError(f"device work before this read-back failed: {e}") from e
     if host.nbytes:
-        _check(driver.cuMemcpyDtoH(host.ctypes.data, array.ptr, host.nbytes), "cuMemcpyDtoH")
+        _check(driver.cuMemcpyDtoH(host.ctypes.data, ptr, host.nbytes), "cuMemcpyDtoH")
     return host

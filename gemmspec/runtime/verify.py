@@ -16,7 +16,6 @@ import numpy as np
 from ..reference.data import (
     NUMPY_TYPES,
     Runtime,
-    TensorData,
     dim_size,
     element_offsets,
     random_inputs,
@@ -138,7 +137,7 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         t = spec.tensor(name)
         flat = buf.to_numpy(host.shape, host.dtype).astype(np.float64)
         results[name] = flat[element_offsets(spec, rt, t)]
-    reference = run_direct(spec, rt, {k: v for k, v in data.items()}, init)
+    reference = run_direct(spec, rt, data, init)
     checks = []
     for name in sorted(outputs):
         t = spec.tensor(name)
@@ -180,4 +179,4 @@ def _time(exe: Executable, args: dict, repeats: int) -> float:
     return float(np.median(samples))
 
 
-__all__ = ["run_random", "RunReport", "OutputCheck", "TensorData"]
+__all__ = ["run_random", "RunReport", "OutputCheck"]
