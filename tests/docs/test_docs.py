@@ -17,6 +17,7 @@ import gemmspec
 from gemmspec.check import check
 from gemmspec.cli import main
 from gemmspec.parse import parse
+from gemmspec.pipeline import lower_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LANGUAGE = ROOT / "docs" / "language.md"
@@ -81,6 +82,9 @@ def test_language_reference_has_examples():
 def test_language_example_checks(text):
     specs = check(parse(text, "doc.gspec"))
     assert specs and all(s.gemms for s in specs)
+    # The whole front half accepts it too (analysis and lowering raise their own errors).
+    lowered = lower_file(parse(text, "doc.gspec"))
+    assert all(x.schedule.launches for x in lowered)
 
 
 def test_documented_dtypes_match_grammar():
