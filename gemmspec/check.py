@@ -488,8 +488,8 @@ class _Checker:
             if var.text in self.dims or var.text in self.groups or var.text in self.tensors:
                 raise self.error(
                     f"index '{var.text}' has the name of a declared "
-                    f"{self.names[var.text][0]}; use a lower-case index such as "
-                    f"'{var.text.lower()}{'' if var.text.islower() else ''}'",
+                    f"{self.names[var.text][0]}; index variables need names of their own, "
+                    f"e.g. '{var.text.lower() if not var.text.islower() else var.text + '_i'}'",
                     var.pos,
                 )
             self.check_identifier(var, "index")
