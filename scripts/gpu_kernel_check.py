@@ -99,17 +99,13 @@ class Gpu:
     def kernel(self, name: str, source: str, smem: int = 0):
         if name in self._kernels:
             return self._kernels[name]
-        from cuda.core import Program, ProgramOptions
-        from cuda.pathfinder import find_nvidia_header_directory
+        from cuda.core import ObjectCode
 
-        opts = ProgramOptions(
-            arch="sm_90a",
-            std="c++17",
-            include_path=[include_dir(), str(find_nvidia_header_directory("cudart"))],
-        )
+        from gemmspec.runtime.nvrtc import compile_cubin
+
         t0 = time.time()
-        obj = Program(source, code_type="c++", options=opts).compile("cubin")
-        k = obj.get_kernel(name)
+        compiled = compile_cubin(source, name=name, include_dirs=[include_dir()])
+        k = ObjectCode.from_cubin(compiled.cubin).get_kernel(name)
         if smem > 48 * 1024:
             from cuda.bindings import driver
 
