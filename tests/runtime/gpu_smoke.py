@@ -49,23 +49,8 @@ extern "C" __global__ void reverse_smem(const float* x, float* out, int n) {
 extern "C" __global__ void add_i64(long long* p, long long v) { p[threadIdx.x] += v; }
 """
 
-WGMMA_SRC = r"""
-#include <cuda_fp8.h>
-extern "C" __global__ void wgmma_probe(float* out, unsigned long long da, unsigned long long db) {
-  float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "l"(da), "l"(db), "r"(1));
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  for (int i = 0; i < 8; ++i) out[threadIdx.x * 8 + i] = d[i];
-}
-"""
+# The FP8 wgmma probe is the one the CPU test disassembles; here it is also loaded.
+from test_nvrtc import WGMMA_SRC  # noqa: E402
 
 CACHE = tempfile.mkdtemp(prefix="gemmspec-smoke-")
 CHECKS: list[Callable[[], str | None]] = []
