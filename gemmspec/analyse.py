@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from .errors import SourceLocation, SpecError
 from .spec import FP8_TYPES, Gemm, Spec
+from .tiling import TileChoice, choose_tile
 
-TILE_M = 128
-MAX_TILE_N = 128
 # Splitting by tile class pays when one tile shape would waste more than this much
 # of the tile area on the small leaves.
 WASTE_LIMIT = 0.5
@@ -77,13 +76,29 @@ def n_extents(spec: Spec, g: Gemm) -> dict[int, int | None]:
     return {-1: spec.dim(role.dim).size}
 
 
-def best_tile_n(n: int | None) -> int:
-    """The narrowest tile (32, 64 or 128 columns) covering n; 32 keeps the loader's
-    16-byte chunks evenly spread over two warpgroups."""
-    tile = 32
-    while tile < MAX_TILE_N and (n is None or tile < n):
-        tile *= 2
-    return tile
+def m_bound(spec: Spec, g: Gemm) -> int | None:
+    """The most rows a leaf can have, when the spec fixes it."""
+    role = g.m
+    if role.group is not None:
+        grp = spec.group(role.group)
+        return max(grp.sizes) if grp.kind in ("split", "uniform") else None
+    return spec.dim(role.dim).size  # fixed, or the padded bound of a masked group
+
+
+def b_scale_block_n(spec: Spec, g: Gemm) -> int:
+    """B's scale block along N (1 when B is unscaled)."""
+    t = spec.tensor(g.b.tensor)
+    if t.scale is None:
+        return 1
+    for use, block in zip(g.b.uses, t.scale.block):
+        if use.kind == "role" and use.role == "n":
+            return block
+    return 1
+
+
+def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
+    scaled = spec.tensor(g.a.tensor).scale is not None
+    return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g))
 
 
 def dependency_order(spec: Spec) -> list[int]:
@@ -158,7 +173,6 @@ def analyse(spec: Spec) -> NestDecision:
 
 
 def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None, single: bool) -> list[LaunchPlan]:
-    tile_m = spec.directives.tile[0] if spec.directives.tile else TILE_M
     extents = n_extents(spec, g)
     leaves = g.leaf_count
     axes = " x ".join(str(a) for a in g.leaf_axes) or "a single problem"
@@ -183,12 +197,13 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
             f"{prefix}every leaf is base + affine offsets of its group indices and segment "
             "starts, with strides shared by all leaves (one descriptor per operand serves every leaf)"
         )
-    tiles = {i: best_tile_n(n) for i, n in extents.items()}
     if spec.directives.tile:
-        chosen = spec.directives.tile[1]
+        tile_m, chosen = spec.directives.tile
         reasons.append(f"{prefix}tile {tile_m}x{chosen} from the tile directive")
         return [LaunchPlan(g.index, (), tile_m, chosen)]
-    widest = max(tiles.values())
+    choice = tile_for(spec, g, list(extents.values()))
+    tile_m, widest = choice.tile_m, choice.tile_n
+    tiles = {i: tile_for(spec, g, [n]).tile_n for i, n in extents.items()}
     if len(set(tiles.values())) > 1 and g.n.group is not None:
         known = {i: n for i, n in extents.items() if n is not None}
         area = sum(-(-n // widest) * widest for n in known.values())
@@ -233,4 +248,5 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         f"{prefix}profitable as one launch: tile {tile_m}x{widest} for {n_desc}; {known}, tiles "
         "never straddle leaves and ragged edges are masked"
     )
+    reasons.append(f"{prefix}tile choice: {choice.reason}")
     return [LaunchPlan(g.index, (), tile_m, widest)]

@@ -971,10 +971,16 @@ class _Checker:
                     )
             elif d.kind == "tile":
                 tm, tn = int(d.args[0]), int(d.args[1])
-                if tm != 128 or tn not in (32, 64, 128):
+                if tm not in (64, 128) or tn % 8 or not 8 <= tn <= 256:
                     raise self.error(
-                        f"tile({tm}, {tn}) is not a supported tile: the kernels take 128 rows "
-                        "by 32, 64 or 128 columns",
+                        f"tile({tm}, {tn}) is not a supported tile: the kernels take 64 or 128 "
+                        "rows by a multiple of 8 columns from 8 to 256",
+                        d.pos,
+                    )
+                if tn > 192 and any(t.scale is not None for t in self.ast.tensors):
+                    raise self.error(
+                        f"tile({tm}, {tn}) is too wide for scaled FP8: those kernels keep two "
+                        "accumulator tiles in registers, so at most 192 columns",
                         d.pos,
                     )
                 tile = (tm, tn)

@@ -89,7 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=10, help="timed runs (median reported)")
     p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser(
+        "bench",
+        help="on a Hopper GPU: time gemmspec beside PyTorch's grouped GEMMs (needs torch)",
+        description="Run the benchmark table; `gemmspec bench --help` lists its options.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options of the benchmark (see --help)")
+    p.set_defaults(run=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.args)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -149,6 +164,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the benchmark parses its own options
+        return cmd_bench(argparse.Namespace(args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -15,6 +15,7 @@ from ..expr import Poly
 from ..lower.schedule import Extent, Launch, PrePass, ProblemGenerator, Schedule
 from ..spec import Spec
 from .kernels import (
+    ELEMENT_BYTES,
     ENV,
     GemmKernelConfig,
     RequantKernelConfig,
@@ -240,6 +241,8 @@ def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
         fields=fields,
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
+        a_bytes=ELEMENT_BYTES[cfg.a_type],
+        b_bytes=ELEMENT_BYTES[cfg.b_type],
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from .wgmma import wgmma_struct
+
 # Element types the kernels understand, with their C++ spellings (CUDA toolkit headers).
 CTYPES: dict[str, str] = {
     "e4m3": "__nv_fp8_e4m3",
@@ -31,8 +33,6 @@ OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_INTERP: dict[str, str] = {"e4m3": "__NV_E4M3", "e5m2": "__NV_E5M2"}
-# N extents the header provides wgmma wrappers for.
-WGMMA_N = frozenset({16, 32, 64, 128, 256})
 # One swizzle row is 128 bytes: shared-memory tiles are built from these atoms.
 SWIZZLE_BYTES = 128
 SMEM_ALIGN = 1024
@@ -70,14 +70,23 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Shared memory one block may use on Hopper (227 KB), and the deepest ring worth having.
+SMEM_LIMIT = 232448
+MAX_STAGES = 12
+# Registers per thread after reallocation: the producer warpgroup gives its registers to
+# the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
+PRODUCER_REGS = 56
+CONSUMER_REGS = 224
+
+
 @dataclass(frozen=True)
 class GemmKernelConfig:
     """Everything a grouped GEMM kernel fixes at compile time.
 
     ``tile_k`` 0 means "one 128-byte swizzle row of K" (128 for FP8, 64 for 16-bit);
-    ``threads`` 0 means one warpgroup per 64 rows of the tile; ``name`` "" means the
-    procedural name. Unscaled configs normalise the scale block sizes to 1 so that
-    equal kernels compare (and hash) equal.
+    ``stages`` 0 means as many ring stages as shared memory holds (at most MAX_STAGES);
+    ``name`` "" means the procedural name. Unscaled configs normalise the scale block
+    sizes to 1 so that equal kernels compare (and hash) equal.
     """
 
     a_type: str
@@ -92,8 +101,8 @@ class GemmKernelConfig:
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 0
-    threads: int = 0
-    stages: int = 2
+    stages: int = 0
+    raster: int = 8
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -103,9 +112,14 @@ class GemmKernelConfig:
                 object.__setattr__(self, f, 1)
         if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
             object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
-        if self.threads == 0:
-            object.__setattr__(self, "threads", 128 * max(self.tile_m // 64, 1))
         self._validate()
+        if self.stages == 0:
+            object.__setattr__(self, "stages", self._max_stages())
+        if not 2 <= self.stages <= MAX_STAGES or self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(
+                f"{self.stages} stages of a {self.tile_m}x{self.tile_n} tile need "
+                f"{self.smem_bytes} B of shared memory (limit {SMEM_LIMIT} B, 2..{MAX_STAGES} stages)"
+            )
         if not self.name:
             object.__setattr__(self, "name", gemm_kernel_name(self))
 
@@ -124,31 +138,60 @@ class GemmKernelConfig:
                 raise ValueError("scaled kernels need sa_bk == sb_bk == tile_k == 128")
             if self.sa_bm < 1 or self.sb_bn < 1:
                 raise ValueError("scale block sizes must be positive")
-        if self.tile_m % 64 or self.tile_m <= 0:
-            raise ValueError("tile_m must be a positive multiple of 64 (one warpgroup per 64 rows)")
-        if self.tile_n not in WGMMA_N:
-            raise ValueError(f"tile_n must be one of {sorted(WGMMA_N)}")
-        if self.threads != 128 * (self.tile_m // 64):
-            raise ValueError("threads must be 128 per 64 rows of tile_m")
-        row_bytes = self.tile_k * ELEMENT_BYTES[a]
-        if self.tile_k <= 0 or row_bytes % SWIZZLE_BYTES:
-            raise ValueError("tile_k must fill whole 128-byte swizzle rows")
-        chunks = row_bytes // 16
-        if (self.tile_m * chunks) % self.threads or (self.tile_n * chunks) % self.threads:
-            raise ValueError("tile does not split evenly over the threads")
-        if self.stages != 2:
-            raise ValueError("the register-staged loader double-buffers: stages must be 2")
+        if self.tile_m not in (64, 128):
+            raise ValueError("tile_m must be 64 or 128 (one consumer warpgroup per 64 rows)")
+        if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError("tile_n must be a multiple of 8 in [8, 256] (a wgmma N)")
+        if self.scaled and self.tile_n > 192:
+            raise ValueError("scaled kernels keep two accumulators: tile_n must be <= 192")
+        if self.tile_k <= 0 or self.tile_k * ELEMENT_BYTES[a] != SWIZZLE_BYTES:
+            raise ValueError("tile_k must fill exactly one 128-byte swizzle row")
+        if self.raster < 1:
+            raise ValueError("raster must be positive")
 
     @property
     def element_bytes(self) -> int:
         return ELEMENT_BYTES[self.a_type]
 
     @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def threads(self) -> int:
+        """Consumer warpgroups plus one producer warpgroup."""
+        return 128 * (self.consumer_warpgroups + 1)
+
+    @property
+    def reallocates_registers(self) -> bool:
+        """With three warpgroups the register file is the limit: move registers from the
+        producer to the consumers (setmaxnreg). With two, every thread already has 255."""
+        return self.consumer_warpgroups == 2
+
+    @property
+    def sb_uniform(self) -> bool:
+        """Every column of a tile shares one B scale block (one scale per K block)."""
+        return self.scaled and self.sb_bn % self.tile_n == 0
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.tile_m + self.tile_n) * SWIZZLE_BYTES
+
+    @property
+    def scale_bytes(self) -> int:
+        """Scales of one stage: a float per tile row, then a float per tile column."""
+        return (self.tile_m + self.tile_n) * 4 if self.scaled else 0
+
+    def _max_stages(self) -> int:
+        per_stage = self.stage_bytes + self.scale_bytes + 16
+        return min(MAX_STAGES, (SMEM_LIMIT - SMEM_ALIGN) // per_stage)
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per block; the template static_asserts the same sum."""
-        stage = (self.tile_m + self.tile_n) * self.tile_k * self.element_bytes
-        scales = (self.tile_m + self.tile_n) * 4 if self.scaled else 0
-        return SMEM_ALIGN + self.stages * (stage + scales)
+        """Dynamic shared memory per block; the template static_asserts the same sum:
+        alignment slack, the ring (operands, then scales) and a full/empty mbarrier pair
+        per stage."""
+        return SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + 16 * self.stages
 
     def tiles(self, m: int, n: int) -> int:
         """Output tiles of one leaf; the leaf table's tile_begin sums these."""
@@ -156,12 +199,13 @@ class GemmKernelConfig:
 
 
 def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
-    """Deterministic C identifier, e.g. gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w256s2_store."""
+    """Deterministic C identifier, e.g. gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store."""
     scales = f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
     mode = "acc" if cfg.accumulate else "store"
+    raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
-        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}_{mode}"
+        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}_{mode}"
     )
 
 
@@ -231,12 +275,19 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         sa_bk=cfg.sa_bk,
         sb_bn=cfg.sb_bn,
         sb_bk=cfg.sb_bk,
+        sb_uniform=cfg.sb_uniform,
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         tile_k=cfg.tile_k,
-        threads=cfg.threads,
         stages=cfg.stages,
+        raster=cfg.raster,
+        consumer_wgs=cfg.consumer_warpgroups,
+        threads=cfg.threads,
+        realloc=cfg.reallocates_registers,
+        producer_regs=PRODUCER_REGS,
+        consumer_regs=CONSUMER_REGS,
         smem_bytes=cfg.smem_bytes,
+        mma=wgmma_struct(cfg.tile_n, cfg.a_type, cfg.b_type),
     )
 
 

@@ -21,9 +21,10 @@ from ..lower.schedule import Schedule
 from ..spec import Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
 from .launch import LoadedKernel, current_stream, num_sms
-from .nvrtc import compile_cubin
+from .nvrtc import CompiledCubin, compile_cubin
+from .tensormap import TENSOR_MAP_BYTES, operand_templates
 
-GS_LEAF_BYTES = 136
+GS_LEAF_BYTES = 144
 ALIGN = 16
 
 
@@ -47,6 +48,7 @@ class Executable:
         self.schedule = schedule
         self.program = program
         self._kernels: dict[str, LoadedKernel] = {}
+        self._cubins: dict[str, CompiledCubin] = {}
 
     @property
     def sources(self) -> dict[str, str]:
@@ -225,9 +227,11 @@ class Executable:
 
     # ---- launching --------------------------------------------------------------------
     def _kernel(self, source: str, name: str) -> LoadedKernel:
+        """Kernel `name` of `source`; each source is compiled once, whatever it defines."""
         if name not in self._kernels:
-            compiled = compile_cubin(source, name=name, include_dirs=[include_dir()])
-            self._kernels[name] = LoadedKernel(compiled, name)
+            if source not in self._cubins:
+                self._cubins[source] = compile_cubin(source, name=name, include_dirs=[include_dir()])
+            self._kernels[name] = LoadedKernel(self._cubins[source], name)
         return self._kernels[name]
 
     def __call__(self, stream: object = None, **tensors: object) -> None:
@@ -288,17 +292,20 @@ class Executable:
         ptrs[dst.name], ptrs[dst.scale.name] = out, sy
 
     def _plan_launch(self, x: EmittedLaunch, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
+        pg = x.launch.problems
+        a, b = ptrs[pg.a.tensor], ptrs[pg.b.tensor]
         table = run.allocate((x.leaf_count + 1) * GS_LEAF_BYTES)
+        maps = run.allocate(2 * x.leaf_count * TENSOR_MAP_BYTES)
+        templates = run.upload(operand_templates(x.gemm, maps.ptr))
         builder = self._kernel(x.source, x.table_kernel)
         args = [ptrs[t] for t in x.table_params] + [np.int64(bound.dims[d]) for d in x.dim_params]
-        run.add(builder, 1, 256, 0, table, *args)
-        pg = x.launch.problems
+        run.add(builder, 1, 256, 0, table, maps, templates, a, b, *args)
         gemm = self._kernel(x.source, x.gemm.name)
         sa = ptrs[pg.sa.tensor] if pg.sa else None
         sb = ptrs[pg.sb.tensor] if pg.sb else None
         run.add(
             gemm, num_sms(), x.gemm.threads, x.gemm.smem_bytes,
-            table, np.int32(x.leaf_count), ptrs[pg.a.tensor], ptrs[pg.b.tensor], ptrs[pg.d.tensor], sa, sb,
+            table, maps, np.int32(x.leaf_count), a, b, ptrs[pg.d.tensor], sa, sb,
         )
 
 

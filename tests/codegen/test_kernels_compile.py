@@ -1,8 +1,10 @@
-"""Emitted kernels compile with NVRTC for sm_90a and use the tensor-core path.
+"""Emitted kernels compile with NVRTC for sm_90a and use the Hopper pipeline.
 
-CPU only: NVRTC and cuobjdump need no GPU. Each kernel must compile, its SASS must
-hold QGMMA (FP8) or HGMMA (16-bit) where it multiplies, and nothing may spill to
-local memory (no LDL/STL, 0 bytes of spill in the ptxas report).
+CPU only: NVRTC and cuobjdump need no GPU. Each GEMM kernel must compile, its SASS
+must hold QGMMA (FP8) or HGMMA (16-bit) of the tile width, TMA loads (UTMALDG),
+mbarrier waits (SYNCS...TRYWAIT), register reallocation (USETMAXREG) when it has three
+warpgroups, and nothing may spill to local memory (no LDL/STL, 0 bytes of spill in the
+ptxas report).
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ GEMM_CONFIGS = {
         "e4m3", "e4m3", "bf16", scaled=True, sa_bm=128, sb_bn=128
     ),
     "e5m2_e4m3_unscaled_f16": GemmKernelConfig("e5m2", "e4m3", "f16"),
+    # Wide and odd tile widths, 64-row tiles (one consumer warpgroup), a shallow ring.
+    "bf16_wide": GemmKernelConfig("bf16", "bf16", "bf16", tile_n=256),
+    "e4m3_n192": GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192),
+    "e4m3_1d1d_n144": GemmKernelConfig(
+        "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sb_bn=1, tile_n=144
+    ),
+    "bf16_skinny_m64": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16),
+    "e4m3_m64_s3": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, stages=3
+    ),
 }
 
 
@@ -76,6 +88,13 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     source, log, sass = compiled(key, render_gemm(cfg))
     assert f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)' in source
     _spill_free(log, sass)
+    assert re.search(r"\bUTMALDG\.2D\b", sass), "no TMA loads"
+    assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", sass), "no mbarrier waits"
+    realloc = set(re.findall(r"\bUSETMAXREG\.(\w+)", sass))
+    assert realloc == ({"DEALLOC", "TRY_ALLOC"} if cfg.reallocates_registers else set()), realloc
+    # No block-wide barrier inside the loops: the only BAR.SYNC is the one after the
+    # mbarrier initialisation.
+    assert len(re.findall(r"\bBAR\.SYNC\b", sass)) == 1
     fp8 = cfg.a_type in ("e4m3", "e5m2")
     ops = set(re.findall(r"\b[HQ]GMMA\.[0-9x]+\.F32(?:\.[A-Z0-9]+)*", sass))
     sass_type = {"e4m3": ".E4M3", "e5m2": ".E5M2", "bf16": ".BF16", "f16": ""}  # F16 is implicit
@@ -101,7 +120,7 @@ def test_names_are_procedural_and_distinct() -> None:
     names = {cfg.name for cfg in GEMM_CONFIGS.values()}
     assert len(names) == len(GEMM_CONFIGS)
     cfg = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w256s2_store"
+    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store"
     assert GEMM_CONFIGS["bf16_store"].tile_k == 64
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
 
@@ -117,10 +136,15 @@ def test_render_is_deterministic() -> None:
 
 
 def test_smem_bytes_matches_layout() -> None:
+    # Alignment slack, then per stage: A and B tiles, a scale per row and column, two mbarriers.
     fp8 = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert fp8.smem_bytes == 1024 + 2 * (256 * 128 + 256 * 4)
-    bf = GEMM_CONFIGS["bf16_store"]
-    assert bf.smem_bytes == 1024 + 2 * (256 * 64 * 2)
+    assert fp8.stages == 6
+    assert fp8.smem_bytes == 1024 + 6 * (256 * 128 + 256 * 4 + 16)
+    bf = GEMM_CONFIGS["bf16_wide"]
+    assert bf.stages == 4 and bf.smem_bytes == 1024 + 4 * (384 * 64 * 2 + 16)
+    # The deepest ring is capped; every ring fits the 227 KB a block may use.
+    assert GEMM_CONFIGS["bf16_skinny_m64"].stages == 12
+    assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())
 
 
 def test_sources_include_only_toolkit_headers() -> None:
@@ -141,9 +165,14 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="e4m3", b_type="e4m3", d_type="e4m3"),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", scaled=True),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bk=64),
-        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_n=96),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_n=100),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_n=264),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_m=96),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_m=256),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_k=32),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, tile_n=256),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", stages=1),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=256, stages=5),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:

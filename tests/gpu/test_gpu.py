@@ -69,6 +69,17 @@ gemm wgrad {{
 }}
 """
 
+MASKED = """
+gemm masked {{
+  dim M = {m}, N = {n}, K = {k}
+  group expert[E = {e}] = masked(M, counts = counts)
+  tensor x : e4m3 [E, M, K] scale f32 [1, 1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [E, M, N]
+  y[e, m, n] = sum[k] x[e, m, k] * w[e, n, k]
+}}
+"""
+
 NESTED = """
 gemm nested {{
   dim T
@@ -93,6 +104,37 @@ def moe(n, k, e, fp8, out="bf16"):
 def test_random_moe_ragged(k, fp8):
     exe = gemmspec.build(moe(200, k, 5, fp8))
     report_ok(run_random(exe, lengths={"expert": EDGE}, seed=k, repeats=0))
+
+
+# Leaves around the 64- and 128-row tile edges, K of one block, an odd block count and
+# the full DeepSeek width; the pipeline must mask every edge without padding.
+PIPELINE_EDGE = [0, 1, 63, 64, 65, 127, 129]
+
+
+@pytest.mark.parametrize("k", [128, 576, 7168])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_pipeline_row_edges(k, fp8):
+    exe = gemmspec.build(moe(136, k, len(PIPELINE_EDGE), fp8))
+    report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=3 * k + fp8, repeats=0))
+
+
+def test_pipeline_64_row_tiles():
+    # M of at most 64 per leaf picks 64-row tiles (one consumer warpgroup).
+    spec = MASKED.format(m=64, n=200, k=576, e=5)
+    exe = gemmspec.build(spec)
+    assert all(x.gemm.tile_m == 64 for x in exe.program.launches)
+    report_ok(run_random(exe, lengths={"expert": [0, 1, 63, 64, 17]}, seed=11, repeats=0))
+
+
+def test_wgrad_counts_not_multiples_of_128():
+    exe = gemmspec.build(WGRAD.format(n=136, k=200, e=5))
+    report_ok(run_random(exe, lengths={"expert": [1, 127, 129, 0, 1000]}, seed=12, repeats=0))
+
+
+def test_nest_of_2048_leaves():
+    exe = gemmspec.build(NESTED.format(k=192, l=16, e=128))
+    assert exe.program.launches[0].leaf_count == 2048
+    report_ok(run_random(exe, dims={"T": 6000}, seed=13, repeats=0))
 
 
 def test_random_moe_single_expert_f32_out():

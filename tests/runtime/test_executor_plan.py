@@ -42,6 +42,8 @@ def offline(monkeypatch):
     monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
     monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
     monkeypatch.setattr(executor, "num_sms", lambda: 132)
+    # Tensor-map templates are encoded by the driver; their bytes do not matter here.
+    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(256, np.uint8))
     monkeypatch.setattr(executor, "current_stream", lambda s: "stream")
     monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
     return host
@@ -85,7 +87,7 @@ def test_prepare_builds_one_argument_per_parameter(path, offline):
     assert len(names) == expected
     for kernel, grid, block, smem, args in run.launches:
         assert len(args) == params[kernel.name], kernel.name
-        assert grid and block in (128, 256) and 0 <= smem <= 227 * 1024
+        assert grid and block in (128, 256, 384) and 0 <= smem <= 227 * 1024
         assert all(not isinstance(a, (int, float)) or isinstance(a, np.generic) for a in args)
     # Every launch is a table builder followed by its GEMM, after all pre-passes.
     gemms = names[len(exe.program.prepasses):]

@@ -1,0 +1,581 @@
+"""`gemmspec bench`: gemmspec beside the anchors, in one process, on one GPU.
+
+Every row of the target table runs gemmspec and the anchors available here on the
+same inputs: PyTorch's grouped and scaled GEMMs always (torch is needed for this
+command only). Each gemmspec result is checked before it is timed (against the
+anchor's output where the anchor computes the same function, otherwise against a
+float64 reference of the dequantized inputs on sampled rows). Times are medians of
+`triton.testing.do_bench` (CUDA events, L2 flushed between runs); TFLOPS count
+useful FLOPs only (no padding), the memory-bound row reports TB/s of bytes that must
+move. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
+as recorded references, not re-measured.
+
+    gemmspec bench [--only NAME ...] [--repeat N] [--json FILE] [--plot FILE.png]
+    python -m gemmspec.bench ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+# DeepGEMM 2.6.1 on one H200, 2026-11-30 (same shapes; M-grouped rows count its
+# 128-row padding as useful work).
+RECORDED_DEEPGEMM = {
+    "fp8_fwd_G8x4096_N4096_K7168": 1232.4,
+    "fp8_fwd_G8x4096_N7168_K2048": 1163.8,
+    "fp8_fwd_G4x8192_N6144_K7168": 1257.6,
+    "fp8_fwd_ragged_T32768_N4096_K7168": 1202.2,
+    "bf16_fwd_G8x4096_N4096_K7168": 697.6,
+    "fp8_wgrad_G8x4096_N4096_K7168": 833.8,
+    "fp8_masked_G6_M1024_N4096_K7168": 1130.3,
+    "fp8_dense_T4096_N7168_K7168": 1264.4,
+}
+
+RAGGED = [1, 127, 0, 5155, 10949, 129, 10269, 6138]
+MASKED = [983, 769, 816, 1024, 734, 666]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a row must reach: an absolute rate and/or a ratio to the torch anchor."""
+
+    tflops: float | None = None
+    vs_torch: float | None = None
+    max_us: float | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.tflops:
+            parts.append(f">= {self.tflops:.0f} TFLOPS")
+        if self.vs_torch:
+            parts.append(f">= {self.vs_torch:.2f}x torch")
+        if self.max_us:
+            parts.append(f"<= {self.max_us:.0f} us")
+        return ", ".join(parts)
+
+
+@dataclass
+class Result:
+    case: str
+    impl: str
+    ms: float
+    work: float  # useful FLOPs, or bytes for memory-bound rows
+    unit: str  # "TFLOPS" or "TB/s"
+    check: str = ""  # how the result was verified, with the error
+    samples_ms: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.work / self.ms / 1e9  # FLOP/ms -> TFLOPS; bytes/ms -> TB/s (1e12/1e3)
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    target: Target
+    run: Callable[..., list[Result]]
+    memory_bound: bool = False
+
+
+# ---------------------------------------------------------------------------- inputs
+def _torch():
+    import torch
+
+    return torch
+
+
+def _fp8(shape):
+    torch = _torch()
+    return (torch.randn(shape, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _scales(shape):
+    torch = _torch()
+    return torch.rand(shape, device="cuda") * 0.01 + 0.001
+
+
+def _offsets(lengths):
+    torch = _torch()
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def _rel_error(out, ref) -> float:
+    torch = _torch()
+    out, ref = out.to(torch.float64), ref.to(torch.float64)
+    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-300))
+
+
+def _checked(err: float, limit: float, against: str) -> str:
+    if not err < limit:  # NaN fails too
+        raise AssertionError(f"gemmspec differs from {against}: rel error {err:.3e} >= {limit:.0e}")
+    return f"{against}: {err:.2e}"
+
+
+# ---------------------------------------------------------------------------- specs
+MOE_FP8 = """
+gemm moe_fp8 {{
+  dim T
+  dim N = {n}, K = {k}
+  group expert[E = {e}] = ragged(T, offsets = offs)
+  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}}
+"""
+
+MOE_BF16 = """
+gemm moe_bf16 {{
+  dim T
+  dim N = {n}, K = {k}
+  group expert[E = {e}] = ragged(T, offsets = offs)
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [E, N, K]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}}
+"""
+
+WGRAD = """
+gemm wgrad {{
+  dim T
+  dim N = {n}, K = {k}
+  group expert[E = {e}] = ragged(T, offsets = offs)
+  tensor dy : e4m3 [T, N] layout segment_major(expert) scale f32 [128, 1] per expert
+  tensor x  : e4m3 [T, K] layout segment_major(expert) scale f32 [128, 1] per expert
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] += sum[t in expert(e)] dy[t, n] * x[t, k]
+}}
+"""
+
+MASKED_SPEC = """
+gemm masked {{
+  dim M = {m}, N = {n}, K = {k}
+  group expert[E = {e}] = masked(M, counts = counts)
+  tensor x : e4m3 [E, M, K] scale f32 [1, 1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [E, M, N]
+  y[e, m, n] = sum[k] x[e, m, k] * w[e, n, k]
+}}
+"""
+
+DENSE = """
+gemm dense {{
+  dim T = {t}, N = {n}, K = {k}
+  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
+  tensor w : e4m3 [N, K] scale f32 [128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[n, k]
+}}
+"""
+
+LORA = """
+gemm lora_shrink {{
+  dim T
+  dim K = {k}, R = {r}
+  group lora[L = {l}]   = ragged(T, offsets = lora_offsets)
+  group expert[E = {e}] = ragged(T within lora, offsets = expert_offsets)
+  tensor x  : bf16 [T, K]
+  tensor wa : bf16 [L, E, R, K]
+  tensor y  : f32  [T, R]
+  y[t, r] = sum[k] x[t, k] * wa[lora(t), expert(t), r, k]
+}}
+"""
+
+
+# ---------------------------------------------------------------------------- timing
+def _time(fn, repeat: int) -> list[float]:
+    from triton.testing import do_bench
+
+    return [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
+
+
+def _result(case, impl, samples, work, unit="TFLOPS", check="") -> Result:
+    return Result(case, impl, statistics.median(samples), work, unit, check, samples)
+
+
+def _build(text: str):
+    import gemmspec
+
+    return gemmspec.build(text)
+
+
+# ---------------------------------------------------------------------------- cases
+def _fp8_grouped(name: str, lengths: list[int], n: int, k: int, repeat: int) -> list[Result]:
+    torch = _torch()
+    e, t = len(lengths), sum(lengths)
+    exe = _build(MOE_FP8.format(n=n, k=k, e=e))
+    x, w = _fp8((t, k)), _fp8((e, n, k))
+    xs = _scales((k // 128, t)).t()  # 1x128 per token, MN-major as declared
+    ws = _scales((e, n // 128, k // 128))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    offs = _offsets(lengths)
+    run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    # Float64 reference of the dequantized inputs on up to 96 sampled rows per expert.
+    g = torch.Generator(device="cpu").manual_seed(0)
+    errs_out, errs_ref = [], []
+    start = 0
+    for ei, m in enumerate(lengths):
+        if m:
+            rows = start + torch.randperm(m, generator=g)[:96].cuda()
+            xa = x[rows].to(torch.float64) * xs[rows].to(torch.float64).repeat_interleave(128, dim=1)
+            wb = w[ei].to(torch.float64) * ws[ei].to(torch.float64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+            errs_out.append(y[rows])
+            errs_ref.append(xa @ wb.t())
+        start += m
+    check = _checked(_rel_error(torch.cat(errs_out), torch.cat(errs_ref)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    out = [_result(name, "gemmspec", _time(run.enqueue, repeat), flops, check=check)]
+    sa, sb = _scales((t,)), _scales((e, n))
+    ends = offs[1:].contiguous()
+    out.append(
+        _result(
+            name,
+            "torch._scaled_grouped_mm (rowwise scales)",
+            _time(lambda: torch._scaled_grouped_mm(x, w.transpose(-2, -1), sa, sb, offs=ends, out_dtype=torch.bfloat16), repeat),
+            flops,
+        )
+    )
+    return out
+
+
+def case_fp8_g8(repeat):
+    return _fp8_grouped("fp8_fwd_G8x4096_N4096_K7168", [4096] * 8, 4096, 7168, repeat)
+
+
+def case_fp8_g8_k2048(repeat):
+    return _fp8_grouped("fp8_fwd_G8x4096_N7168_K2048", [4096] * 8, 7168, 2048, repeat)
+
+
+def case_fp8_g4(repeat):
+    return _fp8_grouped("fp8_fwd_G4x8192_N6144_K7168", [8192] * 4, 6144, 7168, repeat)
+
+
+def case_fp8_ragged(repeat):
+    return _fp8_grouped("fp8_fwd_ragged_T32768_N4096_K7168", RAGGED, 4096, 7168, repeat)
+
+
+def case_bf16(repeat):
+    torch = _torch()
+    name, e, m, n, k = "bf16_fwd_G8x4096_N4096_K7168", 8, 4096, 4096, 7168
+    t = e * m
+    exe = _build(MOE_BF16.format(n=n, k=k, e=e))
+    x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
+    y = torch.empty((t, n), dtype=torch.bfloat16, device="cuda")
+    offs = _offsets([m] * e)
+    run = exe.prepare(torch.cuda.current_stream(), x=x, w=w, y=y, offs=offs)
+    run.enqueue()
+    ends = offs[1:].contiguous()
+    ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    check = _checked(_rel_error(y, ref), 1e-2, "torch._grouped_mm")
+    flops = 2.0 * t * n * k
+    return [
+        _result(name, "gemmspec", _time(run.enqueue, repeat), flops, check=check),
+        _result(name, "torch._grouped_mm", _time(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends), repeat), flops),
+    ]
+
+
+def case_wgrad(repeat):
+    torch = _torch()
+    name, e, m, n, k = "fp8_wgrad_G8x4096_N4096_K7168", 8, 4096, 4096, 7168
+    t = e * m
+    exe = _build(WGRAD.format(n=n, k=k, e=e))
+    # Segment-major bytes: expert g's tokens [s, s+len) are stored as [N, len] (tokens contiguous).
+    dy, x = _fp8((t * n,)), _fp8((t * k,))
+    dys, xs = _scales((t // 128, n)), _scales((t // 128, k))
+    dw = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
+    offs = _offsets([m] * e)
+    run = exe.prepare(torch.cuda.current_stream(), dy=dy.view(t, n), dy_scale=dys, x=x.view(t, k), x_scale=xs, dw=dw, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    # Reference for experts 0 and 5 on 64 sampled output rows (channels of dy).
+    g = torch.Generator(device="cpu").manual_seed(1)
+    outs, refs = [], []
+    for ei in (0, 5):
+        s = ei * m
+        rows = torch.randperm(n, generator=g)[:64].cuda()
+        dseg = dy[s * n:(s + m) * n].view(n, m)[rows].to(torch.float64)
+        dsc = dys[s // 128:(s + m) // 128][:, rows].t().to(torch.float64).repeat_interleave(128, dim=1)
+        xseg = x[s * k:(s + m) * k].view(k, m).to(torch.float64)
+        xsc = xs[s // 128:(s + m) // 128].t().to(torch.float64).repeat_interleave(128, dim=1)
+        refs.append((dseg * dsc) @ (xseg * xsc).t())
+        outs.append(dw[ei][rows])
+    check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 1e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    a = torch.randn((n, t), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((k, t), device="cuda", dtype=torch.bfloat16).t()
+    ends = offs[1:].contiguous()
+    return [
+        _result(name, "gemmspec (FP32 +=)", _time(run.enqueue, repeat), flops, check=check),
+        _result(name, "torch._grouped_mm K-grouped (BF16, no +=)", _time(lambda: torch._grouped_mm(a, b, offs=ends), repeat), flops),
+    ]
+
+
+def case_masked(repeat):
+    torch = _torch()
+    name, mmax, n, k = "fp8_masked_G6_M1024_N4096_K7168", 1024, 4096, 7168
+    e = len(MASKED)
+    exe = _build(MASKED_SPEC.format(m=mmax, n=n, k=k, e=e))
+    x, w = _fp8((e, mmax, k)), _fp8((e, n, k))
+    xs, ws = _scales((e, mmax, k // 128)), _scales((e, n // 128, k // 128))
+    y = torch.full((e, mmax, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    counts = torch.tensor(MASKED, dtype=torch.int32, device="cuda")
+    run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y, counts=counts)
+    run.enqueue()
+    torch.cuda.synchronize()
+    outs, refs = [], []
+    for ei, c in enumerate(MASKED):
+        rows = torch.arange(0, c, max(c // 64, 1), device="cuda")
+        xa = x[ei][rows].to(torch.float64) * xs[ei][rows].to(torch.float64).repeat_interleave(128, dim=1)
+        wb = w[ei].to(torch.float64) * ws[ei].to(torch.float64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+        outs.append(y[ei][rows])
+        refs.append(xa @ wb.t())
+    check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * sum(MASKED) * n * k
+    out = [_result(name, "gemmspec", _time(run.enqueue, repeat), flops, check=check)]
+    sa, sb = _scales((e, mmax)), _scales((e, n))
+    out.append(
+        _result(
+            name,
+            "torch._scaled_grouped_mm 3D (all 1024 rows, rowwise)",
+            _time(lambda: torch._scaled_grouped_mm(x, w.transpose(-2, -1), sa, sb, out_dtype=torch.bfloat16), repeat),
+            flops,
+        )
+    )
+    return out
+
+
+def _blockwise_anchor(x, xs, w, ws):
+    """torch._scaled_mm with 1x128 / 128x128 scales (cuBLASLt); the scale layouts it
+    accepts have moved between releases, so try the known ones."""
+    torch = _torch()
+    tries = [
+        lambda: torch._scaled_mm(x, w.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16),
+        lambda: torch._scaled_mm(x, w.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
+        lambda: torch._scaled_mm(x, w.t(), scale_a=xs.contiguous(), scale_b=ws.t().contiguous(), out_dtype=torch.bfloat16),
+    ]
+    errors = []
+    for fn in tries:
+        try:
+            fn()
+            return fn
+        except Exception as exc:  # noqa: BLE001 - report every layout that was refused
+            errors.append(str(exc).splitlines()[0])
+    raise RuntimeError("torch._scaled_mm refused every blockwise layout: " + " | ".join(errors))
+
+
+def case_dense(repeat):
+    torch = _torch()
+    name, t, n, k = "fp8_dense_T4096_N7168_K7168", 4096, 7168, 7168
+    exe = _build(DENSE.format(t=t, n=n, k=k))
+    x, w = _fp8((t, k)), _fp8((n, k))
+    xs = _scales((k // 128, t)).t()
+    ws = _scales((n // 128, k // 128))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y)
+    run.enqueue()
+    torch.cuda.synchronize()
+    rows = torch.arange(0, t, 37, device="cuda")
+    xa = x[rows].to(torch.float64) * xs[rows].to(torch.float64).repeat_interleave(128, dim=1)
+    wb = w.to(torch.float64) * ws.to(torch.float64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    check = _checked(_rel_error(y[rows], xa @ wb.t()), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    out = [_result(name, "gemmspec", _time(run.enqueue, repeat), flops, check=check)]
+    anchor = _blockwise_anchor(x, xs, w, ws)
+    a_err = _rel_error(anchor()[rows], xa @ wb.t())
+    out.append(_result(name, "torch._scaled_mm 1x128/128x128", _time(anchor, repeat), flops, check=f"its own error vs float64: {a_err:.2e}"))
+    return out
+
+
+def case_lora(repeat):
+    torch = _torch()
+    name, loras, experts, r, k, t = "lora_shrink_L4xE8_R16_K4096_T8192", 4, 8, 16, 4096, 8192
+    exe = _build(LORA.format(k=k, r=r, l=loras, e=experts))
+    x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+    wa = torch.randn((loras, experts, r, k), device="cuda", dtype=torch.bfloat16)
+    y = torch.full((t, r), float("nan"), dtype=torch.float32, device="cuda")
+    g = torch.Generator(device="cpu").manual_seed(2)
+    per_lora = t // loras
+    inner = []
+    lo_off = [0]
+    for _ in range(loras):
+        cuts = sorted(torch.randint(0, per_lora + 1, (experts - 1,), generator=g).tolist())
+        bounds = [0, *cuts, per_lora]
+        inner.append([lo_off[-1] + b for b in bounds])
+        lo_off.append(lo_off[-1] + per_lora)
+    lora_offsets = torch.tensor(lo_off, dtype=torch.int32, device="cuda")
+    expert_offsets = torch.tensor(inner, dtype=torch.int32, device="cuda")
+    run = exe.prepare(torch.cuda.current_stream(), x=x, wa=wa, y=y, lora_offsets=lora_offsets, expert_offsets=expert_offsets)
+    run.enqueue()
+    torch.cuda.synchronize()
+    ends = expert_offsets[:, 1:].reshape(-1).contiguous()
+    wflat = wa.reshape(loras * experts, r, k)
+    ref64 = torch.empty((t, r), dtype=torch.float64, device="cuda")
+    flat = [b for row in inner for b in zip(row[:-1], row[1:])]
+    for i, (s, e_) in enumerate(flat):
+        if e_ > s:
+            ref64[s:e_] = x[s:e_].to(torch.float64) @ wflat[i].to(torch.float64).t()
+    check = _checked(_rel_error(y, ref64), 1e-4, "float64 reference")
+    moved = (t * k + loras * experts * r * k) * 2 + t * r * 4  # read x and adapters once, write y
+    out = [_result(name, "gemmspec", _time(run.enqueue, repeat), moved, unit="TB/s", check=check)]
+    out.append(
+        _result(name, "torch._grouped_mm (32 groups)", _time(lambda: torch._grouped_mm(x, wflat.transpose(-2, -1), offs=ends), repeat), moved, unit="TB/s")
+    )
+    return out
+
+
+CASES = [
+    Case("fp8_fwd_G8x4096_N4096_K7168", "FP8 1x128/128x128 M-grouped, 8 x 4096 tokens", Target(1230, 1.2), case_fp8_g8),
+    Case("fp8_fwd_G8x4096_N7168_K2048", "same, N=7168, K=2048", Target(1160, 1.2), case_fp8_g8_k2048),
+    Case("fp8_fwd_G4x8192_N6144_K7168", "same, 4 x 8192 tokens, N=6144", Target(1250, 1.2), case_fp8_g4),
+    Case("fp8_fwd_ragged_T32768_N4096_K7168", f"FP8 ragged unpadded, lengths {RAGGED}", Target(1200), case_fp8_ragged),
+    Case("bf16_fwd_G8x4096_N4096_K7168", "BF16 M-grouped, 8 x 4096 tokens", Target(vs_torch=1.05), case_bf16),
+    Case("fp8_wgrad_G8x4096_N4096_K7168", "FP8 WGRAD K-grouped 128x1, FP32 +=", Target(1040), case_wgrad),
+    Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130), case_masked),
+    Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1), case_dense),
+    Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24), case_lora, memory_bound=True),
+]
+
+
+# ---------------------------------------------------------------------------- report
+def _verdict(case: Case, ours: Result, torch_row: Result | None) -> str:
+    t = case.target
+    ok = True
+    if t.tflops is not None:
+        ok &= ours.rate >= t.tflops
+    if t.max_us is not None:
+        ok &= ours.ms * 1e3 <= t.max_us
+    if t.vs_torch is not None:
+        ok &= torch_row is not None and torch_row.ms / ours.ms >= t.vs_torch
+    return "pass" if ok else "MISS"
+
+
+def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[dict]]:
+    lines = [
+        f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'vs gemmspec':>11}  check",
+    ]
+    summary = []
+    for case in CASES:
+        rows = [r for r in results if r.case == case.name]
+        if case.name in failures:
+            lines.append(f"{case.name:36} FAILED: {failures[case.name]}")
+            summary.append({"case": case.name, "error": failures[case.name]})
+            continue
+        if not rows:
+            continue
+        ours = rows[0]
+        torch_row = next((r for r in rows[1:] if r.impl.startswith("torch")), None)
+        for r in rows:
+            ratio = r.ms / ours.ms if r is not ours else 1.0
+            lines.append(
+                f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {r.rate:7.1f} {r.unit:>4} "
+                f"{ratio:10.2f}x  {r.check}"
+            )
+        dg = RECORDED_DEEPGEMM.get(case.name)
+        if dg:
+            lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
+        verdict = _verdict(case, ours, torch_row)
+        lines.append(f"{'':36} target {case.target.describe()}: {verdict}")
+        summary.append(
+            {
+                "case": case.name,
+                "what": case.what,
+                "target": case.target.describe(),
+                "verdict": verdict,
+                "deepgemm_recorded_tflops": dg,
+                "rows": [asdict(r) | {"rate": r.rate} for r in rows],
+            }
+        )
+    return "\n".join(lines), summary
+
+
+def plot(summary: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("gemmspec bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    cases = [s for s in summary if "rows" in s]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 5))
+    width = 0.28
+    for i, s in enumerate(cases):
+        ours = s["rows"][0]
+        others = [r for r in s["rows"][1:]]
+        base = ours["rate"]
+        vals = [("gemmspec", 1.0)] + [(r["impl"].split(" ")[0], r["rate"] / base if ours["unit"] == "TFLOPS" else r["rate"] / base) for r in others]
+        if s.get("deepgemm_recorded_tflops"):
+            vals.append(("DeepGEMM (rec.)", s["deepgemm_recorded_tflops"] / base))
+        for j, (label, v) in enumerate(vals):
+            ax.bar(i + (j - 1) * width, v, width, color=["tab:blue", "tab:orange", "tab:gray"][j % 3],
+                   label=label if i == 0 else None)
+    ax.set_xticks(range(len(cases)), [s["case"].replace("_", "\n", 2) for s in cases], fontsize=7)
+    ax.set_ylabel("rate relative to gemmspec")
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gemmspec bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=None, metavar="CASE", help="run only these cases (prefixes)")
+    ap.add_argument("--repeat", type=int, default=1, help="do_bench runs per implementation (median of medians)")
+    ap.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
+    ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for c in CASES:
+            print(f"{c.name:36} {c.target.describe():32} {c.what}")
+        return 0
+    try:
+        torch = _torch()
+        import triton  # noqa: F401
+    except ImportError as e:
+        print(f"gemmspec bench: needs torch and triton ({e})", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gemmspec bench: no CUDA device", file=sys.stderr)
+        return 2
+    chosen = [c for c in CASES if args.only is None or any(c.name.startswith(p) for p in args.only)]
+    results: list[Result] = []
+    failures: dict[str, str] = {}
+    for i, case in enumerate(chosen, 1):
+        t0 = time.time()
+        print(f"[{i}/{len(chosen)}] {case.name} ...", file=sys.stderr, flush=True)
+        torch.manual_seed(i)
+        try:
+            results += case.run(args.repeat)
+        except Exception as e:  # noqa: BLE001 - a failing case is reported, the rest still run
+            failures[case.name] = f"{type(e).__name__}: {e}"
+        torch.cuda.empty_cache()
+        print(f"      {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    text, summary = report(results, failures)
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": summary}, f, indent=1)
+    if args.plot:
+        plot(summary, args.plot)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

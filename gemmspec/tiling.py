@@ -1,0 +1,81 @@
+"""Tile shapes for a launch: a small, documented heuristic.
+
+The kernels compute an output tile of TILE_M x TILE_N per CTA iteration, with one
+consumer warpgroup per 64 rows (TILE_M = 64 or 128) and any multiple of 8 columns up to
+the wgmma limit. The choice trades three things, in this order:
+
+1. **Rows per leaf.** When no leaf can have more than 64 rows (a masked or fixed M of at
+   most 64), a 128-row tile would compute half zeros: take 64. When N is tiny (at most
+   32 columns) the GEMM is bound by reading A once; 64-row tiles double the CTAs in
+   flight, which is what a memory-bound kernel needs.
+2. **Bytes per FLOP.** Each output tile reads (TILE_M + TILE_N) x K operand bytes for
+   TILE_M x TILE_N x K multiply-adds, so wider tiles move fewer bytes through L2 and
+   shared memory per FLOP; but columns past N are wasted. Over the candidate widths the
+   cost ceil(N / TILE_N) x (TILE_M + TILE_N) (operand rows loaded per TILE_M output rows,
+   padding included) is minimized; a run-time N takes the widest candidate.
+3. **Registers.** Unscaled kernels keep one f32 accumulator tile (TILE_N / 2 registers
+   per thread): up to 256 columns. Scaled FP8 kernels keep two (the K block's and the
+   promoted sum) and read one B scale per tile when the tile lies inside one B scale
+   block: their widths divide the B scale block (128 for 128x128 weights), or are at most
+   128 when B scales change per column.
+
+The ring depth is then as many stages as shared memory holds (see GemmKernelConfig).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UNSCALED_WIDTHS = (256, 192, 128, 96, 64, 48, 32, 16)
+PER_COLUMN_SCALED_WIDTHS = (128, 96, 64, 48, 32, 16)
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    tile_m: int
+    tile_n: int
+    reason: str
+
+
+def candidate_widths(scaled: bool, sb_block_n: int) -> tuple[int, ...]:
+    if not scaled:
+        return UNSCALED_WIDTHS
+    uniform = tuple(w for w in (192, 128, 64, 32, 16) if sb_block_n % w == 0)
+    return uniform or PER_COLUMN_SCALED_WIDTHS
+
+
+def _cost(n_extents: list[int], tile_m: int, tile_n: int) -> int:
+    return sum(-(-n // tile_n) * (tile_m + tile_n) for n in n_extents)
+
+
+def choose_tile(
+    n_extents: list[int | None],
+    m_bound: int | None,
+    scaled: bool,
+    sb_block_n: int = 1,
+) -> TileChoice:
+    """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
+    `m_bound`: the most rows any leaf can have (None: unbounded or run-time)."""
+    known = [n for n in n_extents if n is not None]
+    skinny = bool(known) and len(known) == len(n_extents) and max(known) <= 32
+    if m_bound is not None and m_bound <= 64:
+        tile_m, why_m = 64, f"64-row tiles (no leaf has more than {m_bound} rows)"
+    elif skinny:
+        tile_m, why_m = 64, (
+            f"64-row tiles (N <= {max(known)}: the leaves are bound by reading A, and "
+            "smaller tiles put more CTAs in flight)"
+        )
+    else:
+        tile_m, why_m = 128, "128-row tiles"
+    widths = candidate_widths(scaled, sb_block_n)
+    if len(known) < len(n_extents) or not known:
+        tile_n = widths[0]
+        why_n = f"{tile_n} columns (N is known only at run time: the widest tile)"
+    else:
+        tile_n = min(widths, key=lambda w: (_cost(known, tile_m, w), -w))
+        why_n = (
+            f"{tile_n} columns (fewest operand bytes per output for N = "
+            f"{', '.join(str(n) for n in sorted(set(known)))} among widths "
+            f"{', '.join(map(str, widths))})"
+        )
+    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}")
