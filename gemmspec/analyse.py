@@ -27,6 +27,7 @@ class LaunchPlan:
     tile_m: int
     tile_n: int
     why: str = ""
+    cluster: int = 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class NestDecision:
                 f"  launch: statement #{p.statement}"
                 + (f" [{pinned}]" if pinned else "")
                 + f" tile {p.tile_m}x{p.tile_n}"
+                + (f" cluster {p.cluster}" if p.cluster > 1 else "")
             )
         return "\n".join(lines)
 
@@ -203,8 +205,8 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         return [LaunchPlan(g.index, (), tile_m, chosen)]
     choice = tile_for(spec, g, list(extents.values()))
     tile_m, widest = choice.tile_m, choice.tile_n
-    tiles = {i: tile_for(spec, g, [n]).tile_n for i, n in extents.items()}
-    if len(set(tiles.values())) > 1 and g.n.group is not None:
+    tiles = {i: tile_for(spec, g, [n]) for i, n in extents.items()}
+    if len({t.tile_n for t in tiles.values()}) > 1 and g.n.group is not None:
         known = {i: n for i, n in extents.items() if n is not None}
         area = sum(-(-n // widest) * widest for n in known.values())
         waste = 1 - sum(known.values()) / area
@@ -215,7 +217,9 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
                 f"{waste:.0%} of the tile area, so each segment gets its own tile width"
             )
             return [
-                LaunchPlan(g.index, ((g.n.group, i),), tile_m, tiles[i], f"N = {extents[i]}")
+                LaunchPlan(
+                    g.index, ((g.n.group, i),), tile_m, tiles[i].tile_n, f"N = {extents[i]}", tiles[i].cluster
+                )
                 for i in sorted(tiles)
             ]
         reasons.append(
@@ -228,7 +232,8 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
             f"{' x '.join(str(a) for a in g.leaf_axes[1:])} leaves"
         )
         return [
-            LaunchPlan(g.index, ((outer.name, i),), tile_m, widest) for i in range(outer.count)
+            LaunchPlan(g.index, ((outer.name, i),), tile_m, widest, "", choice.cluster)
+            for i in range(outer.count)
         ]
     if forced == "split" and single:
         reasons.append("split requested, but a single flat grouped launch has nothing to split")
@@ -249,4 +254,4 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         "never straddle leaves and ragged edges are masked"
     )
     reasons.append(f"{prefix}tile choice: {choice.reason}")
-    return [LaunchPlan(g.index, (), tile_m, widest)]
+    return [LaunchPlan(g.index, (), tile_m, widest, "", choice.cluster)]

@@ -204,9 +204,15 @@ def _result(case, impl, samples, work, unit="TFLOPS", check="") -> Result:
     return Result(case, impl, statistics.median(samples), work, unit, check, samples)
 
 
+FORCED_TILE: tuple[int, int] | None = None  # --tile: the same spec with a tile directive
+
+
 def _build(text: str):
     import gemmspec
 
+    if FORCED_TILE is not None:
+        body = text.rstrip().rstrip("}")
+        text = f"{body}  tile({FORCED_TILE[0]}, {FORCED_TILE[1]})\n}}\n"
     return gemmspec.build(text)
 
 
@@ -539,7 +545,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
     ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
+    ap.add_argument("--tile", metavar="MxN", help="force this tile on every gemmspec launch (a tile directive)")
     args = ap.parse_args(argv)
+    global FORCED_TILE
+    if args.tile:
+        try:
+            m, n = (int(v) for v in args.tile.lower().split("x"))
+        except ValueError:
+            ap.error(f"--tile expects MxN, e.g. 128x128, got {args.tile!r}")
+        FORCED_TILE = (m, n)
     if args.list:
         for c in CASES:
             print(f"{c.name:36} {c.target.describe():32} {c.what}")

@@ -36,6 +36,7 @@ def _launch_json(launch: Launch) -> dict:
             "a_k_major": sig.a_k_major,
             "b_k_major": sig.b_k_major,
             "tile": [sig.tile_m, sig.tile_n, sig.tile_k],
+            "cluster": sig.cluster,
         },
         "extents": {e.role: str(e) for e in pg.extents},
         "operands": {

@@ -19,6 +19,13 @@ the wgmma limit. The choice trades three things, in this order:
    block: their widths divide the B scale block (128 for 128x128 weights), or are at most
    128 when B scales change per column.
 
+4. **L2 traffic.** At full tensor-core rate a 128 x 128 FP8 tile streams about 64 bytes
+   per cycle per SM out of L2, more than L2 can feed all 132 SMs. Two CTAs of a cluster
+   that own neighbouring column blocks of the same rows share their A tile: each loads
+   half of it and the copy engine multicasts it to both (a quarter less L2 traffic).
+   Pairs are used when every leaf has an even number of column blocks (N fixed), so no
+   CTA ever computes a column block past N.
+
 The ring depth is then as many stages as shared memory holds (see GemmKernelConfig).
 """
 
@@ -35,6 +42,7 @@ class TileChoice:
     tile_m: int
     tile_n: int
     reason: str
+    cluster: int = 1  # CTAs sharing (multicasting) one A tile along N
 
 
 def candidate_widths(scaled: bool, sb_block_n: int) -> tuple[int, ...]:
@@ -78,4 +86,7 @@ def choose_tile(
             f"{', '.join(str(n) for n in sorted(set(known)))} among widths "
             f"{', '.join(map(str, widths))})"
         )
-    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}")
+    cluster, why_c = 1, "one CTA per tile"
+    if known and len(known) == len(n_extents) and all(-(-n // tile_n) % 2 == 0 for n in known):
+        cluster, why_c = 2, "CTA pairs multicast the shared A tile (even column-block counts)"
+    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}, {why_c}", cluster)

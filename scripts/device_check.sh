@@ -38,8 +38,8 @@ if want bench; then
 fi
 if want ncu; then
   # One profiled launch of the headline GEMM: where the time goes (clocks left as they are).
-  timeout 300 ncu --clock-control none --kernel-name regex:gs_sm90a_e4m3.*store --launch-skip 2 --launch-count 1 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy \
+  timeout 300 ncu --clock-control none --kernel-name 'regex:^gs_sm90a_e4m3e4m3_bf16.*_store$' --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
     python3 -m gemmspec bench --only fp8_fwd_G8x4096_N4096 2>&1 | tee "$OUT/ncu.log" | tail -120 || status=1
 fi
 exit $status

@@ -198,6 +198,7 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         sb_bk=sig.sb_block[1] if sig.scaled else 128,
         tile_m=sig.tile_m,
         tile_n=sig.tile_n,
+        cluster=sig.cluster,
     )
 
 
@@ -240,7 +241,7 @@ def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
         body=body,
         fields=fields,
         tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n,
+        tile_n=cfg.tile_n * cfg.cluster,  # a cluster computes neighbouring column blocks
         a_bytes=ELEMENT_BYTES[cfg.a_type],
         b_bytes=ELEMENT_BYTES[cfg.b_type],
     )

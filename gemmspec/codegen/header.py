@@ -13,7 +13,10 @@ from ..spec import Spec
 from .emit import EmittedProgram
 from .kernels import include_dir
 
-_ENTRY = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
+_ENTRY = re.compile(
+    r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(?:__cluster_dims__\([^)]*\)\s*)?'
+    r"(\w+)\(([^)]*)\)"
+)
 
 
 def entry_points(source: str) -> list[str]:

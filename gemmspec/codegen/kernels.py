@@ -103,6 +103,7 @@ class GemmKernelConfig:
     tile_k: int = 0
     stages: int = 0
     raster: int = 8
+    cluster: int = 1
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -148,6 +149,8 @@ class GemmKernelConfig:
             raise ValueError("tile_k must fill exactly one 128-byte swizzle row")
         if self.raster < 1:
             raise ValueError("raster must be positive")
+        if self.cluster not in (1, 2):
+            raise ValueError("cluster must be 1 or 2 (CTA pairs multicast A)")
 
     @property
     def element_bytes(self) -> int:
@@ -203,9 +206,10 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     scales = f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
     mode = "acc" if cfg.accumulate else "store"
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
+    cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
-        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}_{mode}"
+        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}"
     )
 
 
@@ -281,6 +285,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         tile_k=cfg.tile_k,
         stages=cfg.stages,
         raster=cfg.raster,
+        cluster=cfg.cluster,
         consumer_wgs=cfg.consumer_warpgroups,
         threads=cfg.threads,
         realloc=cfg.reallocates_registers,

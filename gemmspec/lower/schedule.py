@@ -176,6 +176,7 @@ class KernelSignature:
     tile_m: int
     tile_n: int
     tile_k: int
+    cluster: int = 1  # CTAs per cluster along N, multicasting A
 
     @property
     def name(self) -> str:
@@ -189,7 +190,7 @@ class KernelSignature:
         mode = "acc" if self.accumulate else "store"
         return (
             f"gs_sm90a_{self.a_type}{self.b_type}_{self.d_type}_{scale}_{majors}_"
-            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{mode}"
+            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{f'c{self.cluster}' if self.cluster > 1 else ''}_{mode}"
         )
 
     def __str__(self) -> str:

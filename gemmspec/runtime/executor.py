@@ -303,8 +303,10 @@ class Executable:
         gemm = self._kernel(x.source, x.gemm.name)
         sa = ptrs[pg.sa.tensor] if pg.sa else None
         sb = ptrs[pg.sb.tensor] if pg.sb else None
+        # Persistent grid: one CTA per SM, whole clusters only.
+        grid = max(num_sms() // x.gemm.cluster, 1) * x.gemm.cluster
         run.add(
-            gemm, num_sms(), x.gemm.threads, x.gemm.smem_bytes,
+            gemm, grid, x.gemm.threads, x.gemm.smem_bytes,
             table, maps, np.int32(x.leaf_count), a, b, ptrs[pg.d.tensor], sa, sb,
         )
 

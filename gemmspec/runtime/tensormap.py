@@ -54,7 +54,8 @@ def encode_tile_map(dtype: str, box_rows: int, box_k: int, address: int) -> byte
 
 
 def operand_templates(cfg: GemmKernelConfig, address: int) -> np.ndarray:
-    """The A and B templates of a GEMM configuration, back to back (256 bytes)."""
-    a = encode_tile_map(cfg.a_type, cfg.tile_m, cfg.tile_k, address)
+    """The A and B templates of a GEMM configuration, back to back (256 bytes). In a
+    cluster each CTA loads (and multicasts) its share of A's rows."""
+    a = encode_tile_map(cfg.a_type, cfg.tile_m // cfg.cluster, cfg.tile_k, address)
     b = encode_tile_map(cfg.b_type, cfg.tile_n, cfg.tile_k, address)
     return np.frombuffer(a + b, dtype=np.uint8)

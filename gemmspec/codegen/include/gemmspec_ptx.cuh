@@ -137,6 +137,17 @@ __device__ __forceinline__ void gs_mbar_arrive_expect_tx(unsigned bar, unsigned 
                : "memory");
 }
 
+// Arrives once this thread's earlier cp.async copies have landed; the arrival counts
+// towards the barrier's expected count (noinc) and never blocks the thread.
+__device__ __forceinline__ void gs_cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// 4-byte global -> shared copy that completes asynchronously (tracked by gs_cp_async_arrive).
+__device__ __forceinline__ void gs_cp_async_4(unsigned dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 // Blocks until the phase with parity `parity` has completed (acquire, CTA scope).
 __device__ __forceinline__ void gs_mbar_wait(unsigned bar, unsigned parity) {
   unsigned done;
@@ -162,6 +173,17 @@ __device__ __forceinline__ void gs_tma_load_2d(unsigned dst, const GsTensorMap* 
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// The same box, written to the same shared-memory offset (and signalled on the same
+// mbarrier offset) in every CTA of the cluster named by `cta_mask`.
+__device__ __forceinline__ void gs_tma_load_2d_multicast(unsigned dst, const GsTensorMap* map, unsigned bar,
+                                                         int c0, int c1, unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
       : "memory");
 }
 
@@ -203,6 +225,32 @@ __device__ __forceinline__ void gs_tensormap_acquire(const GsTensorMap* map) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(
                    reinterpret_cast<unsigned long long>(map))
                : "memory");
+}
+
+// ---------------------------------------------------------------------------
+// Thread-block clusters.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ unsigned gs_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster arrives and waits (release / acquire).
+__device__ __forceinline__ void gs_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// Arrives on the mbarrier at the same shared-memory offset in CTA `rank` of the cluster.
+// CTA-scope release: the arrival carries no data, it only says "this stage was read"
+// (the reads were wgmma's, complete before the arrival), so no cluster-wide fence.
+__device__ __forceinline__ void gs_mbar_arrive_cluster(unsigned bar, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
 }
 
 // ---------------------------------------------------------------------------
