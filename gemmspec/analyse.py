@@ -192,13 +192,26 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         reasons.append(
             f"{prefix}every leaf is base + affine offsets of its group indices and segment "
             f"starts; {', '.join(strided_by_leaf)} {'is' if len(strided_by_leaf) == 1 else 'are'} "
-            "stored per segment, so strides differ per leaf (per-leaf descriptors, still one launch)"
+            "stored per segment, so strides differ per leaf (each leaf's tensor maps carry its own; still one launch)"
         )
     else:
         reasons.append(
             f"{prefix}every leaf is base + affine offsets of its group indices and segment "
-            "starts, with strides shared by all leaves (one descriptor per operand serves every leaf)"
+            "starts, with strides shared by all leaves (one problem generator describes them all)"
         )
+    loader = (
+        f"{prefix}loads: TMA through a tensor map per leaf and operand, built on the device from "
+        "the run-time offsets with the leaf's exact bounds (rows and K past the leaf arrive as "
+        "zeros); a leaf whose operand base or row stride is not a multiple of 16 bytes is copied "
+        "by the producer warpgroup with masked loads instead (correct, slower)"
+    )
+    if strided_by_leaf:
+        loader += (
+            f"; {', '.join(strided_by_leaf)} {'has' if len(strided_by_leaf) == 1 else 'have'} "
+            "the segment length as row stride, so segments whose length is not a multiple of "
+            "16 bytes take that path"
+        )
+    reasons.append(loader)
     if spec.directives.tile:
         tile_m, chosen = spec.directives.tile
         reasons.append(f"{prefix}tile {tile_m}x{chosen} from the tile directive")
