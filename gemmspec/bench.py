@@ -471,7 +471,7 @@ def _verdict(case: Case, ours: Result, torch_row: Result | None) -> str:
 
 def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[dict]]:
     lines = [
-        f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'vs gemmspec':>11}  check",
+        f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'gemmspec/it':>11}  check",
     ]
     summary = []
     for case in CASES:

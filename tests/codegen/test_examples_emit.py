@@ -1,5 +1,6 @@
 """Every example emits CUDA that NVRTC compiles for sm_90a, with tensor-core SASS
-(QGMMA for FP8 launches, HGMMA for BF16/F16 launches) and no local-memory spills."""
+(QGMMA for FP8 launches, HGMMA for BF16/F16 launches), TMA loads and mbarrier waits,
+and no local-memory spills."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def test_example_compiles_to_tensor_core_sass(path, tmp_path):
             assert ("HGMMA" in sass) == (not fp8), launch.gemm.name
             assert launch.table_kernel in sass
             assert "LDL" not in sass and "STL" not in sass, "local-memory spill"
+            # The pipeline: TMA loads, mbarrier waits, and A multicast in CTA pairs.
+            assert "UTMALDG.2D" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
+            assert ("UTMALDG.2D.MULTICAST" in sass) == (launch.gemm.cluster > 1), launch.gemm.name
         for p in prog.prepasses:
             cubin = compile_cubin(p.source, name=p.kernel, include_dirs=[include_dir()], cache_dir=str(tmp_path))
             assert p.kernel in disassemble(cubin.cubin)

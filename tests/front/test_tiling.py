@@ -1,0 +1,61 @@
+"""The tile heuristic: what each launch gets, and why (explain prints the reason)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import gemmspec
+from gemmspec.tiling import candidate_widths, choose_tile
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    "n, m_bound, scaled, sb_bn, want",
+    [
+        # FP8 1x128/128x128: one B scale per tile, so widths divide 128; pairs share A.
+        ([4096], None, True, 128, (128, 128, 2)),
+        # BF16: the widest tile moves the fewest bytes per output.
+        ([4096], None, False, 1, (128, 256, 2)),
+        # Per-column B scales (WGRAD 128x1): at most 128 columns.
+        ([7168], None, True, 1, (128, 128, 2)),
+        # A skinny memory-bound GEMM: 64-row tiles, 16 columns, an odd column-block count.
+        ([16], None, False, 1, (64, 16, 1)),
+        # Leaves of at most 64 rows (masked M = 64).
+        ([4096], 64, True, 128, (64, 128, 2)),
+        # N known only at run time: the widest candidate, no pairs.
+        ([None], None, False, 1, (128, 256, 1)),
+        # 200 columns: two 128-wide blocks beat four 64-wide ones; they pair up.
+        ([200], None, True, 128, (128, 128, 2)),
+        # 136 columns, unscaled: one 192-wide block, nothing to pair.
+        ([136], None, False, 1, (128, 192, 1)),
+    ],
+)
+def test_choose_tile(n, m_bound, scaled, sb_bn, want):
+    t = choose_tile(n, m_bound, scaled, sb_bn)
+    assert (t.tile_m, t.tile_n, t.cluster) == want, t.reason
+    assert t.reason
+
+
+def test_scaled_widths_divide_the_b_scale_block():
+    assert candidate_widths(True, 128) == (128, 64, 32, 16)
+    assert all(w <= 192 and w % 8 == 0 for w in candidate_widths(True, 1))
+    assert max(candidate_widths(False, 1)) == 256
+
+
+def test_explain_states_the_tile_choice_and_loader():
+    text = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec").explain()
+    assert "tile choice: 128-row tiles, 128 columns" in text
+    assert "CTA pairs multicast the shared A tile" in text
+    assert "loads: TMA through a tensor map per leaf and operand" in text
+    wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
+    assert "segments whose length is not a multiple of 16 bytes take that path" in wgrad
+
+
+def test_tile_directive_pins_the_tile_without_pairs():
+    spec = (EXAMPLES / "moe_fp8_forward.gspec").read_text().rstrip().rstrip("}") + "  tile(64, 64)\n}\n"
+    exe = gemmspec.build(spec)
+    (launch,) = exe.program.launches
+    assert (launch.gemm.tile_m, launch.gemm.tile_n, launch.gemm.cluster) == (64, 64, 1)
