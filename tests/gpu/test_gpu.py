@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import gemmspec
+from gemmspec import bench
 from gemmspec.errors import ArgumentError
 from gemmspec.runtime.verify import run_random
 
@@ -57,41 +58,13 @@ gemm moe {{
 }}
 """
 
-WGRAD = """
-gemm wgrad {{
-  dim T
-  dim N = {n}, K = {k}
-  group expert[E = {e}] = ragged(T, offsets = offs)
-  tensor dy : e4m3 [T, N] layout segment_major(expert) scale f32 [128, 1] per expert
-  tensor x  : e4m3 [T, K] layout segment_major(expert) scale f32 [128, 1] per expert
-  tensor dw : f32 [E, N, K]
-  dw[e, n, k] += sum[t in expert(e)] dy[t, n] * x[t, k]
-}}
-"""
+# The benchmark's spec templates: the GPU tests run the same specs on edge cases.
+WGRAD = bench.WGRAD
+MASKED = bench.MASKED_SPEC
 
-MASKED = """
-gemm masked {{
-  dim M = {m}, N = {n}, K = {k}
-  group expert[E = {e}] = masked(M, counts = counts)
-  tensor x : e4m3 [E, M, K] scale f32 [1, 1, 128]
-  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor y : bf16 [E, M, N]
-  y[e, m, n] = sum[k] x[e, m, k] * w[e, n, k]
-}}
-"""
 
-NESTED = """
-gemm nested {{
-  dim T
-  dim K = {k}, R = 16
-  group lora[L = {l}]   = ragged(T, offsets = lora_offsets)
-  group expert[E = {e}] = ragged(T within lora, offsets = expert_offsets)
-  tensor x  : bf16 [T, K]
-  tensor wa : bf16 [L, E, R, K]
-  tensor y  : f32  [T, R]
-  y[t, r] = sum[k] x[t, k] * wa[lora(t), expert(t), r, k]
-}}
-"""
+def nested(k, loras, experts):
+    return bench.LORA.format(k=k, r=16, l=loras, e=experts)
 
 
 def moe(n, k, e, fp8, out="bf16"):
@@ -132,7 +105,7 @@ def test_wgrad_counts_not_multiples_of_128():
 
 
 def test_nest_of_2048_leaves():
-    exe = gemmspec.build(NESTED.format(k=192, l=16, e=128))
+    exe = gemmspec.build(nested(192, 16, 128))
     assert exe.program.launches[0].leaf_count == 2048
     report_ok(run_random(exe, dims={"T": 6000}, seed=13, repeats=0))
 
@@ -150,7 +123,7 @@ def test_random_wgrad_k_grouped(k):
 
 @pytest.mark.parametrize("loras,experts", [(1, 1), (2, 3)])
 def test_random_nested(loras, experts):
-    exe = gemmspec.build(NESTED.format(k=576, l=loras, e=experts))
+    exe = gemmspec.build(nested(576, loras, experts))
     report_ok(run_random(exe, dims={"T": 4500}, seed=loras * 10 + experts, repeats=0))
 
 
