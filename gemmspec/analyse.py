@@ -9,10 +9,18 @@ launches to make, in dependency order, and every reason in words.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from .errors import SourceLocation, SpecError
-from .spec import FP8_TYPES, Gemm, Spec
+from .spec import (
+    FP8_TYPES,
+    MAX_LAUNCHES,
+    MAX_LEAVES_PER_LAUNCH,
+    MAX_TILES_PER_LAUNCH,
+    Gemm,
+    Spec,
+)
 from .tiling import TileChoice, choose_tile
 
 # Splitting by tile class pays when one tile shape would waste more than this much
@@ -103,27 +111,78 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g))
 
 
+def _where(spec: Spec, at: SourceLocation | None) -> SourceLocation:
+    return at or spec.where or SourceLocation(spec.path, spec.line, 1)
+
+
 def dependency_order(spec: Spec) -> list[int]:
-    """Statement order that puts every writer before its readers (source order otherwise)."""
+    """Statement order that puts every writer before its readers (source order otherwise).
+
+    Kahn's algorithm over statements and the tensors between them, taking the
+    lowest-numbered ready statement each time: O(S log S) for S statements, however
+    many of them write or read one tensor.
+    """
     writers: dict[str, list[int]] = {}
     for g in spec.gemms:
         writers.setdefault(g.out.tensor, []).append(g.index)
-    deps = {
-        g.index: {
-            w for t in (g.a.tensor, g.b.tensor) for w in writers.get(t, []) if w != g.index
-        }
-        for g in spec.gemms
-    }
+    unwritten = {t: len(ws) for t, ws in writers.items()}  # writers of t still to run
+    readers: dict[str, list[int]] = {}
+    waiting = [0] * len(spec.gemms)  # tensors a statement reads that are not final yet
+    for g in spec.gemms:
+        for t in {g.a.tensor, g.b.tensor}:
+            # A statement's own output is no dependency (the checker forbids reading it).
+            if t in writers and t != g.out.tensor:
+                readers.setdefault(t, []).append(g.index)
+                waiting[g.index] += 1
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
     order: list[int] = []
-    while len(order) < len(spec.gemms):
-        ready = [i for i in deps if i not in order and deps[i] <= set(order)]
-        if not ready:
-            raise SpecError(
-                f"statements of '{spec.name}' read each other's outputs in a cycle",
-                SourceLocation(spec.path, spec.line, 1),
-            )
-        order.append(min(ready))
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        t = spec.gemms[i].out.tensor
+        unwritten[t] -= 1
+        if unwritten[t] == 0:
+            for r in readers.get(t, ()):
+                waiting[r] -= 1
+                if waiting[r] == 0:
+                    heapq.heappush(ready, r)
+    if len(order) < len(spec.gemms):
+        _raise_cycle(spec, set(order), unwritten, writers)
     return order
+
+
+def _raise_cycle(
+    spec: Spec, done: set[int], unwritten: dict[str, int], writers: dict[str, list[int]]
+) -> None:
+    """Walk from a blocked statement to a writer it waits for until a statement
+    repeats: that loop is a cycle. Located at its first statement."""
+    pending = {t: next(w for w in ws if w not in done) for t, ws in writers.items() if unwritten[t]}
+    path: list[int] = []
+    on_path: dict[int, int] = {}
+    i = min(g.index for g in spec.gemms if g.index not in done)
+    while i not in on_path:
+        on_path[i] = len(path)
+        path.append(i)
+        g = spec.gemms[i]
+        t = next(t for t in (g.a.tensor, g.b.tensor) if t in pending and t != g.out.tensor)
+        i = pending[t]
+    cycle = path[on_path[i]:]
+    steps = []
+    for j, s in enumerate(cycle):
+        w = cycle[(j + 1) % len(cycle)]
+        g = spec.gemms[s]
+        t = next(t for t in (g.a.tensor, g.b.tensor) if t == spec.gemms[w].out.tensor)
+        steps.append(f"#{s} reads '{t}', written by #{w}")
+    first = min(cycle)
+    if len(steps) > 6:
+        steps = steps[:5] + [f"... ({len(steps) - 5} more)"]
+    raise SpecError(
+        f"statements of '{spec.name}' read each other's outputs in a cycle: "
+        + "; ".join(steps),
+        _where(spec, spec.gemms[first].where),
+        "no launch order can run every writer before its readers; break the cycle",
+    )
 
 
 def analyse(spec: Spec) -> NestDecision:
@@ -162,11 +221,17 @@ def analyse(spec: Spec) -> NestDecision:
             raise SpecError(
                 f"'flatten' was requested for '{spec.name}', but its statements cannot share "
                 "one launch (see `gemmspec explain`)",
-                SourceLocation(spec.path, spec.line, 1),
+                _where(spec, spec.directives.force_where),
+            )
+        if len(gemms) > MAX_LAUNCHES:
+            raise SpecError(
+                f"'{spec.name}' has {len(gemms)} statements, and each needs its own launch: "
+                f"more than the {MAX_LAUNCHES} launches one spec may make",
+                _where(spec, spec.gemms[MAX_LAUNCHES].where),
             )
 
     for g in gemms:
-        plans.extend(_plan_statement(spec, g, reasons, forced, single=len(gemms) == 1))
+        plans.extend(_plan_statement(spec, g, reasons, forced, len(gemms) == 1, len(plans)))
 
     decision = "flatten" if len(plans) == 1 else "split"
     if decision == "split" and len(gemms) > 1:
@@ -174,7 +239,95 @@ def analyse(spec: Spec) -> NestDecision:
     return NestDecision(spec.name, decision, tuple(reasons), tuple(plans))
 
 
-def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None, single: bool) -> list[LaunchPlan]:
+def _check_launches(
+    spec: Spec, g: Gemm, launches: int, leaves_each: int, planned: int, by_split: bool
+) -> None:
+    """Bound what a statement's plan would make before making it: a split of a huge
+    outer axis would otherwise build one plan per index (millions of them)."""
+    if planned + launches > MAX_LAUNCHES:
+        what = (
+            f"the split directive makes one launch per '{g.leaf_axes[0].name}' index"
+            if by_split
+            else f"statement #{g.index} needs {launches} launch{'es' if launches != 1 else ''}"
+        )
+        raise SpecError(
+            f"{what}: {planned + launches} launches in all, more than the {MAX_LAUNCHES} one "
+            "spec may make",
+            _where(spec, spec.directives.force_where if by_split else g.where),
+            "use fewer groups or segments, or drop the split directive" if by_split else None,
+        )
+    if leaves_each > MAX_LEAVES_PER_LAUNCH:
+        axes = " x ".join(str(a) for a in g.leaf_axes)
+        raise SpecError(
+            f"statement #{g.index} has {leaves_each} leaf GEMMs in one launch ({axes}), more "
+            f"than {MAX_LEAVES_PER_LAUNCH}: a launch's leaf table is built by one CTA before "
+            "the GEMM runs",
+            _where(spec, g.where),
+            "use fewer or smaller groups or batch dims"
+            + (", or `split` to launch once per outer index" if len(g.leaf_axes) > 1 else ""),
+        )
+
+
+def _extent_bound(spec: Spec, g: Gemm, role: str) -> int | None:
+    """The most elements one leaf can have along `role`; None when only run time knows."""
+    rd = g.role(role)
+    if rd.group is not None:
+        grp = spec.group(rd.group)
+        if grp.kind in ("split", "uniform"):
+            return max(grp.sizes)
+    return spec.dim(rd.dim).size  # a fixed dim, a masked padded size, or a ragged dim's whole
+
+
+def _check_tiles(spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int) -> None:
+    """A launch counts its output tiles in an int32 (the leaf table's prefix sum). Checked
+    where the extents are known at compile time; run-time sizes are the caller's to keep
+    within it."""
+    m = _extent_bound(spec, g, "m")
+    pinned = dict(plan.pinned)
+    if g.n.group is not None and g.n.group in pinned:
+        n: int | None = spec.group(g.n.group).sizes[pinned[g.n.group]]
+    else:
+        n = _extent_bound(spec, g, "n")
+    if m is None or n is None:
+        return
+    rows = leaves_each * -(-m // plan.tile_m)
+    if g.m.group is not None and spec.group(g.m.group).kind == "ragged":
+        # Ragged leaves share their dim: their rows add up to it once per other leaf axis.
+        chain = 1
+        grp = spec.group(g.m.group)
+        while True:
+            chain *= grp.count
+            if grp.within is None:
+                break
+            grp = spec.group(grp.within)
+        rows = min(rows, -(-m * max(g.leaf_count // chain, 1) // plan.tile_m) + leaves_each)
+    tiles = rows * -(-n // (plan.tile_n * plan.cluster))
+    if tiles > MAX_TILES_PER_LAUNCH:
+        raise SpecError(
+            f"a launch of statement #{g.index} can have up to {tiles} output tiles of "
+            f"{plan.tile_m}x{plan.tile_n * plan.cluster}, more than 2^31 - 1: the kernels "
+            "count tiles in 32-bit signed integers",
+            _where(spec, g.where),
+            "use smaller dims or fewer leaves",
+        )
+
+
+def _plan_statement(
+    spec: Spec, g: Gemm, reasons: list[str], forced: str | None, single: bool, planned: int
+) -> list[LaunchPlan]:
+    plans = _plan_launches(spec, g, reasons, forced, single, planned)
+    counts = {a.name: a.count for a in g.leaf_axes}
+    for p in plans:
+        pinned = 1
+        for axis, _ in p.pinned:
+            pinned *= counts[axis]
+        _check_tiles(spec, g, p, g.leaf_count // pinned)
+    return plans
+
+
+def _plan_launches(
+    spec: Spec, g: Gemm, reasons: list[str], forced: str | None, single: bool, planned: int
+) -> list[LaunchPlan]:
     extents = n_extents(spec, g)
     leaves = g.leaf_count
     axes = " x ".join(str(a) for a in g.leaf_axes) or "a single problem"
@@ -215,6 +368,7 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
     if spec.directives.tile:
         tile_m, chosen = spec.directives.tile
         reasons.append(f"{prefix}tile {tile_m}x{chosen} from the tile directive")
+        _check_launches(spec, g, 1, leaves, planned, False)
         return [LaunchPlan(g.index, (), tile_m, chosen)]
     choice = tile_for(spec, g, list(extents.values()))
     tile_m, widest = choice.tile_m, choice.tile_n
@@ -224,6 +378,7 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         area = sum(-(-n // widest) * widest for n in known.values())
         waste = 1 - sum(known.values()) / area
         if (waste > WASTE_LIMIT or forced == "split") and forced != "flatten":
+            _check_launches(spec, g, len(tiles), leaves // len(tiles), planned, False)
             reasons.append(
                 f"{prefix}not profitable as one launch: N per '{g.n.group}' segment is "
                 f"{sorted(set(known.values()))}; one {widest}-wide tile would waste "
@@ -240,6 +395,7 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         )
     if forced == "split" and len(g.leaf_axes) > 1 and single:
         outer = g.leaf_axes[0]
+        _check_launches(spec, g, outer.count, leaves // outer.count, planned, True)
         reasons.append(
             f"split requested: one launch per '{outer.name}' index, each over the inner "
             f"{' x '.join(str(a) for a in g.leaf_axes[1:])} leaves"
@@ -267,4 +423,5 @@ def _plan_statement(spec: Spec, g: Gemm, reasons: list[str], forced: str | None,
         "never straddle leaves and ragged edges are masked"
     )
     reasons.append(f"{prefix}tile choice: {choice.reason}")
+    _check_launches(spec, g, 1, leaves, planned, False)
     return [LaunchPlan(g.index, (), tile_m, widest, "", choice.cluster)]

@@ -6,7 +6,8 @@ point at the exact token a problem comes from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class IntLit:
     value: int
     pos: Pos
 
+    depth: ClassVar[int] = 0  # a leaf of an expression: no nesting
+
     def __str__(self) -> str:
         return str(self.value)
 
@@ -44,6 +47,8 @@ class IntLit:
 @dataclass(frozen=True)
 class NameRef:
     name: Name
+
+    depth: ClassVar[int] = 0
 
     @property
     def pos(self) -> Pos:
@@ -54,20 +59,31 @@ class NameRef:
 
 
 @dataclass(frozen=True)
-class BinOp:
-    op: str  # "+" or "*"
-    left: Expr
-    right: Expr
+class Sum:
+    """`a + b + ...` as one flat list: a chain of any length is one node, so only
+    parentheses make the tree deeper (the parser bounds that depth)."""
 
-    @property
-    def pos(self) -> Pos:
-        return self.left.pos
+    terms: tuple[Expr, ...]
+    pos: Pos  # the first term's
+    depth: int = field(default=1, compare=False)  # nesting of sums and products
 
     def __str__(self) -> str:
-        return f"({self.left} {self.op} {self.right})"
+        return "(" + " + ".join(str(t) for t in self.terms) + ")"
 
 
-Expr = IntLit | NameRef | BinOp
+@dataclass(frozen=True)
+class Product:
+    """`a * b * ...` as one flat list, like `Sum`."""
+
+    factors: tuple[Expr, ...]
+    pos: Pos
+    depth: int = field(default=1, compare=False)
+
+    def __str__(self) -> str:
+        return "(" + " * ".join(str(f) for f in self.factors) + ")"
+
+
+Expr = IntLit | NameRef | Sum | Product
 
 
 # ---- declarations --------------------------------------------------------------

@@ -3,16 +3,32 @@
 Each problem raises a `SpecError` that points at the token responsible and, where
 the fix is not obvious, says what would make the spec valid (for instance which
 requantization or transpose pass to declare).
+
+Besides the language's rules it enforces the limits of `spec.py` (sizes the
+kernels' integer types can hold, nesting and name lengths), so that everything it
+accepts lowers and emits code that compiles. Every loop here is linear in the
+spec, or bounded by one of those limits.
 """
 
 from __future__ import annotations
 
+import itertools
+
 from . import ast
-from .errors import SourceLocation, SpecError
+from .errors import SourceLocation, SpecError, locate, source_lines
 from .expr import ONE, Poly
 from .spec import (
+    ELEMENT_BYTES,
     FP8_TYPES,
     KERNEL_K_BLOCK,
+    MAX_EXTENT,
+    MAX_FIXED_SEGMENTS,
+    MAX_LEAVES_PER_LAUNCH,
+    MAX_NAME_LENGTH,
+    MAX_OFFSET,
+    MAX_RANK,
+    MAX_SCALE_BLOCK,
+    MAX_WITHIN_DEPTH,
     SIXTEEN_BIT_TYPES,
     Access,
     AxisUse,
@@ -48,27 +64,49 @@ RESERVED_PREFIXES = ("gs_", "GS_", "__", "cu", "nv")
 
 GROUP_KINDS_THAT_PARTITION = ("ragged", "split", "uniform")
 
+_RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"
+_FIXED_PART = " with every run-time dim at 1"
+
+# Stride and size expressions fold to polynomials; these bounds keep the folding
+# cheap whatever is written (a product of sums multiplies term counts).
+MAX_POLY_TERMS = 64
+MAX_POLY_DEGREE = 8
+
 
 class _Checker:
-    def __init__(self, file: ast.FileAst, spec: ast.SpecAst):
+    def __init__(self, file: ast.FileAst, spec: ast.SpecAst, lines: list[str]):
         self.file = file
         self.ast = spec
-        self.lines = file.text.splitlines()
+        self.lines = lines  # split once per file, shared by every spec in it
         self.dims: dict[str, Dim] = {}
         self.dim_pos: dict[str, ast.Pos] = {}
         self.groups: dict[str, Group] = {}
         self.group_order: list[str] = []
+        self.group_depth: dict[str, int] = {}  # 0 for a group not declared `within`
+        self.group_rank: dict[str, int] = {}  # declaration order
+        self.masked_by_count_dim: dict[str, str] = {}  # count dim -> first masked group
         self.tensors: dict[str, Tensor] = {}
         self.tensor_ast: dict[str, ast.TensorDecl] = {}
         self.names: dict[str, tuple[str, ast.Pos]] = {}  # every run-time-visible name
+        # The largest value of every symbol a size or stride may hold: run-time dims
+        # and the block counts of run-time dims cut into scale blocks.
+        self.worst: dict[str, int] = {}
 
     # ---- diagnostics -------------------------------------------------------------
     def error(self, message: str, pos: ast.Pos, note: str | None = None) -> SpecError:
-        src = self.lines[pos.line - 1] if 0 < pos.line <= len(self.lines) else ""
-        return SpecError(message, SourceLocation(self.file.path, pos.line, pos.column, src), note)
+        return SpecError(message, self.where(pos), note)
+
+    def where(self, pos: ast.Pos) -> SourceLocation:
+        return locate(self.file.path, self.lines, pos.line, pos.column)
 
     def check_identifier(self, name: ast.Name, what: str) -> None:
         text = name.text
+        if len(text) > MAX_NAME_LENGTH:
+            raise self.error(
+                f"{what} name '{text[:20]}...' is {len(text)} characters long; names are at "
+                f"most {MAX_NAME_LENGTH} (they become C++ symbols and file names)",
+                name.pos,
+            )
         if text in CXX_RESERVED:
             raise self.error(
                 f"{what} name '{text}' is reserved in C++/CUDA and would reach emitted code",
@@ -112,6 +150,8 @@ class _Checker:
             )
         gemms = tuple(self.check_statement(i, s) for i, s in enumerate(self.ast.statements))
         self.check_written_once(gemms)
+        self.check_outputs_do_not_alias(gemms)
+        self.check_derived_emittable(gemms)
         directives = self.check_directives()
         return Spec(
             name=self.ast.name.text,
@@ -122,6 +162,7 @@ class _Checker:
             tensors=tuple(self.tensors.values()),
             gemms=gemms,
             directives=directives,
+            where=self.where(self.ast.name.pos),
         )
 
     # ---- dims and groups ---------------------------------------------------------
@@ -140,8 +181,16 @@ class _Checker:
             raise self.error(f"dim '{name.text}' is declared twice", name.pos)
         if size is not None and size <= 0:
             raise self.error(f"dim '{name.text}' must be positive, not {size}", name.pos)
+        if size is not None and size > MAX_EXTENT:
+            raise self.error(
+                f"dim '{name.text}' is {size}, more than {MAX_EXTENT} (2^31 - 1): the kernels "
+                "index rows, columns and K with 32-bit signed integers",
+                name.pos,
+            )
         self.claim(name, "dim")
         self.dims[name.text] = Dim(name.text, size)
+        if size is None:
+            self.worst[name.text] = MAX_EXTENT
         self.dim_pos[name.text] = name.pos
 
     def need_dim(self, name: ast.Name) -> Dim:
@@ -160,13 +209,31 @@ class _Checker:
         return p.value
 
     def poly(self, e: ast.Expr) -> Poly:
+        """Fold an expression; recursion follows parentheses only (at most
+        parse.MAX_EXPR_DEPTH deep), the operands of a chain are a loop."""
         if isinstance(e, ast.IntLit):
             return Poly.const(e.value)
         if isinstance(e, ast.NameRef):
             d = self.need_dim(e.name)
             return Poly.sym(d.name) if d.size is None else Poly.const(d.size)
-        left, right = self.poly(e.left), self.poly(e.right)
-        return left + right if e.op == "+" else left * right
+        if isinstance(e, ast.Sum):
+            acc = Poly()
+            for term in e.terms:
+                acc = self._bounded(acc + self.poly(term), term)
+            return acc
+        acc = ONE
+        for factor in e.factors:
+            acc = self._bounded(acc * self.poly(factor), factor)
+        return acc
+
+    def _bounded(self, p: Poly, at: ast.Expr) -> Poly:
+        if len(p.terms) > MAX_POLY_TERMS or any(len(m) > MAX_POLY_DEGREE for m, _ in p.terms):
+            raise self.error(
+                f"expression too complex: it expands to more than {MAX_POLY_TERMS} terms or "
+                f"multiplies more than {MAX_POLY_DEGREE} run-time dims",
+                at.pos,
+            )
+        return p
 
     def declare_group(self, g: ast.GroupDecl) -> None:
         if g.name.text in self.groups:
@@ -203,12 +270,35 @@ class _Checker:
                 self.declare_dim(g.count_dim, count)
         self.claim(g.name, "group")
         k = g.kind
+        if count > MAX_LEAVES_PER_LAUNCH:
+            raise self.error(
+                f"group '{g.name.text}' has {count} segments, more than {MAX_LEAVES_PER_LAUNCH}: "
+                "each segment is a leaf GEMM, and a launch holds at most "
+                f"{MAX_LEAVES_PER_LAUNCH} leaves",
+                g.count_dim.pos,
+            )
+        if k.kind in ("split", "uniform") and count > MAX_FIXED_SEGMENTS:
+            raise self.error(
+                f"{k.kind} group '{g.name.text}' has {count} segments, more than "
+                f"{MAX_FIXED_SEGMENTS}: each segment's start and size is compiled into the "
+                "leaf table; use a ragged group for many segments",
+                g.count_dim.pos,
+            )
         dim = self.need_dim(k.dim)
         within = None
+        depth = 0
         sizes: tuple[int, ...] = ()
         if k.within is not None:
             if k.within.text not in self.groups:
                 raise self.error(f"unknown group '{k.within.text}'", k.within.pos)
+            depth = self.group_depth[k.within.text] + 1
+            if depth > MAX_WITHIN_DEPTH:
+                raise self.error(
+                    f"group '{g.name.text}' nests {depth} deep with `within`, more than "
+                    f"{MAX_WITHIN_DEPTH}: its offsets tensor would need one axis per "
+                    "enclosing group",
+                    k.within.pos,
+                )
             outer = self.groups[k.within.text]
             if outer.kind != "ragged":
                 raise self.error(
@@ -269,13 +359,23 @@ class _Checker:
             tensor=k.tensor.text if k.tensor else None,
             sizes=sizes,
         )
+        self.group_rank[g.name.text] = len(self.group_order)
         self.group_order.append(g.name.text)
+        self.group_depth[g.name.text] = depth
+        if k.kind == "masked":
+            self.masked_by_count_dim.setdefault(g.count_dim.text, g.name.text)
 
     # ---- tensors --------------------------------------------------------------------
     def declare_tensor(self, t: ast.TensorDecl) -> None:
         if t.name.text in self.tensors:
             raise self.error(f"tensor '{t.name.text}' is declared twice", t.name.pos)
         self.claim(t.name, "tensor")
+        if len(t.shape) > MAX_RANK:
+            raise self.error(
+                f"'{t.name.text}' has {len(t.shape)} dims, more than {MAX_RANK}: a statement's "
+                "indices and leaf axes grow with its tensors' dims",
+                t.shape[MAX_RANK].pos,
+            )
         dims = tuple(self.need_dim(n).name for n in t.shape)
         seen: set[str] = set()
         for n in t.shape:
@@ -284,7 +384,7 @@ class _Checker:
                     f"dim '{n.text}' appears twice in the shape of '{t.name.text}'", n.pos
                 )
             seen.add(n.text)
-        layout = self.layout(t.layout, t.shape, t.name.text)
+        layout = self.layout(t.layout, t.shape, t.name.text, ELEMENT_BYTES[t.dtype.text], t.name.pos)
         scale = self.scale(t) if t.scale else None
         derived = Derivation(t.derived.op.text, t.derived.source.text) if t.derived else None
         self.tensors[t.name.text] = Tensor(
@@ -297,11 +397,16 @@ class _Checker:
         decl: ast.LayoutDecl | None,
         shape: tuple[ast.Name, ...],
         owner: str,
+        element_bytes: int,
+        owner_pos: ast.Pos,
         sizes: list[Poly] | None = None,
     ) -> Layout:
         dims = [self.dims[n.text] for n in shape]
         if sizes is None:
             sizes = [Poly.const(d.size) if d.size is not None else Poly.sym(d.name) for d in dims]
+        where = decl.pos if decl else owner_pos
+        # The element count first: it bounds every stride a dense layout builds.
+        self.check_bytes(owner, [_least(p) for p in sizes], element_bytes, where)
         kind = decl.kind if decl else "row_major"
         if kind == "strides":
             assert decl is not None
@@ -312,9 +417,18 @@ class _Checker:
                     decl.pos,
                 )
             strides = tuple(self.poly(e) for e in decl.strides)
+            for e, stride in zip(decl.strides, strides):
+                if self.worst_case(stride) > MAX_OFFSET:
+                    raise self.error(
+                        f"stride {stride} of '{owner}' can exceed 2^63 - 1"
+                        f"{_RUNTIME_AT_MOST}: the kernels compute offsets in 64-bit signed "
+                        "integers",
+                        e.pos,
+                    )
             text = "strides(" + ", ".join(str(s) for s in strides) + ")"
             if decl.pad is not None:
                 raise self.error("pad applies to row_major and major(...) layouts", decl.pos)
+            self.check_span(owner, sizes, strides, element_bytes, decl.pos)
             return Layout("strided", text, strides=strides)
         if kind == "segment_major":
             assert decl is not None and decl.group is not None
@@ -331,6 +445,8 @@ class _Checker:
                 )
             axis = names.index(group.dim)
             others = [i for i in range(len(shape)) if i != axis]
+            # Inside a segment the other dims' strides are scaled by its length.
+            self.check_dense_strides(owner, [sizes[i] for i in others] + [sizes[axis]], None, where)
             other_strides = _row_major([sizes[i] for i in others], None)
             return Layout(
                 "segment_major", f"segment_major({gname})", group=gname, seg_axis=axis,
@@ -361,11 +477,71 @@ class _Checker:
                     decl.pos,
                 )
             text += f" pad {pad}"
+        self.check_dense_strides(owner, [sizes[i] for i in order], pad, where)
         ordered = _row_major([sizes[i] for i in order], pad)
         strides = [Poly()] * len(shape)
         for pos, axis in enumerate(order):
             strides[axis] = ordered[pos]
+        if pad is not None:  # padding makes the span larger than the element count
+            self.check_span(owner, sizes, strides, element_bytes, where)
         return Layout("strided", text, strides=tuple(strides))
+
+    # ---- sizes the kernels' integer types can hold ----------------------------------
+    # Two bounds. A stride is a number the kernels multiply by an index: it must fit
+    # 64 bits for any run-time dims the kernels accept (each below 2^31). A tensor's
+    # bytes must fit 64 bits for the part fixed at compile time (run-time dims at 1);
+    # beyond that the tensor passed in is the bound, as no buffer holds 2^63 bytes.
+    def worst_case(self, p: Poly) -> int:
+        """The largest value `p` can take: run-time dims at MAX_EXTENT (all coefficients
+        are non-negative, so that is where a polynomial is largest)."""
+        return p.evaluate(self.worst)
+
+    def check_dense_strides(
+        self, owner: str, ordered: list[Poly], pad: int | None, pos: ast.Pos
+    ) -> None:
+        """The outermost stride of a dense layout (sizes outermost first) is the largest;
+        bounded numerically before any polynomial is built, so that a tensor of many
+        run-time dims cannot make the strides' polynomials large."""
+        stride = 1
+        for i in range(len(ordered) - 1, 0, -1):
+            size = self.worst_case(ordered[i])
+            if i == len(ordered) - 1 and pad is not None:
+                size = -(-size // pad) * pad
+            stride *= size
+            if stride > MAX_OFFSET:
+                raise self.error(
+                    f"a stride of '{owner}' can exceed 2^63 - 1{_RUNTIME_AT_MOST}: the kernels "
+                    "compute offsets in 64-bit signed integers",
+                    pos,
+                )
+
+    def check_bytes(self, owner: str, sizes: list[int], element_bytes: int, pos: ast.Pos) -> None:
+        total = element_bytes
+        for n in sizes:  # stops as soon as it is too large: sizes may be many and huge
+            total *= n
+            if total > MAX_OFFSET:
+                raise self.error(
+                    f"'{owner}' has more than 2^63 - 1 bytes{_FIXED_PART}: the kernels "
+                    "compute element and byte offsets in 64-bit signed integers",
+                    pos,
+                )
+
+    def check_span(
+        self,
+        owner: str,
+        sizes: list[Poly],
+        strides: list[Poly] | tuple[Poly, ...],
+        element_bytes: int,
+        pos: ast.Pos,
+    ) -> None:
+        """The farthest element a strided layout reaches must fit a 64-bit byte offset."""
+        last = sum((_least(n) - 1) * _least(s) for n, s in zip(sizes, strides))
+        if (last + 1) * element_bytes > MAX_OFFSET:
+            raise self.error(
+                f"the layout of '{owner}' reaches past 2^63 - 1 bytes{_FIXED_PART}: the "
+                "kernels compute element and byte offsets in 64-bit signed integers",
+                pos,
+            )
 
     def scale(self, t: ast.TensorDecl) -> Scale:
         s = t.scale
@@ -388,6 +564,13 @@ class _Checker:
         for b in s.block:
             if b.value <= 0:
                 raise self.error("scale block sizes must be positive", b.pos)
+            if b.value > MAX_SCALE_BLOCK:
+                raise self.error(
+                    f"scale block {b.value} is larger than {MAX_SCALE_BLOCK} (2^20); for one "
+                    "scale along a whole dim use a block at least as large as the dim, up to "
+                    "that limit",
+                    b.pos,
+                )
         anchor = None
         if s.anchor is not None:
             if s.anchor.text not in self.groups:
@@ -410,8 +593,10 @@ class _Checker:
         self.claim(name, "scale tensor")
         # The scale grid's own layout is over block indices; its dims are named after
         # the tensor's, so `major(T)` reads naturally. A run-time dim cut into blocks
-        # has a run-time block count, which no stride may depend on.
+        # has a run-time block count, which no stride may depend on. Its symbol is
+        # spelled `ceil(T/128)`, which no name can be, so it never meets a user's dim.
         grid: list[Poly] = []
+        blocked_dim: dict[str, str] = {}  # block-count symbol -> its run-time dim
         for n, b in zip(t.shape, s.block):
             d = self.dims[n.text]
             if d.size is not None:
@@ -419,14 +604,17 @@ class _Checker:
             elif b.value == 1:
                 grid.append(Poly.sym(d.name))
             else:
-                grid.append(Poly.sym(f"{d.name}_blocks"))
+                sym = f"ceil({d.name}/{b.value})"
+                blocked_dim[sym] = d.name
+                self.worst[sym] = -(-MAX_EXTENT // b.value)
+                grid.append(Poly.sym(sym))
         if s.layout is not None and s.layout.kind == "segment_major":
             raise self.error("scales cannot be segment_major; use row_major or major(...)", s.layout.pos)
-        layout = self.layout(s.layout, t.shape, f"{t.name.text}'s scale", grid)
+        layout = self.layout(s.layout, t.shape, f"{t.name.text}'s scale", 4, s.pos, grid)
         for stride in layout.strides:
-            blocked = [sym for sym in stride.symbols if sym.endswith("_blocks")]
+            blocked = sorted(sym for sym in stride.symbols if sym in blocked_dim)
             if blocked:
-                dim = blocked[0][: -len("_blocks")]
+                dim = blocked_dim[blocked[0]]
                 raise self.error(
                     f"this scale layout needs the number of blocks along the run-time dim "
                     f"{dim} in a stride; keep {dim}'s blocks outermost (row_major)",
@@ -441,12 +629,15 @@ class _Checker:
         if src.text not in self.tensors:
             raise self.error(f"unknown tensor '{src.text}'", src.pos)
         source, target = self.tensors[src.text], self.tensors[t.name.text]
-        if source.derived is not None:
+        if src.text == t.name.text:
             raise self.error(
-                f"'{src.text}' is itself derived; derive '{t.name.text}' from its source "
-                f"'{source.derived.source}'",
+                f"'{t.name.text}' is derived from itself; derive it from a tensor that is "
+                "passed in",
                 src.pos,
             )
+        if source.derived is not None:
+            message, note = self._chain_message(t.name.text, source)
+            raise self.error(message, src.pos, note)
         if source.dims != target.dims:
             raise self.error(
                 f"{op.text}({src.text}) keeps the logical shape [{', '.join(source.dims)}], but "
@@ -478,6 +669,31 @@ class _Checker:
                         f"to {b_dst}",
                         op.pos,
                     )
+
+    def _chain_message(self, name: str, source: Tensor) -> tuple[str, str]:
+        """Derivations do not chain: follow the sources to the tensor that is passed in
+        (or round a cycle) and say which one to derive from."""
+        seen = [name]
+        t = source
+        while t.derived is not None and t.name not in seen:
+            seen.append(t.name)
+            if t.derived.source not in self.tensors:  # reported at its own declaration
+                break
+            t = self.tensors[t.derived.source]
+        if t.derived is not None and t.name in seen:
+            cycle = " <- ".join(seen[seen.index(t.name):] + [t.name])
+            return (
+                f"derived tensors form a cycle ({cycle}); each must be derived from a tensor "
+                "that is passed in",
+                "give one of them no derivation, or derive each from an input",
+            )
+        root = t.name if t.derived is None else t.derived.source
+        op = self.tensor_ast[name].derived.op.text
+        return (
+            f"'{source.name}' is itself derived, and derivations do not chain; derive "
+            f"'{name}' from '{root}', the input '{source.name}' comes from",
+            f"declare `... = {op}({root})`",
+        )
 
     # ---- statements -----------------------------------------------------------------
     def check_statement(self, index: int, s: ast.Statement) -> Gemm:
@@ -617,10 +833,10 @@ class _Checker:
         batch_use: dict[str, str] = {}  # batch var -> axis name
         for v in batch_vars:
             d = self.dims[dims_of[v]]
-            masked = [g for g in self.groups.values() if g.kind == "masked" and g.count_dim == d.name]
-            if masked:
-                used_groups.append(masked[0].name)
-                batch_use[v] = masked[0].name
+            masked = self.masked_by_count_dim.get(d.name)
+            if masked is not None:
+                used_groups.append(masked)
+                batch_use[v] = masked
                 continue
             if d.size is None:
                 pos = next(i.var.pos for i in s.out.indices if i.var.text == v)
@@ -631,17 +847,13 @@ class _Checker:
                 )
             batch_axes.append(LeafAxis(v, d.size, None))
             batch_use[v] = v
-        closure: list[str] = []
+        closure: set[str] = set()
         for name in used_groups:
-            chain = []
             g: Group | None = self.groups[name]
-            while g is not None:
-                chain.append(g.name)
+            while g is not None and g.name not in closure:  # at most MAX_WITHIN_DEPTH steps
+                closure.add(g.name)
                 g = self.groups[g.within] if g.within else None
-            for n in chain:
-                if n not in closure:
-                    closure.append(n)
-        ordered = [n for n in self.group_order if n in closure]
+        ordered = sorted(closure, key=self.group_rank.__getitem__)
         leaf_axes = tuple(batch_axes) + tuple(
             LeafAxis(n, self.groups[n].count, n) for n in ordered
         )
@@ -690,6 +902,7 @@ class _Checker:
             n=roles["n"],
             k=roles["k"],
             leaf_axes=leaf_axes,
+            where=self.where(s.pos),
         )
         self.check_types(gemm, s)
         return gemm
@@ -761,34 +974,27 @@ class _Checker:
             if self.groups[n].kind in GROUP_KINDS_THAT_PARTITION and self.groups[n].dim == dim
         ]
         innermost = None
-        for n in splitting:
-            others = [o for o in splitting if o != n]
-            ancestors = set()
-            g = self.groups[n]
+        if splitting:
+            # The groups splitting one dim must form one `within` chain: the deepest
+            # is the innermost, and every other one must enclose it.
+            innermost = max(splitting, key=self.group_depth.__getitem__)
+            enclosing = set()
+            g = self.groups[innermost]
             while g.within:
-                ancestors.add(g.within)
+                enclosing.add(g.within)
                 g = self.groups[g.within]
-            if any(o not in ancestors and not self._is_within(o, n) for o in others):
-                o = next(o for o in others if o not in ancestors and not self._is_within(o, n))
-                raise self.error(
-                    f"groups '{n}' and '{o}' both split {dim}, but neither is declared within "
-                    "the other",
-                    s.pos,
-                )
-            if not any(self._is_within(o, n) for o in others):
-                innermost = n
+            for o in splitting:
+                if o != innermost and o not in enclosing:
+                    first, second = sorted((o, innermost), key=self.group_rank.__getitem__)
+                    raise self.error(
+                        f"groups '{first}' and '{second}' both split {dim}, but neither is "
+                        "declared within the other",
+                        s.pos,
+                    )
         masked = [
             n for n in groups if self.groups[n].kind == "masked" and self.groups[n].dim == dim
         ]
         return RoleDim(role, var, dim, innermost, masked[0] if masked else None)
-
-    def _is_within(self, inner: str, outer: str) -> bool:
-        g = self.groups[inner]
-        while g.within:
-            if g.within == outer:
-                return True
-            g = self.groups[g.within]
-        return False
 
     # ---- types, majors, scales -----------------------------------------------------------
     def check_types(self, gemm: Gemm, s: ast.Statement) -> None:
@@ -951,16 +1157,133 @@ class _Checker:
                         f"'{operand}' is both read and written by one statement", s.out.tensor.pos
                     )
 
+    # ---- what statements and pre-passes write -------------------------------------------
+    def check_outputs_do_not_alias(self, gemms: tuple[Gemm, ...]) -> None:
+        """Two elements of a written tensor at one address would be a write race (and a
+        wrong sum with +=). Decided exactly where it can be: a zero stride or two equal
+        strides on dims of more than one element always alias; all-constant strides are
+        checked in full."""
+        written: dict[str, None] = {}
+        for g in gemms:
+            written.setdefault(g.out.tensor)
+        read = {t for g in gemms for t in (g.a.tensor, g.b.tensor)}
+        for t in self.tensors.values():
+            if t.derived is not None and t.name in read:  # written by its pre-pass
+                written.setdefault(t.name)
+        for name in written:
+            t, decl = self.tensors[name], self.tensor_ast[name]
+            pos = decl.layout.pos if decl.layout else decl.name.pos
+            self._check_injective(t.name, t.dims, t.layout, pos)
+            if t.derived is not None and t.derived.op == "requantize" and t.scale is not None:
+                # A requantize pass writes the target's scales too.
+                assert decl.scale is not None
+                spos = decl.scale.layout.pos if decl.scale.layout else decl.scale.pos
+                self._check_injective(f"{t.name}'s scale", t.dims, t.scale.layout, spos, t.scale.block)
+
+    def _check_injective(
+        self, owner: str, dims: tuple[str, ...], layout: Layout, pos: ast.Pos,
+        block: tuple[int, ...] | None = None,
+    ) -> None:
+        if layout.kind != "strided":
+            return  # segment_major stores every segment as its own dense block
+        sizes: list[int | None] = []
+        for i, name in enumerate(dims):
+            size = self.dims[name].size
+            if size is not None and block is not None:
+                size = -(-size // block[i])
+            sizes.append(size)
+        # Dims that can hold more than one element (a run-time dim may).
+        wide = [i for i, n in enumerate(sizes) if n is None or n > 1]
+        by_stride: dict[Poly, int] = {}
+        for i in wide:
+            stride = layout.strides[i]
+            if not stride.terms:
+                raise self.error(
+                    f"'{owner}' is written, but its stride along {dims[i]} is 0: every "
+                    f"element along {dims[i]} lands on one address (a write race)",
+                    pos,
+                    "give every dim of a written tensor its own non-zero stride",
+                )
+            if stride in by_stride:
+                j = by_stride[stride]
+                raise self.error(
+                    f"'{owner}' is written, but {dims[j]} and {dims[i]} have the same stride "
+                    f"{stride}: ({dims[j]}=1, {dims[i]}=0) and ({dims[j]}=0, {dims[i]}=1) land "
+                    "on one address (a write race)",
+                    pos,
+                )
+            by_stride[stride] = i
+        if any(sizes[i] is None or not layout.strides[i].is_const for i in wide):
+            return  # depends on run-time sizes: not decidable here
+        clash = _collision([(sizes[i], layout.strides[i].value) for i in wide])
+        if clash is not None:
+            first, second, offset = clash
+            names = [dims[i] for i in wide]
+            a = ", ".join(f"{n}={v}" for n, v in zip(names, first))
+            b = ", ".join(f"{n}={v}" for n, v in zip(names, second))
+            raise self.error(
+                f"'{owner}' is written, but its layout puts two elements at one address: "
+                f"({a}) and ({b}) are both at offset {offset} (a write race)",
+                pos,
+            )
+
+    def check_derived_emittable(self, gemms: tuple[Gemm, ...]) -> None:
+        """The pre-passes exist for the shapes below only (what the emitter generates);
+        say so here, at the declaration, rather than when code is emitted."""
+        read = {t for g in gemms for t in (g.a.tensor, g.b.tensor)}
+        for t in self.tensors.values():
+            if t.derived is None or t.name not in read:
+                continue  # a derived tensor nobody reads gets no pre-pass
+            src = self.tensors[t.derived.source]
+            op = self.tensor_ast[t.name].derived.op
+            assert src.scale is not None and t.scale is not None
+            if t.derived.op == "transpose":
+                if src.rank != 2 or src.layout.kind != "strided" or t.layout.kind != "strided":
+                    raise self.error(
+                        f"transpose({src.name}) is generated for 2-D tensors with row_major, "
+                        f"major(...) or strides(...) layouts only; '{src.name}' is "
+                        f"{src.rank}-D {src.layout} and '{t.name}' is {t.layout}",
+                        op.pos,
+                    )
+                if src.scale.layout.strides != t.scale.layout.strides:
+                    raise self.error(
+                        f"transpose({src.name}) shares the scale tensor of '{src.name}', so "
+                        f"the scale layout of '{t.name}' ({t.scale.layout}) must be that of "
+                        f"'{src.name}' ({src.scale.layout})",
+                        op.pos,
+                        f"declare the scale of '{t.name}' with the same layout as '{src.name}'",
+                    )
+                continue
+            wrong = []
+            if src.rank != 2:
+                wrong.append(f"'{src.name}' is {src.rank}-D")
+            elif src.layout.kind != "strided" or src.layout.contiguous_axis() != 1:
+                wrong.append(f"'{src.name}' is {src.layout}, not row-major [T, C]")
+            if src.scale.block != (1, KERNEL_K_BLOCK):
+                wrong.append(f"its scale blocks are {list(src.scale.block)}, not [1, 128]")
+            if t.scale.block != (KERNEL_K_BLOCK, 1):
+                wrong.append(f"'{t.name}' has scale blocks {list(t.scale.block)}, not [128, 1]")
+            if wrong:
+                raise self.error(
+                    f"requantize({src.name}) is generated only from a 2-D row-major [T, C] FP8 "
+                    f"tensor with [1, 128] scales into [128, 1] scales: {'; '.join(wrong)}",
+                    op.pos,
+                )
+
     def check_directives(self) -> Directives:
         force = None
+        force_pos = None
         target = "sm_90a"
         tile = None
+        scaled = any(t.scale is not None for t in self.ast.tensors)
         for d in self.ast.directives:
             if d.kind in ("flatten", "split"):
                 if force is not None and force != d.kind:
                     raise self.error(
                         f"'{d.kind}' contradicts the earlier '{force}' directive", d.pos
                     )
+                if force is None:
+                    force_pos = d.pos
                 force = d.kind
             elif d.kind == "target":
                 if d.args[0] != "sm_90a":
@@ -977,14 +1300,21 @@ class _Checker:
                         "rows by a multiple of 8 columns from 8 to 256",
                         d.pos,
                     )
-                if tn > 192 and any(t.scale is not None for t in self.ast.tensors):
+                if tn > 192 and scaled:
                     raise self.error(
                         f"tile({tm}, {tn}) is too wide for scaled FP8: those kernels keep two "
                         "accumulator tiles in registers, so at most 192 columns",
                         d.pos,
                     )
                 tile = (tm, tn)
-        return Directives(force, target, tile)
+        where = self.where(force_pos) if force_pos is not None else None
+        return Directives(force, target, tile, force_where=where)
+
+
+def _least(p: Poly) -> int:
+    """`p` with every run-time symbol at 1: its part fixed at compile time (and an upper
+    bound on each of its coefficients, all of which are non-negative)."""
+    return sum(c for _, c in p.terms)
 
 
 def _row_major(sizes: list[Poly], pad: int | None) -> list[Poly]:
@@ -1000,20 +1330,52 @@ def _row_major(sizes: list[Poly], pad: int | None) -> list[Poly]:
     return strides
 
 
+# Constant layouts of at most this many elements are checked element by element.
+_ENUMERATE_LIMIT = 1 << 16
+
+
+def _collision(axes: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """Two index tuples with one offset under (size, stride) axes, or None if none.
+
+    Strides that each pass the farthest offset the smaller ones reach cannot collide
+    (any row-major layout, padded or permuted); otherwise the offsets are enumerated,
+    up to _ENUMERATE_LIMIT elements (beyond that the layout is accepted as written).
+    """
+    reach = 0
+    for size, stride in sorted(axes, key=lambda a: a[1]):
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return None
+    count = 1
+    for size, _ in axes:
+        count *= size
+        if count > _ENUMERATE_LIMIT:
+            return None
+    seen: dict[int, tuple[int, ...]] = {}
+    for idx in itertools.product(*(range(size) for size, _ in axes)):
+        offset = sum(v * stride for v, (_, stride) in zip(idx, axes))
+        if offset in seen:
+            return seen[offset], idx, offset
+        seen[offset] = idx
+    return None
+
+
 def check(file: ast.FileAst) -> tuple[Spec, ...]:
     """Check every spec of a parsed file; raise the first `SpecError` found."""
+    lines = source_lines(file.text)
     seen: dict[str, ast.Pos] = {}
     specs = []
     for s in file.specs:
         if s.name.text in seen:
             first = seen[s.name.text]
-            lines = file.text.splitlines()
             raise SpecError(
                 f"spec '{s.name.text}' is defined twice (first at {first.line}:{first.column})",
-                SourceLocation(file.path, s.name.pos.line, s.name.pos.column, lines[s.name.pos.line - 1]),
+                locate(file.path, lines, s.name.pos.line, s.name.pos.column),
             )
         seen[s.name.text] = s.name.pos
-        specs.append(_Checker(file, s).run())
+        specs.append(_Checker(file, s, lines).run())
     if not specs:
-        raise SpecError("no `gemm NAME { ... }` spec in this file", SourceLocation(file.path, 1, 1, (file.text.splitlines() or [""])[0]))
+        raise SpecError("no `gemm NAME { ... }` spec in this file", locate(file.path, lines, 1, 1))
     return tuple(specs)

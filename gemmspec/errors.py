@@ -7,7 +7,50 @@ way compilers users already know print their diagnostics.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
+
+
+def normalise_source(text: str) -> str:
+    """The text every stage sees: no byte-order mark, and every line ending (CRLF or a
+    lone CR) a single LF, so that the parser's line numbers and the caret printer agree."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def source_lines(text: str) -> list[str]:
+    """Lines as the parser counts them: only LF ends a line (a form feed, vertical tab,
+    NEL or U+2028 does not, unlike `str.splitlines`). A final LF ends the last line
+    rather than starting an empty one."""
+    lines = text.split("\n")
+    if len(lines) > 1 and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def source_line(text: str, line: int) -> str:
+    """The 1-based `line` of `text` ("" past the end)."""
+    lines = source_lines(text)
+    return lines[line - 1] if 0 < line <= len(lines) else ""
+
+
+def locate(file: str, text_lines: list[str], line: int, column: int) -> SourceLocation:
+    """A location with its source line, from lines split by `source_lines`."""
+    src = text_lines[line - 1] if 0 < line <= len(text_lines) else ""
+    return SourceLocation(file, line, column, src)
+
+
+# Source lines longer than this are echoed as a window around the caret.
+_WINDOW = 160
+
+
+def _printable(ch: str) -> str:
+    # A control or separator character would break the echoed line or shift the caret:
+    # show it as one space (a tab stays a tab so the caret pad can copy it).
+    if ch == "\t":
+        return ch
+    return " " if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") else ch
 
 
 class GemmspecError(Exception):
@@ -42,9 +85,18 @@ class SpecError(GemmspecError):
         lines = [f"{loc}: error: {self.message}"]
         if loc.source_line:
             gutter = f"{loc.line:>4} | "
-            lines.append(gutter + loc.source_line.rstrip("\n"))
-            caret_pad = " " * (len(gutter) + max(loc.column - 1, 0))
-            lines.append(caret_pad + "^")
+            shown = "".join(_printable(c) for c in loc.source_line.rstrip("\n"))
+            col = max(loc.column - 1, 0)
+            if len(shown) > _WINDOW:  # a very long line: show the part around the caret
+                start = max(0, min(col - _WINDOW // 2, len(shown) - _WINDOW))
+                head = "..." if start else ""
+                tail = "..." if start + _WINDOW < len(shown) else ""
+                shown = head + shown[start : start + _WINDOW] + tail
+                col += len(head) - start
+            lines.append(gutter + shown)
+            # Copy tabs into the pad so the caret lines up however wide a tab is shown.
+            pad = "".join("\t" if c == "\t" else " " for c in shown[:col])
+            lines.append(" " * len(gutter) + pad + "^")
         if self.note:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
@@ -78,3 +130,11 @@ class ArgumentError(GemmspecError, ValueError):
 
 class DeviceUnavailableError(GemmspecError):
     """No usable CUDA device (or driver) where one is needed."""
+
+
+class OutputError(GemmspecError):
+    """An output file or folder cannot be written where the user asked for it."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path

@@ -1,7 +1,10 @@
 """Text to syntax tree: lark's LALR parser plus a transformer to `gemmspec.ast`.
 
 Syntax errors become `SpecError`s located at the offending token, with a message
-that names what was expected in words rather than terminal names.
+that names what was expected in words rather than terminal names. Nothing here
+recurses in proportion to the input: LALR parsing is iterative, the transformer is
+lark's non-recursive one, sums and products are flat, and parenthesised nesting and
+integer literals are bounded with located errors.
 """
 
 from __future__ import annotations
@@ -12,16 +15,23 @@ from pathlib import Path
 from lark import (
     Lark,
     Token,
-    Transformer,
     UnexpectedCharacters,
     UnexpectedEOF,
     UnexpectedToken,
     v_args,
 )
 from lark.exceptions import VisitError
+from lark.visitors import Transformer_NonRecursive
 
 from . import ast
-from .errors import SourceLocation, SpecError
+from .errors import SourceLocation, SpecError, locate, normalise_source, source_lines
+
+# Integer literals are at most 2^63 - 1: every size, stride and count ends up in a
+# signed 64-bit C++ constant or smaller (the checker applies each one's own limit).
+MAX_INT_LITERAL = 2**63 - 1
+# Sums and products nested in parentheses deeper than this are refused: nothing
+# real needs it, and every later stage walks expressions by recursion over depth.
+MAX_EXPR_DEPTH = 32
 
 # Terminal names as a user would say them.
 _TERMINAL_WORDS = {
@@ -71,29 +81,61 @@ def _meta_pos(meta) -> ast.Pos:
     return ast.Pos(getattr(meta, "line", 1), getattr(meta, "column", 1))
 
 
-class _ToAst(Transformer):
+class _LimitExceeded(Exception):
+    """Raised inside the transformer (which knows no file); `parse` locates it."""
+
+    def __init__(self, message: str, pos: ast.Pos):
+        super().__init__(message)
+        self.message = message
+        self.pos = pos
+
+
+def _int(tok: Token) -> int:
+    """An INT token's value; the digit count is checked first, because Python refuses
+    to convert strings of more than 4,300 digits and the work grows with length."""
+    digits = str(tok).lstrip("0") or "0"
+    if len(digits) > len(str(MAX_INT_LITERAL)) or int(digits) > MAX_INT_LITERAL:
+        shown = digits if len(digits) <= 24 else f"{digits[:12]}...{digits[-6:]} ({len(digits)} digits)"
+        raise _LimitExceeded(
+            f"integer {shown} is too large: literals are at most 2^63 - 1 = {MAX_INT_LITERAL}",
+            _pos(tok),
+        )
+    return int(digits)
+
+
+def _nest(node: ast.Sum | ast.Product) -> ast.Sum | ast.Product:
+    if node.depth > MAX_EXPR_DEPTH:
+        raise _LimitExceeded(
+            f"expression nests parentheses more than {MAX_EXPR_DEPTH} deep; simplify it",
+            node.pos,
+        )
+    return node
+
+
+class _ToAst(Transformer_NonRecursive):
     """Builds frozen `ast` nodes bottom-up; `meta` gives each rule's position."""
 
-    def __default_token__(self, tok):
-        return tok
+    __visit_tokens__ = False  # tokens reach the rules as they are
 
     # -- expressions
     def int_lit(self, items):
         (tok,) = items
-        return ast.IntLit(int(tok), _pos(tok))
+        return ast.IntLit(_int(tok), _pos(tok))
 
     def name_ref(self, items):
         return ast.NameRef(_name(items[0]))
 
     def add(self, items):
-        return ast.BinOp("+", items[0], items[1])
+        depth = 1 + max(e.depth for e in items)
+        return _nest(ast.Sum(tuple(items), items[0].pos, depth))
 
     def mul(self, items):
-        return ast.BinOp("*", items[0], items[1])
+        depth = 1 + max(e.depth for e in items)
+        return _nest(ast.Product(tuple(items), items[0].pos, depth))
 
     # -- dims and groups
     def dim_def(self, items):
-        size = int(items[1]) if len(items) > 1 else None
+        size = _int(items[1]) if len(items) > 1 else None
         return ast.DimDecl(_name(items[0]), size)
 
     def dim_decl(self, items):
@@ -124,7 +166,7 @@ class _ToAst(Transformer):
 
     def group_decl(self, items):
         name, count_dim = _name(items[0]), _name(items[1])
-        count = int(items[2]) if len(items) == 4 else None
+        count = _int(items[2]) if len(items) == 4 else None
         return ("group", ast.GroupDecl(name, count_dim, count, items[-1]))
 
     # -- tensors
@@ -144,10 +186,10 @@ class _ToAst(Transformer):
         return ("segment_major", {"group": _name(items[0])})
 
     def pad(self, items):
-        return int(items[0])
+        return _int(items[0])
 
     def block_shape(self, items):
-        return tuple(ast.IntLit(int(t), _pos(t)) for t in items)
+        return tuple(ast.IntLit(_int(t), _pos(t)) for t in items)
 
     def scale_anchor(self, items):
         return ("anchor", _name(items[0]))
@@ -225,7 +267,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def tile(self, meta, items):
-        return ("directive", ast.Directive("tile", _meta_pos(meta), tuple(str(t) for t in items)))
+        return ("directive", ast.Directive("tile", _meta_pos(meta), tuple(str(_int(t)) for t in items)))
 
     def spec(self, items):
         name = _name(items[0])
@@ -257,46 +299,50 @@ def _describe_expected(expected: set[str]) -> str:
     return ", ".join(words)
 
 
-def _location(path: str, text: str, line: int, column: int) -> SourceLocation:
-    lines = text.splitlines()
-    src = lines[line - 1] if 0 < line <= len(lines) else ""
-    return SourceLocation(path, line, column, src)
+def _shown(tok: Token) -> str:
+    text = str(tok)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
 
 
 def parse(text: str, path: str = "<string>") -> ast.FileAst:
-    """Parse .gspec text; raise `SpecError` located at the first syntax error."""
+    """Parse .gspec text; raise `SpecError` located at the first syntax error.
+
+    The text is normalised first (no byte-order mark, LF line endings), and the
+    `FileAst` keeps the normalised text, so every later caret lines up with it.
+    """
+    text = normalise_source(text)
+    lines = source_lines(text)
+
+    def at_end() -> SourceLocation:
+        last = lines or [""]
+        return locate(path, last, len(last), len(last[-1]) + 1)
+
     try:
         tree = _parser().parse(text)
     except UnexpectedEOF as e:
-        lines = text.splitlines() or [""]
-        line = len(lines)
-        column = len(lines[-1]) + 1
         raise SpecError(
-            f"unexpected end of file; expected {_describe_expected(set(e.expected))}",
-            _location(path, text, line, column),
+            f"unexpected end of file; expected {_describe_expected(set(e.expected))}", at_end()
         ) from None
     except UnexpectedToken as e:
         tok = e.token
-        if tok.type == "$END":
-            lines = text.splitlines() or [""]
-            line, column = len(lines), len(lines[-1]) + 1
-            found = "end of file"
-        else:
-            line, column = tok.line, tok.column
-            found = f"'{tok}'"
         expected = _describe_expected(set(e.expected))
-        raise SpecError(
-            f"unexpected {found}; expected {expected}", _location(path, text, line, column)
-        ) from None
+        if tok.type == "$END":
+            where, found = at_end(), "end of file"
+        else:
+            where, found = locate(path, lines, tok.line, tok.column), f"'{_shown(tok)}'"
+        raise SpecError(f"unexpected {found}; expected {expected}", where) from None
     except UnexpectedCharacters as e:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
         raise SpecError(
-            f"unexpected character {ch!r}", _location(path, text, e.line, e.column)
+            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column)
         ) from None
     try:
         specs = _ToAst().transform(tree)
-    except VisitError as e:  # a bug in the transformer, not the user's input
-        raise e.orig_exc from None
+    except VisitError as e:
+        if isinstance(e.orig_exc, _LimitExceeded):
+            pos = e.orig_exc.pos
+            raise SpecError(e.orig_exc.message, locate(path, lines, pos.line, pos.column)) from None
+        raise e.orig_exc from None  # a bug in the transformer, not the user's input
     return ast.FileAst(path, text, specs)
 
 

@@ -1,19 +1,36 @@
 """The checked spec: names resolved, every statement classified as a GEMM.
 
 This is what `check` produces and everything after it consumes. Nothing here
-refers back to source text except `line` fields kept for messages.
+refers back to source text except the `line` and `where` fields kept for messages
+(`where`: the location the analysis points its errors at, with its source line).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
+from .errors import SourceLocation
 from .expr import Poly
 
 FP8_TYPES = ("e4m3", "e5m2")
 SIXTEEN_BIT_TYPES = ("bf16", "f16")
 ELEMENT_BYTES = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
 KERNEL_K_BLOCK = 128  # FP8 scales must be constant over K blocks of this width
+
+# ---- limits: what the kernels' integer types and the compiler can hold ----------
+# The checker and the analysis enforce each one with a located error; docs/language.md
+# ("Limits") lists them with their reasons.
+MAX_EXTENT = 2**31 - 1  # every dim, and so every M, N, K: the kernels index with int32
+MAX_OFFSET = 2**63 - 1  # element and byte offsets: the kernels address with int64
+MAX_SCALE_BLOCK = 2**20  # scale block sizes: int template parameters, kept small
+MAX_FIXED_SEGMENTS = 1024  # split/uniform: each segment is a constant in the leaf table
+MAX_LEAVES_PER_LAUNCH = 65536  # the leaf table is built by one CTA before the GEMM
+MAX_LAUNCHES = 4096  # launches of one spec, after splitting
+MAX_TILES_PER_LAUNCH = 2**31 - 1  # the tile prefix sum is an int32
+MAX_WITHIN_DEPTH = 8  # nested `within` groups: offsets tensors of that many axes
+MAX_NAME_LENGTH = 64  # names reach C++ symbols and file names
+MAX_RANK = 16  # dims per tensor: bounds a statement's indices and leaf axes
 
 
 @dataclass(frozen=True)
@@ -200,6 +217,7 @@ class Gemm:
     n: RoleDim
     k: RoleDim
     leaf_axes: tuple[LeafAxis, ...]
+    where: SourceLocation | None = field(default=None, compare=False)  # the output's name
 
     @property
     def leaf_count(self) -> int:
@@ -217,6 +235,7 @@ class Directives:
     force: str | None = None  # "flatten" or "split"
     target: str = "sm_90a"
     tile: tuple[int, int] | None = None
+    force_where: SourceLocation | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -229,15 +248,26 @@ class Spec:
     tensors: tuple[Tensor, ...]
     gemms: tuple[Gemm, ...]
     directives: Directives
+    where: SourceLocation | None = field(default=None, compare=False)  # the spec's name
+
+    # Lookups by name are dicts built once: later stages look names up per statement
+    # and per launch, and a linear scan each time made large specs quadratic.
+    @cached_property
+    def _by_name(self) -> tuple[dict[str, Dim], dict[str, Group], dict[str, Tensor]]:
+        return (
+            {d.name: d for d in self.dims},
+            {g.name: g for g in self.groups},
+            {t.name: t for t in self.tensors},
+        )
 
     def dim(self, name: str) -> Dim:
-        return next(d for d in self.dims if d.name == name)
+        return self._by_name[0][name]
 
     def group(self, name: str) -> Group:
-        return next(g for g in self.groups if g.name == name)
+        return self._by_name[1][name]
 
     def tensor(self, name: str) -> Tensor:
-        return next(t for t in self.tensors if t.name == name)
+        return self._by_name[2][name]
 
     @property
     def runtime_dims(self) -> tuple[str, ...]:
