@@ -1,7 +1,9 @@
 """The `gemmspec` command line.
 
 Errors in specs print as `FILE:LINE:COL: error: ...` with the source line and a
-caret, and the command exits with status 1; no Python traceback reaches a user.
+caret, and the command exits with status 1; usage and file errors (a missing input,
+an output folder that cannot be written) print `gemmspec: error: ...` and exit with
+status 2. No Python traceback reaches a user unless `--traceback` asks for it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import GemmspecError
+from .errors import GemmspecError, OutputError
 
 EXIT_SPEC_ERROR = 1
 EXIT_USAGE = 2
@@ -36,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
             "layouts) to CUDA for NVIDIA Hopper (sm_90a)."
         ),
         epilog="See docs/language.md for the .gspec language and docs/usage.md for every command.",
+    )
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="on an error, raise it with its Python traceback instead of printing a message",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -107,16 +114,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.args)
 
 
+def _check_output_dirs(args: argparse.Namespace) -> None:
+    """Fail on an unusable output folder before any work, so nothing is half-written."""
+    from .pipeline import check_output_dir
+
+    if args.dump_ir is not None:
+        check_output_dir(args.dump_ir, "--dump-ir directory")
+    if getattr(args, "output", None) is not None:
+        check_output_dir(args.output, "output directory")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from .codegen.emit import emit
-    from .codegen.header import write_program
+    from .codegen.header import write_programs
     from .pipeline import lower_file
 
-    for x in lower_file(args.file, args.dump_ir):
-        program = emit(x.spec, x.schedule)
-        written = write_program(x.spec, x.schedule, program, args.output, cubins=args.cubin)
-        for path in written:
-            print(path)
+    _check_output_dirs(args)
+    lowered = lower_file(args.file, args.dump_ir)
+    programs = [(x.spec, x.schedule, emit(x.spec, x.schedule)) for x in lowered]
+    for path in write_programs(programs, args.output, cubins=args.cubin):
+        print(path)
     return 0
 
 
@@ -146,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from .pipeline import lower_file
 
+    _check_output_dirs(args)
     for x in lower_file(args.file, args.dump_ir):
         print(f"{args.file}: {x.spec.name}: ok ({len(x.spec.gemms)} statement(s))")
     return 0
@@ -155,6 +173,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .explain import explain_text, schedule_json
     from .pipeline import lower_file
 
+    _check_output_dirs(args)
     lowered = lower_file(args.file, args.dump_ir)
     if args.json:
         print(json.dumps([schedule_json(x.spec, x.schedule) for x in lowered], indent=2))
@@ -165,27 +184,40 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # the benchmark parses its own options
-        return cmd_bench(argparse.Namespace(args=argv[1:]))
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    show_traceback = argv[:1] == ["--traceback"]
+    rest = argv[1:] if show_traceback else argv
+    if rest[:1] == ["bench"]:  # the benchmark parses its own options
+        args = argparse.Namespace(args=rest[1:], run=cmd_bench, traceback=show_traceback)
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except GemmspecError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_SPEC_ERROR
-    except FileNotFoundError as e:
-        print(f"gemmspec: error: cannot read {e.filename}: no such file", file=sys.stderr)
-        return EXIT_USAGE
-    except IsADirectoryError as e:
-        print(f"gemmspec: error: {e.filename} is a directory, not a .gspec file", file=sys.stderr)
-        return EXIT_USAGE
     except BrokenPipeError:  # `gemmspec explain ... | head`
         sys.stderr.close()
         return 0
-    except UnicodeDecodeError:
-        print(f"gemmspec: error: {args.file} is not UTF-8 text", file=sys.stderr)
-        return EXIT_USAGE
+    except (GemmspecError, OSError, UnicodeDecodeError) as e:
+        if args.traceback:
+            raise
+        status, message = _report(e, args)
+        print(message, file=sys.stderr)
+        return status
+
+
+def _report(e: Exception, args: argparse.Namespace) -> tuple[int, str]:
+    """Exit status and message for an error that ends a command."""
+    spec_file = getattr(args, "file", None)
+    if isinstance(e, OutputError):
+        return EXIT_USAGE, f"gemmspec: error: {e}"
+    if isinstance(e, GemmspecError):
+        return EXIT_SPEC_ERROR, str(e)
+    if not isinstance(e, OSError):  # a UnicodeDecodeError: only the spec file is read as text
+        return EXIT_USAGE, f"gemmspec: error: {spec_file} is not UTF-8 text"
+    path = e.filename if e.filename is not None else spec_file
+    if isinstance(e, FileNotFoundError):
+        return EXIT_USAGE, f"gemmspec: error: cannot read {path}: no such file"
+    if isinstance(e, IsADirectoryError) and spec_file is not None and str(path) == str(spec_file):
+        return EXIT_USAGE, f"gemmspec: error: {path} is a directory, not a .gspec file"
+    return EXIT_USAGE, f"gemmspec: error: {path}: {e.strerror or e}"
 
 
 if __name__ == "__main__":

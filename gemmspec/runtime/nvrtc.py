@@ -2,18 +2,22 @@
 
 Compiling needs no GPU: NVRTC and the toolkit headers come from pip wheels
 (``nvidia-cuda-nvrtc``, ``nvidia-cuda-runtime``), so cubins can be built, cached and
-disassembled on any machine. A cache entry is the raw ELF cubin followed by a
-48-byte trailer (magic, sha256 of the cubin, length); an entry whose trailer does
-not match is ignored and rewritten, never loaded.
+disassembled on any machine. A cache entry is the raw ELF cubin followed by an
+80-byte trailer: magic (format version), the full cache key, the cubin's length and
+a sha256 of everything before it. An entry is loaded only when it is a regular file
+of bounded size owned by this user, its trailer checks and it records this very key;
+anything else is ignored and rewritten. The cache folder is created private (0700).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -38,8 +42,11 @@ __all__ = [
 ]
 
 _HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inl")
-_TRAILER_MAGIC = b"GSCUBIN1"
-_TRAILER_LEN = len(_TRAILER_MAGIC) + 32 + 8
+# Format 2 records the key; format 1 entries (no key) fail the magic and are recompiled.
+_TRAILER_MAGIC = b"GSCUBIN2"
+_TRAILER_LEN = len(_TRAILER_MAGIC) + 32 + 8 + 32  # magic, key, cubin length, sha256
+# Cubins are at most a few tens of MB; anything larger is not ours.
+_MAX_ENTRY_BYTES = 256 << 20
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -183,44 +190,91 @@ def _cache_enabled() -> bool:
     return os.environ.get("GEMMSPEC_NO_CACHE", "").strip().lower() in ("", "0", "false", "no")
 
 
-def _read_entry(path: str) -> bytes | None:
-    """The cubin in a cache entry, or None when absent, unreadable, truncated or corrupt."""
+def _open_entry(path: str) -> tuple[int, int] | None:
+    """(descriptor, size) of `path` if it is a regular file we own, of a size an entry can have."""
+    # O_NOFOLLOW: a symlink is never an entry. O_NONBLOCK: opening a FIFO does not wait.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    owned = not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+    if not (stat.S_ISREG(st.st_mode) and owned and _TRAILER_LEN < st.st_size <= _MAX_ENTRY_BYTES):
+        os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def _read_entry(path: str, key: str) -> bytes | None:
+    """The cubin of the entry for `key`; None if absent, foreign, damaged or of another key."""
+    opened = _open_entry(path)
+    if opened is None:
+        return None
+    fd, size = opened
+    chunks: list[bytes] = []
+    try:
+        while size > 0:
+            chunk = os.read(fd, size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _parse_entry(b"".join(chunks), key)
+
+
+def _parse_entry(blob: bytes, key: str) -> bytes | None:
     if len(blob) <= _TRAILER_LEN:
         return None
-    cubin, trailer = blob[:-_TRAILER_LEN], blob[-_TRAILER_LEN:]
-    magic, digest, length = trailer[:8], trailer[8:40], trailer[40:]
+    body, digest = blob[:-32], blob[-32:]
+    trailer = body[-(_TRAILER_LEN - 32) :]
+    cubin = body[: -len(trailer)]
+    magic, stored_key, length = trailer[:8], trailer[8:40], trailer[40:48]
     if magic != _TRAILER_MAGIC or int.from_bytes(length, "little") != len(cubin):
         return None
-    if hashlib.sha256(cubin).digest() != digest:
+    if stored_key != bytes.fromhex(key) or hashlib.sha256(body).digest() != digest:
         return None
     return cubin
 
 
-def _write_entry(path: str, cubin: bytes) -> None:
+def _entry_bytes(cubin: bytes, key: str) -> bytes:
+    body = cubin + _TRAILER_MAGIC + bytes.fromhex(key) + len(cubin).to_bytes(8, "little")
+    return body + hashlib.sha256(body).digest()
+
+
+def _write_entry(path: str, cubin: bytes, key: str) -> None:
     """Write via a temp file and os.replace, so readers never see a partial entry."""
     directory = os.path.dirname(path)
-    trailer = _TRAILER_MAGIC + hashlib.sha256(cubin).digest() + len(cubin).to_bytes(8, "little")
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as e:
+        _warn_not_caching(f"cannot create the cubin cache folder {directory}", e)
+        return
+    try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".cubin")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(cubin + trailer)
+                f.write(_entry_bytes(cubin, key))
             os.replace(tmp, path)
         except BaseException:
-            os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             raise
     except OSError as e:
-        warnings.warn(
-            f"gemmspec: cubin cache at {directory} is not writable ({e}); not caching",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _warn_not_caching(f"cannot write the cubin cache entry {path}", e)
+
+
+def _warn_not_caching(what: str, e: OSError) -> None:
+    # Say what went wrong (permission, disk full, ...), not just that it did.
+    warnings.warn(f"gemmspec: {what}: {e.strerror or e}; not caching", RuntimeWarning, stacklevel=4)
 
 
 # --- compile ---------------------------------------------------------------------
@@ -248,7 +302,7 @@ def compile_cubin(
     entry = None
     if _cache_enabled():
         entry = os.path.join(cache_dir or default_cache_dir(), f"{name}-{key[:16]}.cubin")
-        cached = _read_entry(entry)
+        cached = _read_entry(entry, key)
         if cached is not None:
             return CompiledCubin(name=name, cubin=cached, key=key, log="", from_cache=True)
 
@@ -265,7 +319,7 @@ def compile_cubin(
         program.close()
     cubin = bytes(code.code)
     if entry is not None:
-        _write_entry(entry, cubin)
+        _write_entry(entry, cubin, key)
     return CompiledCubin(name=name, cubin=cubin, key=key, log=log.text.strip(), from_cache=False)
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,9 +161,119 @@ def test_cache_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_unwritable_cache_dir_degrades(tmp_path: Path) -> None:
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the cache directory should be")
-    with pytest.warns(RuntimeWarning, match="not writable"):
-        result = compile_cubin(BF16_SRC, name="widen", cache_dir=str(blocker / "cache"))
+    cache = blocker / "cache"
+    with pytest.warns(RuntimeWarning, match="cannot create the cubin cache folder") as record:
+        result = compile_cubin(BF16_SRC, name="widen", cache_dir=str(cache))
     assert result.cubin.startswith(b"\x7fELF") and not result.from_cache
+    message = str(record[0].message)
+    assert str(cache) in message and os.strerror(errno.ENOTDIR) in message
+
+
+def test_disk_full_warning_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_full(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(nvrtc.os, "replace", disk_full)
+    with pytest.warns(RuntimeWarning, match="No space left on device") as record:
+        result = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    message = str(record[0].message)
+    assert str(tmp_path / f"widen-{result.key[:16]}.cubin") in message
+    assert "not writable" not in message
+    assert result.cubin.startswith(b"\x7fELF") and not result.from_cache
+    assert _entries(tmp_path) == []  # the temporary file is gone too
+
+
+def test_new_cache_dir_is_private(tmp_path: Path) -> None:
+    cache = tmp_path / "fresh" / "cache"
+    compile_cubin(BF16_SRC, name="widen", cache_dir=str(cache))
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+def _entry(cache: Path, result: nvrtc.CompiledCubin) -> Path:
+    return cache / f"{result.name}-{result.key[:16]}.cubin"
+
+
+def test_foreign_entry_under_our_name_is_recompiled(tmp_path: Path) -> None:
+    """A well-formed entry of other source, put under our key's file name, is never loaded."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    ours = compile_cubin(BF16_SRC, name="widen", cache_dir=str(cache))
+    other = compile_cubin(BF16_SRC.replace("2.0f", "3.0f"), name="widen", cache_dir=str(elsewhere))
+    assert other.cubin != ours.cubin
+    shutil.copyfile(_entry(elsewhere, other), _entry(cache, ours))
+
+    again = compile_cubin(BF16_SRC, name="widen", cache_dir=str(cache))
+    assert not again.from_cache and again.cubin == ours.cubin
+    healed = compile_cubin(BF16_SRC, name="widen", cache_dir=str(cache))
+    assert healed.from_cache and healed.cubin == ours.cubin
+
+
+def test_entry_of_the_keyless_format_is_recompiled(tmp_path: Path) -> None:
+    good = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    old_trailer = b"GSCUBIN1" + hashlib.sha256(good.cubin).digest() + len(good.cubin).to_bytes(8, "little")
+    _entry(tmp_path, good).write_bytes(good.cubin + old_trailer)
+    again = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    assert not again.from_cache and again.cubin == good.cubin
+
+
+def test_entry_owned_by_another_user_is_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    entry = _entry(tmp_path, good)
+    if os.geteuid() == 0:
+        os.chown(entry, 65534, 65534)
+    else:  # seen from another user, the entry is theirs
+        monkeypatch.setattr(nvrtc.os, "geteuid", lambda: entry.stat().st_uid + 1)
+    again = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    assert not again.from_cache and again.cubin == good.cubin
+
+
+def test_oversized_entry_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    monkeypatch.setattr(nvrtc, "_MAX_ENTRY_BYTES", len(good.cubin))
+    assert not compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path)).from_cache
+
+
+def _compile_within(seconds: float, cache: Path, release: Path) -> nvrtc.CompiledCubin:
+    """compile_cubin in a thread that must finish in time; a FIFO at `release` is unblocked if not."""
+    done: list[nvrtc.CompiledCubin] = []
+    worker = threading.Thread(
+        target=lambda: done.append(compile_cubin(BF16_SRC, name="widen", cache_dir=str(cache))),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        if stat.S_ISFIFO(os.lstat(release).st_mode):
+            os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"compile_cubin did not return within {seconds} s")
+    assert done, "compile_cubin raised in its thread"
+    return done[0]
+
+
+def test_fifo_at_entry_path_does_not_hang(tmp_path: Path) -> None:
+    good = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    entry = _entry(tmp_path, good)
+    entry.unlink()
+    os.mkfifo(entry)
+    again = _compile_within(120, tmp_path, entry)
+    assert not again.from_cache and again.cubin == good.cubin
+    assert stat.S_ISREG(os.lstat(entry).st_mode)  # replaced by a real entry
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "valid entry"])
+def test_symlink_at_entry_path_is_not_followed(tmp_path: Path, target: str) -> None:
+    good = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
+    entry = _entry(tmp_path, good)
+    if target == "/dev/zero":
+        entry.unlink()
+        entry.symlink_to("/dev/zero")
+    else:
+        entry.rename(tmp_path / "elsewhere.cubin")
+        entry.symlink_to(tmp_path / "elsewhere.cubin")
+    again = _compile_within(120, tmp_path, entry)
+    assert not again.from_cache and again.cubin == good.cubin
+    assert stat.S_ISREG(os.lstat(entry).st_mode)
 
 
 _WORKER = """
