@@ -9,6 +9,8 @@ leaf tables and for runs where neither torch nor CuPy is installed.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +94,11 @@ def get_device(ordinal: int = 0) -> Device:
 
 @dataclass(frozen=True)
 class DeviceArray:
-    """A strided view of device memory; `owner` keeps that memory alive."""
+    """A strided view of device memory; `owner` keeps that memory alive.
+
+    `readonly` is what the exporter says (the CUDA array interface's read-only flag,
+    DLPack's); gemmspec never writes to such an array.
+    """
 
     ptr: int
     shape: tuple[int, ...]
@@ -100,10 +106,31 @@ class DeviceArray:
     dtype: str
     device: int
     owner: object = field(default=None, repr=False, compare=False)
+    readonly: bool = False
 
     @property
     def itemsize(self) -> int:
         return _NUMPY_DTYPES[self.dtype].itemsize
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        n = 1
+        for extent in self.shape:
+            n *= extent
+        return n
+
+    def byte_extent(self) -> tuple[int, int] | None:
+        """The bytes its elements occupy, [first, past the last); None when it has none.
+
+        From the shape and strides alone (negative strides included): the smallest
+        range holding every element, gaps between them counted in.
+        """
+        if self.size == 0:
+            return None
+        low = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s < 0)
+        high = sum((n - 1) * s for n, s in zip(self.shape, self.strides) if s > 0)
+        return self.ptr + low * self.itemsize, self.ptr + (high + 1) * self.itemsize
 
 
 def as_device_array(obj: Any, *, name: str, dtype_hint: str | None = None) -> DeviceArray:
@@ -117,18 +144,35 @@ def as_device_array(obj: Any, *, name: str, dtype_hint: str | None = None) -> De
     if obj is None:
         raise ArgumentError(f"tensor {name!r} is missing")
     if isinstance(obj, DeviceArray):
-        return _retype(obj, obj.dtype, dtype_hint, name)
-    if isinstance(obj, (np.ndarray, np.generic)):
+        arr = _retype(obj, obj.dtype, dtype_hint, name)
+    elif isinstance(obj, (np.ndarray, np.generic)):
         raise ArgumentError(f"tensor {name!r} is on the host; pass a CUDA tensor")
-    if type(obj).__module__.startswith("torch"):
-        return _from_torch(obj, name, dtype_hint)
-    if hasattr(obj, "__cuda_array_interface__"):
-        return _from_cai(obj, name, dtype_hint)
-    if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(obj, name, dtype_hint)
-    raise ArgumentError(
-        f"tensor {name!r} has unsupported type {type(obj).__qualname__}; {_SUPPORTED_INPUTS}"
-    )
+    elif type(obj).__module__.startswith("torch"):
+        arr = _from_torch(obj, name, dtype_hint)
+    elif hasattr(obj, "__cuda_array_interface__"):
+        arr = _from_cai(obj, name, dtype_hint)
+    elif hasattr(obj, "__dlpack__"):
+        arr = _from_dlpack(obj, name, dtype_hint)
+    else:
+        raise ArgumentError(
+            f"tensor {name!r} has unsupported type {type(obj).__qualname__}; {_SUPPORTED_INPUTS}"
+        )
+    _check_geometry(arr, name)
+    return arr
+
+
+def _check_geometry(arr: DeviceArray, name: str) -> None:
+    """What every array must satisfy, whoever exported it: one stride per dim, no
+    negative extents, and a real address when there is data to address."""
+    if len(arr.strides) != len(arr.shape):
+        raise ArgumentError(
+            f"tensor {name!r} has {len(arr.strides)} strides {list(arr.strides)} for "
+            f"{len(arr.shape)} dims {list(arr.shape)}; expected one stride per dim"
+        )
+    if any(n < 0 for n in arr.shape):
+        raise ArgumentError(f"tensor {name!r} has a negative extent in shape {list(arr.shape)}")
+    if arr.ptr == 0 and arr.size:
+        raise ArgumentError(f"tensor {name!r} has a null data pointer but {arr.size} elements")
 
 
 def _resolve_dtype(source: str, hint: str | None, name: str) -> str:
@@ -152,7 +196,7 @@ def _retype(arr: DeviceArray, source: str, hint: str | None, name: str) -> Devic
     dtype = _resolve_dtype(source, hint, name)
     if dtype == arr.dtype:
         return arr
-    return DeviceArray(arr.ptr, arr.shape, arr.strides, dtype, arr.device, arr.owner)
+    return DeviceArray(arr.ptr, arr.shape, arr.strides, dtype, arr.device, arr.owner, arr.readonly)
 
 
 def _numpy_source(dtype: np.dtype, what: str, name: str) -> str:
@@ -188,7 +232,15 @@ def _from_torch(obj: Any, name: str, hint: str | None) -> DeviceArray:
 
 def _from_cai(obj: Any, name: str, hint: str | None) -> DeviceArray:
     cai = obj.__cuda_array_interface__
-    typestr = cai.get("typestr", "")
+    what = f"tensor {name!r} has a malformed __cuda_array_interface__"
+    if not isinstance(cai, Mapping):
+        raise ArgumentError(f"{what}: a {type(cai).__qualname__}, not a dict")
+    missing = [key for key in ("shape", "typestr", "data") if key not in cai]
+    if missing:
+        raise ArgumentError(f"{what}: no {', '.join(repr(k) for k in missing)}")
+    typestr = cai["typestr"]
+    if not isinstance(typestr, str):
+        raise ArgumentError(f"{what}: 'typestr' is {typestr!r}, not a string")
     try:
         np_dtype = np.dtype(typestr)
     except TypeError:
@@ -196,19 +248,53 @@ def _from_cai(obj: Any, name: str, hint: str | None) -> DeviceArray:
     dtype = _resolve_dtype(_numpy_source(np_dtype, repr(typestr), name), hint, name)
     if cai.get("mask") is not None:
         raise ArgumentError(f"tensor {name!r} is a masked array; gemmspec needs plain arrays")
-    shape = tuple(int(s) for s in cai["shape"])
+    shape = _int_tuple(cai["shape"], f"{what}: 'shape'")
+    ptr, readonly = _cai_data(cai["data"], what)
     itemsize = np_dtype.itemsize
     if cai.get("strides") is None:
         strides = _contiguous_strides(shape)
     else:
-        byte_strides = tuple(int(s) for s in cai["strides"])
+        byte_strides = _int_tuple(cai["strides"], f"{what}: 'strides'")
+        if len(byte_strides) != len(shape):
+            raise ArgumentError(
+                f"tensor {name!r} has {len(byte_strides)} byte strides {list(byte_strides)} "
+                f"for {len(shape)} dims {list(shape)}; expected one stride per dim"
+            )
         if any(s % itemsize for s in byte_strides):
             raise ArgumentError(
                 f"tensor {name!r} has byte strides {byte_strides} that are not multiples "
                 f"of its {itemsize}-byte elements"
             )
         strides = tuple(s // itemsize for s in byte_strides)
-    return DeviceArray(int(cai["data"][0]), shape, strides, dtype, _cai_device(obj), obj)
+    return DeviceArray(ptr, shape, strides, dtype, _cai_device(obj), obj, readonly)
+
+
+def _int(value: Any) -> int | None:
+    """`value` as an int if it is an integer (numpy's included, bool not), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    """A shape or strides entry as ints; anything else is `what`'s error."""
+    items = value if isinstance(value, (tuple, list)) else None
+    ints = None if items is None else [_int(v) for v in items]
+    if ints is None or None in ints:
+        raise ArgumentError(f"{what} is {value!r}, not a tuple of integers")
+    return tuple(ints)
+
+
+def _cai_data(data: Any, what: str) -> tuple[int, bool]:
+    """The (pointer, read-only flag) pair of the interface's 'data' entry."""
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        ptr, readonly = _int(data[0]), data[1]
+        if ptr is not None and ptr >= 0 and isinstance(readonly, (bool, np.bool_)):
+            return ptr, bool(readonly)
+    raise ArgumentError(f"{what}: 'data' is {data!r}, not a (pointer, read-only flag) pair")
 
 
 def _cai_device(obj: Any) -> int:
@@ -229,7 +315,8 @@ def _from_dlpack(obj: Any, name: str, hint: str | None) -> DeviceArray:
     dtype = _resolve_dtype(_numpy_source(view.dtype, str(view.dtype), name), hint, name)
     shape = tuple(view.shape)
     strides = _contiguous_strides(shape) if view.strides is None else tuple(view.strides)
-    return DeviceArray(int(view.ptr), shape, strides, dtype, int(view.device_id), view)
+    readonly = bool(getattr(view, "readonly", False))
+    return DeviceArray(int(view.ptr), shape, strides, dtype, int(view.device_id), view, readonly)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

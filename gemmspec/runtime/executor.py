@@ -4,7 +4,8 @@
 (cubins cached on disk), allocates the workspaces that pre-passes write, and
 launches pre-passes, leaf-table builders and grouped GEMMs in schedule order on
 one stream. Every argument is checked before anything is launched; a bad one
-raises `ArgumentError` naming the tensor and what was expected.
+raises `ArgumentError` naming the tensor and what was expected. A call whose
+run-time dims leave nothing to write (no tokens at all, say) launches nothing.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class Executable:
         for t in self.spec.tensors:
             if t.derived is None:
                 self._check_tensor(t, arrays, dims)
+        self._check_outputs(arrays)
         offsets = self._check_group_values(arrays, dims)
         for t in self.spec.tensors:
             if t.derived is None and t.scale is not None:
@@ -111,6 +113,18 @@ class Executable:
                 return t
         return None
 
+    def _dim_size(self, name: str, dims: dict[str, int]) -> int:
+        """A dim's size in this call: read from the shapes if run-time (0 included)."""
+        return dims[name] if name in dims else self.spec.dim(name).size
+
+    def _shape(self, t: Tensor, dims: dict[str, int]) -> tuple[int, ...]:
+        return tuple(self._dim_size(d, dims) for d in t.dims)
+
+    def _declared_shape(self, t: Tensor) -> str:
+        """The shape as declared, run-time dims by name: '[T, 7168]'."""
+        sizes = (self.spec.dim(d).size for d in t.dims)
+        return "[" + ", ".join(d if n is None else str(n) for d, n in zip(t.dims, sizes)) + "]"
+
     def _runtime_dims(self, arrays: dict[str, DeviceArray]) -> dict[str, int]:
         dims: dict[str, int] = {}
         for t in self.spec.tensors:
@@ -119,7 +133,8 @@ class Executable:
             shape = arrays[t.name].shape
             if len(shape) != t.rank:
                 raise ArgumentError(
-                    f"tensor '{t.name}' must have {t.rank} dims [{', '.join(t.dims)}], got shape {shape}"
+                    f"tensor '{t.name}' must have {t.rank} dims {self._declared_shape(t)}, "
+                    f"got shape {list(shape)}"
                 )
             for d, n in zip(t.dims, shape):
                 if self.spec.dim(d).size is None:
@@ -149,6 +164,11 @@ class Executable:
                 raise ArgumentError(f"'{g.tensor}' must have shape {list(shape)}, got {list(a.shape)}")
             if a.strides != _row_major(shape):
                 raise ArgumentError(f"'{g.tensor}' must be contiguous")
+            if a.ptr % a.itemsize:
+                raise ArgumentError(
+                    f"'{g.tensor}' must be {a.itemsize}-byte aligned (int32), "
+                    f"got address {a.ptr:#x}"
+                )
 
     def _check_group_values(self, arrays, dims) -> dict[str, np.ndarray]:
         host: dict[str, np.ndarray] = {}
@@ -183,13 +203,16 @@ class Executable:
         a = arrays[t.name]
         if a.dtype != t.dtype:
             raise ArgumentError(f"tensor '{t.name}' must be {t.dtype}, got {a.dtype}")
-        shape = tuple(dims.get(d) or self.spec.dim(d).size for d in t.dims)
+        shape = self._shape(t, dims)
         if tuple(a.shape) != shape:
-            raise ArgumentError(f"tensor '{t.name}' must have shape {list(shape)}, got {list(a.shape)}")
+            raise ArgumentError(
+                f"tensor '{t.name}' must have shape {self._declared_shape(t)}, got {list(a.shape)}"
+            )
         env = dict(dims)
+        # An empty tensor addresses nothing: any strides describe it.
         if t.layout.kind == "strided":
             want = tuple(s.evaluate(env) for s in t.layout.strides)
-            ok = all(w == s or n <= 1 for w, s, n in zip(want, a.strides, shape))
+            ok = all(w == s or n <= 1 for w, s, n in zip(want, a.strides, shape)) or 0 in shape
         else:
             want = _row_major(shape)  # a flat buffer holding the segments one after another
             ok = a.strides == want or 0 in shape
@@ -209,10 +232,56 @@ class Executable:
             if s.ptr % ALIGN:
                 raise ArgumentError(f"scale '{t.scale.name}' must be {ALIGN}-byte aligned")
             want = tuple(x.evaluate(env) for x in t.scale.layout.strides)
-            if not all(w == x or n <= 1 for w, x, n in zip(want, s.strides, s.shape)):
+            if 0 not in s.shape and not all(
+                w == x or n <= 1 for w, x, n in zip(want, s.strides, s.shape)
+            ):
                 raise ArgumentError(
                     f"scale '{t.scale.name}' must have element strides {list(want)} "
                     f"({t.scale.layout}), got {list(s.strides)}"
+                )
+
+    def _argument_roles(self) -> dict[str, str]:
+        """What each argument is to a call: 'output', 'input', 'scale', 'offsets' or 'counts'."""
+        roles = {}
+        for t in self.spec.tensors:
+            if t.derived is None:
+                roles[t.name] = "input"
+                if t.scale is not None:
+                    roles[t.scale.name] = "scale"
+        for g in self.spec.groups:
+            if g.tensor:
+                roles[g.tensor] = "counts" if g.kind == "masked" else "offsets"
+        for g in self.spec.gemms:
+            roles[g.out.tensor] = "output"  # even when a later statement reads it
+        return roles
+
+    def _check_outputs(self, arrays: dict[str, DeviceArray]) -> None:
+        """Outputs are writable and share no byte with any other argument.
+
+        Extents are byte ranges from shape and strides, so two views interleaved in one
+        buffer count as overlapping. A tensor one statement writes and a later one
+        reads is one argument, so it never overlaps itself.
+        """
+        roles = self._argument_roles()
+        names = list(roles)
+        for name in names:
+            if roles[name] == "output" and arrays[name].readonly:
+                raise ArgumentError(f"output '{name}' is read-only; pass a writable tensor")
+        extents = {n: arrays[n].byte_extent() for n in names}
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                if "output" not in (roles[first], roles[second]):
+                    continue
+                a, b = extents[first], extents[second]
+                if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
+                    continue
+                out, other = (first, second) if roles[first] == "output" else (second, first)
+                how = "is the same memory as" if a == b else "overlaps"
+                raise ArgumentError(
+                    f"output '{out}' {how} {roles[other]} '{other}' "
+                    f"(bytes [{extents[out][0]:#x}, {extents[out][1]:#x}) and "
+                    f"[{extents[other][0]:#x}, {extents[other][1]:#x})); "
+                    "an output must not share memory with any other argument"
                 )
 
     def _check_scale(self, t: Tensor, arrays, dims, offsets) -> None:
@@ -234,9 +303,22 @@ class Executable:
             self._kernels[name] = LoadedKernel(self._cubins[source], name)
         return self._kernels[name]
 
+    def _writes_nothing(self, dims: dict[str, int]) -> bool:
+        """No statement has an element to write: each output is empty, or adds a sum
+        over an empty range. (`=` over an empty sum still writes zeros.)"""
+        for g in self.spec.gemms:
+            if 0 in self._shape(self.spec.tensor(g.out.tensor), dims):
+                continue
+            if g.accumulate and self._dim_size(g.k.dim, dims) == 0:
+                continue
+            return False
+        return True
+
     def __call__(self, stream: object = None, **tensors: object) -> None:
         """Validate, then run the whole schedule on `stream` and wait for it."""
         run = self.prepare(stream, **tensors)
+        if not run.launches:
+            return
         run.enqueue()
         run.synchronize()
 
@@ -248,6 +330,8 @@ class Executable:
         """
         bound = self._bind(tensors)
         run = PreparedRun(current_stream(stream), workspace=[])
+        if self._writes_nothing(bound.dims):
+            return run
         ptrs: dict[str, object] = dict(bound.arrays)
         for p in self.program.prepasses:
             self._plan_prepass(p, bound, ptrs, run)
@@ -259,7 +343,7 @@ class Executable:
         spec = self.spec
         src, dst = spec.tensor(p.prepass.source), spec.tensor(p.prepass.target)
         env = dict(bound.dims)
-        shape = [bound.dims.get(d) or spec.dim(d).size for d in src.dims]
+        shape = [self._dim_size(d, bound.dims) for d in src.dims]
         out = run.allocate(max(int(np.prod(shape)), 1))
         kern = self._kernel(p.source, p.kernel)
         if p.prepass.kind == "transpose":

@@ -162,3 +162,130 @@ def test_torch_cpu_tensor_rejected() -> None:
     torch = pytest.importorskip("torch")
     with pytest.raises(ArgumentError, match="tensor 'x' is on cpu, not a CUDA device"):
         as_device_array(torch.zeros(4), name="x")
+
+
+class RawCAI:
+    """An object whose __cuda_array_interface__ is exactly what the test says."""
+
+    def __init__(self, interface: Any):
+        self.__cuda_array_interface__ = interface
+
+
+def interface(**changes: Any) -> dict:
+    """A valid f32[4, 8] interface with `changes` applied (None removes a key)."""
+    cai = {"shape": (4, 8), "typestr": "<f4", "data": (PTR, False), "strides": None, "version": 3}
+    for key, value in changes.items():
+        if value is None:
+            cai.pop(key)
+        else:
+            cai[key] = value
+    return cai
+
+
+@pytest.mark.parametrize(
+    ("cai", "message"),
+    [
+        (interface(shape=None), "no 'shape'"),
+        (interface(data=None), "no 'data'"),
+        (interface(typestr=None), "no 'typestr'"),
+        (interface(shape=None, data=None), "no 'shape', 'data'"),
+        ({**interface(), "data": None}, "'data' is None, not a"),
+        (interface(data=PTR), "'data' is 1048576, not a"),
+        (interface(data=(PTR,)), "'data' is \\(1048576,\\), not a"),
+        (interface(data=(str(PTR), False)), "'data' is \\('1048576', False\\)"),
+        (interface(data=(float(PTR), False)), "'data' is \\(1048576.0, False\\)"),
+        (interface(data=(PTR, "no")), "'data' is \\(1048576, 'no'\\)"),
+        (interface(data=(-16, False)), "'data' is \\(-16, False\\)"),
+        (interface(shape="4x8"), "'shape' is '4x8', not a tuple of integers"),
+        (interface(shape=4), "'shape' is 4, not a tuple of integers"),
+        (interface(shape=(4.0, 8)), "'shape' is \\(4.0, 8\\), not a tuple of integers"),
+        (interface(shape=(True, 8)), "'shape' is \\(True, 8\\)"),
+        (interface(typestr=b"<f4"), "'typestr' is b'<f4', not a string"),
+        (interface(typestr=4), "'typestr' is 4, not a string"),
+        (interface(strides="row"), "'strides' is 'row', not a tuple of integers"),
+        (interface(strides=(32, "4")), "'strides' is \\(32, '4'\\)"),
+    ],
+)
+def test_cai_malformed_is_an_argument_error(cai: dict, message: str) -> None:
+    with pytest.raises(ArgumentError, match=rf"tensor 'x' has a malformed __cuda_array_interface__.*{message}"):
+        as_device_array(RawCAI(cai), name="x")
+
+
+@pytest.mark.parametrize("cai", [None, [("shape", (4,))], "{}"])
+def test_cai_not_a_dict(cai: Any) -> None:
+    with pytest.raises(ArgumentError, match=r"malformed __cuda_array_interface__: a \w+, not a dict"):
+        as_device_array(RawCAI(cai), name="x")
+
+
+def test_cai_numpy_integers_are_integers() -> None:
+    cai = interface(shape=(np.int64(4), np.int32(8)), data=(np.uint64(PTR), np.bool_(False)))
+    arr = as_device_array(RawCAI(cai), name="x")
+    assert arr.shape == (4, 8) and arr.ptr == PTR and not arr.readonly
+
+
+@pytest.mark.parametrize("strides", [(32,), (32, 4, 4)])
+def test_cai_strides_one_per_dim(strides: tuple[int, ...]) -> None:
+    n = len(strides)
+    with pytest.raises(
+        ArgumentError, match=rf"tensor 'x' has {n} byte strides .* for 2 dims \[4, 8\]; expected one stride per dim"
+    ):
+        as_device_array(FakeCAI((4, 8), "<f4", strides=strides), name="x")
+
+
+def test_device_array_strides_one_per_dim() -> None:
+    with pytest.raises(ArgumentError, match=r"tensor 'x' has 1 strides \[1\] for 2 dims \[4, 8\]"):
+        as_device_array(DeviceArray(PTR, (4, 8), (1,), "f32", 0), name="x")
+
+
+def test_negative_extent_rejected() -> None:
+    with pytest.raises(ArgumentError, match=r"tensor 'x' has a negative extent in shape \[-1, 8\]"):
+        as_device_array(DeviceArray(PTR, (-1, 8), (8, 1), "f32", 0), name="x")
+
+
+def test_null_pointer_rejected_when_there_is_data() -> None:
+    with pytest.raises(ArgumentError, match="tensor 'x' has a null data pointer but 32 elements"):
+        as_device_array(RawCAI(interface(data=(0, False))), name="x")
+
+
+def test_null_pointer_accepted_when_empty() -> None:
+    arr = as_device_array(RawCAI(interface(shape=(0, 8), data=(0, False))), name="x")
+    assert arr.ptr == 0 and arr.size == 0 and arr.byte_extent() is None
+
+
+def test_cai_read_only_flag() -> None:
+    assert as_device_array(RawCAI(interface(data=(PTR, True))), name="x").readonly
+    assert not as_device_array(RawCAI(interface()), name="x").readonly
+
+
+def test_retype_keeps_read_only_flag() -> None:
+    arr = DeviceArray(PTR, (4,), (1,), "u8", 0, readonly=True)
+    assert as_device_array(arr, name="a", dtype_hint="e4m3").readonly
+
+
+def test_dlpack_read_only_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemmspec.runtime import arrays
+
+    view = SimpleNamespace(
+        ptr=PTR, shape=(4,), strides=None, dtype=np.dtype("<f4"),
+        device_id=0, is_device_accessible=True, readonly=True,
+    )
+    fake = SimpleNamespace(from_dlpack=lambda obj, stream_ptr: view)
+    monkeypatch.setattr(arrays, "StridedMemoryView", fake)
+    arr = as_device_array(HostDLPack(np.zeros(4, np.float32)), name="x")
+    assert arr.readonly and arr.ptr == PTR and arr.shape == (4,)
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "dtype", "extent"),
+    [
+        ((4, 8), (8, 1), "f32", (PTR, PTR + 128)),
+        ((4, 8), (1, 4), "bf16", (PTR, PTR + 64)),
+        ((4, 8), (16, 1), "u8", (PTR, PTR + 56)),  # padded rows: the gap inside counts
+        ((4,), (-1,), "f32", (PTR - 12, PTR + 4)),
+        ((3, 1), (0, 5), "f32", (PTR, PTR + 4)),
+        ((), (), "f64", (PTR, PTR + 8)),
+        ((4, 0), (0, 1), "f32", None),
+    ],
+)
+def test_byte_extent(shape, strides, dtype, extent) -> None:
+    assert DeviceArray(PTR, shape, strides, dtype, 0).byte_extent() == extent

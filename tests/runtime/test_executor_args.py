@@ -1,7 +1,8 @@
 """Bad run-time arguments raise ArgumentError before anything touches a GPU.
 
 Tensors here are fake `__cuda_array_interface__` objects: the executor checks
-names, dtypes, shapes, strides and alignment from metadata alone.
+names, dtypes, shapes, strides, alignment and overlaps from metadata alone. Where
+a call gets as far as the offsets values, `copy_to_host` is faked too.
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ import pytest
 
 import gemmspec
 from gemmspec.errors import ArgumentError
+from gemmspec.runtime import executor
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_fp8_forward.gspec"
 T, N, K, E = 512, 4096, 7168, 8
+GIB = 1 << 30
+
+# Each tensor of good_args() at its own address, a GiB apart.
+BASE = {name: (i + 1) * GIB for i, name in enumerate(["x", "x_scale", "w", "w_scale", "y", "expert_offsets"])}
 
 
 class FakeCuda:
     """Just enough of a CUDA array for metadata checks."""
 
-    def __init__(self, shape, typestr, strides=None, ptr=1 << 30):
+    def __init__(self, shape, typestr, strides=None, ptr=GIB, readonly=False):
         self.__cuda_array_interface__ = {
             "shape": tuple(shape),
             "typestr": typestr,
-            "data": (ptr, False),
+            "data": (ptr, readonly),
             "strides": strides,
             "version": 3,
         }
@@ -33,13 +39,20 @@ class FakeCuda:
 
 def good_args():
     return {
-        "x": FakeCuda((T, K), "|u1"),
-        "x_scale": FakeCuda((T, K // 128), "<f4", strides=(4, T * 4)),  # MN-major
-        "w": FakeCuda((E, N, K), "|u1"),
-        "w_scale": FakeCuda((E, N // 128, K // 128), "<f4"),
-        "y": FakeCuda((T, N), "<u2"),
-        "expert_offsets": FakeCuda((E + 1,), "<i4"),
+        "x": FakeCuda((T, K), "|u1", ptr=BASE["x"]),
+        "x_scale": FakeCuda((T, K // 128), "<f4", strides=(4, T * 4), ptr=BASE["x_scale"]),  # MN-major
+        "w": FakeCuda((E, N, K), "|u1", ptr=BASE["w"]),
+        "w_scale": FakeCuda((E, N // 128, K // 128), "<f4", ptr=BASE["w_scale"]),
+        "y": FakeCuda((T, N), "<u2", ptr=BASE["y"]),
+        "expert_offsets": FakeCuda((E + 1,), "<i4", ptr=BASE["expert_offsets"]),
     }
+
+
+@pytest.fixture
+def offsets_on_host(monkeypatch):
+    """Offsets read back as T tokens spread over the experts, so a call can pass validation."""
+    values = np.linspace(0, T, E + 1).astype(np.int32)
+    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: values.reshape(shape))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +116,7 @@ def test_operand_strides(exe):
 
 
 def test_misaligned(exe):
-    assert "16-byte aligned" in call(exe, w=FakeCuda((E, N, K), "|u1", ptr=(1 << 30) + 8))
+    assert "16-byte aligned" in call(exe, w=FakeCuda((E, N, K), "|u1", ptr=BASE["w"] + 8))
 
 
 def test_offsets_dtype_and_shape(exe):
@@ -113,3 +126,174 @@ def test_offsets_dtype_and_shape(exe):
 
 def test_scale_dtype(exe):
     assert "scale 'w_scale' must be float32" in call(exe, w_scale=FakeCuda((E, 32, 56), "<f8"))
+
+
+def test_good_args_pass_validation(exe, offsets_on_host):
+    bound = exe._bind(good_args())
+    assert bound.dims == {"T": T} and set(bound.arrays) == set(exe.argument_names())
+
+
+def test_wrong_fixed_dim_names_runtime_dims(exe):
+    msg = call(exe, x=FakeCuda((T, K - 128), "|u1", ptr=BASE["x"]))
+    assert "tensor 'x' must have shape [T, 7168], got [512, 7040]" in msg
+    assert "None" not in msg
+
+
+def test_wrong_rank_names_runtime_dims(exe):
+    msg = call(exe, y=FakeCuda((T, N, 1), "<u2", ptr=BASE["y"]))
+    assert "tensor 'y' must have 2 dims [T, 4096], got shape [512, 4096, 1]" in msg
+
+
+@pytest.mark.parametrize(
+    "cai",
+    [
+        {"typestr": "|u1", "data": (GIB, False), "version": 3},
+        {"shape": (T, K), "typestr": "|u1", "version": 3},
+        {"shape": (T, K), "typestr": "|u1", "data": None, "version": 3},
+        {"shape": None, "typestr": "|u1", "data": (GIB, False), "version": 3},
+        {"shape": (T, K), "typestr": "|u1", "data": ("0x40000000", False), "version": 3},
+    ],
+)
+def test_malformed_cuda_array_interface(exe, cai):
+    fake = FakeCuda((T, K), "|u1")
+    fake.__cuda_array_interface__ = cai
+    assert "tensor 'x' has a malformed __cuda_array_interface__" in call(exe, x=fake)
+
+
+def test_strides_not_one_per_dim(exe):
+    msg = call(exe, x=FakeCuda((T, K), "|u1", strides=(K,), ptr=BASE["x"]))
+    assert "tensor 'x' has 1 byte strides [7168] for 2 dims [512, 7168]" in msg
+    msg = call(exe, x=FakeCuda((T, K), "|u1", strides=(K, 1, 1), ptr=BASE["x"]))
+    assert "tensor 'x' has 3 byte strides" in msg
+
+
+def test_null_pointer(exe):
+    assert "tensor 'w' has a null data pointer" in call(exe, w=FakeCuda((E, N, K), "|u1", ptr=0))
+
+
+def test_offsets_misaligned(exe):
+    msg = call(exe, expert_offsets=FakeCuda((E + 1,), "<i4", ptr=BASE["expert_offsets"] + 2))
+    assert "'expert_offsets' must be 4-byte aligned (int32), got address 0x180000002" in msg
+
+
+def test_output_is_the_input(exe):
+    msg = call(exe, y=FakeCuda((T, N), "<u2", ptr=BASE["x"]))
+    assert "output 'y' overlaps input 'x'" in msg
+    assert "must not share memory with any other argument" in msg
+
+
+def test_output_overlaps_input_tail(exe):
+    # y starts on the last byte of w.
+    msg = call(exe, y=FakeCuda((T, N), "<u2", ptr=BASE["w"] + E * N * K - 16))
+    assert "output 'y' overlaps input 'w'" in msg
+
+
+def test_output_overlaps_scale(exe):
+    msg = call(exe, y=FakeCuda((T, N), "<u2", ptr=BASE["x_scale"] - 1024))
+    assert "output 'y' overlaps scale 'x_scale'" in msg
+
+
+def test_output_overlaps_offsets(exe):
+    msg = call(exe, y=FakeCuda((T, N), "<u2", ptr=BASE["expert_offsets"] - 2 * T * N + 16))
+    assert "output 'y' overlaps offsets 'expert_offsets'" in msg
+
+
+def test_scale_inside_output(exe):
+    # The scale's MN-major extent lies wholly inside y's.
+    scale = FakeCuda((T, K // 128), "<f4", strides=(4, T * 4), ptr=BASE["y"] + 4096)
+    assert "output 'y' overlaps scale 'x_scale'" in call(exe, x_scale=scale)
+
+
+def test_output_adjacent_to_inputs_is_fine(exe, offsets_on_host):
+    args = good_args()
+    # y ends exactly where x begins; x_scale begins exactly where y ends.
+    start = BASE["x"] - 2 * T * N
+    args["y"] = FakeCuda((T, N), "<u2", ptr=start)
+    args["x_scale"] = FakeCuda((T, K // 128), "<f4", strides=(4, T * 4), ptr=BASE["x"] + T * K)
+    exe._bind(args)
+
+
+def test_inputs_may_share_memory(exe, offsets_on_host):
+    args = good_args()
+    args["x"] = FakeCuda((T, K), "|u1", ptr=BASE["w"])  # read twice, written never
+    exe._bind(args)
+
+
+def test_read_only_output(exe):
+    msg = call(exe, y=FakeCuda((T, N), "<u2", ptr=BASE["y"], readonly=True))
+    assert "output 'y' is read-only; pass a writable tensor" in msg
+
+
+def test_read_only_inputs_are_fine(exe, offsets_on_host):
+    args = good_args()
+    for name in ("x", "w", "expert_offsets"):
+        cai = args[name].__cuda_array_interface__
+        cai["data"] = (cai["data"][0], True)
+    exe._bind(args)
+
+
+CHAIN = """
+gemm lora_chain {
+  dim T
+  dim K = 256, R = 16, N = 512
+
+  tensor x : bf16 [T, K]
+  tensor a : bf16 [R, K]
+  tensor h : bf16 [T, R]
+  tensor b : bf16 [N, R]
+  tensor y : bf16 [T, N]
+
+  h[t, r] = sum[k] x[t, k] * a[r, k]
+  y[t, n] = sum[r] h[t, r] * b[n, r]
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def chain():
+    return gemmspec.build(CHAIN)
+
+
+def chain_args(**ptrs):
+    shapes = {"x": (T, 256), "a": (16, 256), "h": (T, 16), "b": (512, 16), "y": (T, 512)}
+    base = {name: (i + 1) * GIB for i, name in enumerate(shapes)}
+    base.update(ptrs)
+    return {name: FakeCuda(shape, "<u2", ptr=base[name]) for name, shape in shapes.items()}
+
+
+def test_tensor_written_then_read_is_one_argument(chain):
+    bound = chain._bind(chain_args())
+    assert list(bound.arrays) == ["x", "a", "h", "b", "y"]
+
+
+def test_intermediate_must_not_overlap_its_input(chain):
+    with pytest.raises(ArgumentError, match="output 'h' overlaps input 'x'"):
+        chain._bind(chain_args(h=GIB + 64))
+
+
+def test_outputs_must_not_overlap_each_other(chain):
+    with pytest.raises(ArgumentError, match="output 'h' overlaps output 'y'"):
+        chain._bind(chain_args(y=3 * GIB))
+
+
+IN_PLACE = """
+gemm square {
+  dim T
+  dim K = 256, N = 256
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [N, K]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[n, k]
+}
+"""
+
+
+def test_in_place_output_is_the_same_memory():
+    exe = gemmspec.build(IN_PLACE)
+    args = {
+        "x": FakeCuda((T, 256), "<u2", ptr=GIB),
+        "w": FakeCuda((256, 256), "<u2", ptr=2 * GIB),
+        "y": FakeCuda((T, 256), "<u2", ptr=GIB),
+    }
+    with pytest.raises(ArgumentError, match="output 'y' is the same memory as input 'x'"):
+        exe(**args)
