@@ -202,6 +202,16 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
     )
 
 
+def _mixed_radix(pg: ProblemGenerator) -> list[dict]:
+    """Each free leaf axis's index as (leaf / stride) % count, outermost axis first
+    (the same decode as ProblemGenerator.leaf_indices)."""
+    axes, stride = [], 1
+    for a in reversed(pg.free_axes):
+        axes.append({"var": f"g_{a.name}", "count": a.count, "stride": stride})
+        stride *= a.count
+    return axes[::-1]
+
+
 def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
     pg = launch.problems
     cfg = gemm_config(launch)
@@ -236,7 +246,7 @@ def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
         leaf_count=pg.leaf_count,
         tensor_params=params,
         dim_params=dims,
-        free_axes=[{"var": f"g_{a.name}", "count": a.count} for a in reversed(pg.free_axes)],
+        free_axes=_mixed_radix(pg),
         pinned_axes=[{"var": f"g_{a}", "value": i} for a, i in pg.fixed_axes],
         body=body,
         fields=fields,

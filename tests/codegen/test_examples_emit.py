@@ -30,6 +30,7 @@ def test_example_compiles_to_tensor_core_sass(path, tmp_path):
             cubin = compile_cubin(
                 launch.source, name=launch.gemm.name, include_dirs=[include_dir()], cache_dir=str(tmp_path)
             )
+            assert "warning" not in cubin.log, cubin.log  # -Werror builds must take it
             sass = disassemble(cubin.cubin)
             fp8 = launch.gemm.a_type in FP8_TYPES
             assert ("QGMMA" in sass) == fp8, launch.gemm.name
