@@ -23,44 +23,6 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gsp
 GIB = 1 << 30
 
 
-class FakeBuffer:
-    _next = 1 << 40
-
-    def __init__(self, nbytes, **_):
-        self.nbytes = nbytes
-        self.ptr = FakeBuffer._next
-        FakeBuffer._next += ((nbytes + 255) // 256 + 1) * 256
-
-    @classmethod
-    def from_numpy(cls, array, **_):
-        return cls(array.nbytes)
-
-
-class FakeKernel:
-    def __init__(self, compiled, name, **_):
-        self.name = name
-
-
-class NoStream:
-    """A stream that must not be used: an empty call neither enqueues nor waits."""
-
-    def sync(self):
-        raise AssertionError("an empty call synchronised its stream")
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    host = {}
-    monkeypatch.setattr(executor, "DeviceBuffer", FakeBuffer)
-    monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
-    monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
-    monkeypatch.setattr(executor, "num_sms", lambda: 132)
-    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(256, np.uint8))
-    monkeypatch.setattr(executor, "current_stream", lambda s: NoStream())
-    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
-    return host
-
-
 def empty_arrays(exe, host, **dims):
     """Arguments for run-time dims `dims` (0 by default), empty ones at address 0
     with contiguous strides, as frameworks hand them out."""

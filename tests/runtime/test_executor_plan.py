@@ -17,38 +17,6 @@ from gemmspec.runtime.arrays import DeviceArray
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
 
 
-class FakeBuffer:
-    _next = 1 << 32
-
-    def __init__(self, nbytes, **_):
-        self.nbytes = nbytes
-        self.ptr = FakeBuffer._next
-        FakeBuffer._next += ((nbytes + 255) // 256 + 1) * 256
-
-    @classmethod
-    def from_numpy(cls, array, **_):
-        return cls(array.nbytes)
-
-
-class FakeKernel:
-    def __init__(self, compiled, name, **_):
-        self.name = name
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    host = {}
-    monkeypatch.setattr(executor, "DeviceBuffer", FakeBuffer)
-    monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
-    monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
-    monkeypatch.setattr(executor, "num_sms", lambda: 132)
-    # Tensor-map templates are encoded by the driver; their bytes do not matter here.
-    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(256, np.uint8))
-    monkeypatch.setattr(executor, "current_stream", lambda s: "stream")
-    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
-    return host
-
-
 def _arrays(exe, host, rng):
     spec = exe.spec
     rt = random_runtime(spec, rng, dims={d: 300 for d in spec.runtime_dims})

@@ -1,0 +1,51 @@
+"""Fakes that let the executor plan launches with no GPU: buffers get fake addresses,
+kernels are never compiled or loaded, and offsets are read from a host dict."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gemmspec.runtime import executor
+
+
+class FakeBuffer:
+    _next = 1 << 40
+
+    def __init__(self, nbytes, **_):
+        self.nbytes = nbytes
+        self.ptr = FakeBuffer._next
+        FakeBuffer._next += ((nbytes + 255) // 256 + 1) * 256
+
+    @classmethod
+    def from_numpy(cls, array, **_):
+        return cls(array.nbytes)
+
+
+class FakeKernel:
+    def __init__(self, compiled, name, **_):
+        self.name = name
+
+
+class NoStream:
+    """A stream that must not be used: planning never waits, an empty call neither
+    enqueues nor waits."""
+
+    def sync(self):
+        raise AssertionError("a call synchronised its stream")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Executor planning without a device; returns {pointer: host values} for the
+    offsets and counts tensors the test creates."""
+    host = {}
+    monkeypatch.setattr(executor, "DeviceBuffer", FakeBuffer)
+    monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
+    monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
+    monkeypatch.setattr(executor, "num_sms", lambda: 132)
+    # Tensor-map templates are encoded by the driver; their bytes do not matter here.
+    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(256, np.uint8))
+    monkeypatch.setattr(executor, "current_stream", lambda s: NoStream())
+    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
+    return host
