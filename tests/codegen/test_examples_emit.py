@@ -62,3 +62,26 @@ def test_emitted_cu_files_compile_standalone_with_nvcc(tmp_path):
             capture_output=True, text=True, cwd=out,
         )
         assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_leaf_table_builder_decodes_leaves_like_the_schedule(path):
+    # The builder turns a leaf number into group indices as (leaf / stride) % count; the
+    # reference executor uses ProblemGenerator.leaf_indices. They must agree on every leaf.
+    import re
+
+    for prog in programs(path):
+        for launch in prog.launches:
+            pg = launch.launch.problems
+            decode = {
+                name: (int(stride), int(count))
+                for name, stride, count in re.findall(
+                    r"const long long g_(\w+) = \(static_cast<long long>\(leaf\) / (\d+)\) % (\d+);",
+                    launch.source,
+                )
+            }
+            assert set(decode) == {a.name for a in pg.free_axes}
+            for leaf in range(pg.leaf_count):
+                want = pg.leaf_indices(leaf)
+                got = {a: (leaf // s) % c for a, (s, c) in decode.items()}
+                assert all(want[a] == got[a] for a in got), (leaf, want, got)
