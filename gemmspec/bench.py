@@ -109,6 +109,13 @@ def _offsets(lengths):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
+def _dequantized(q, scale, block_rows: int, block_cols: int):
+    """Float64 values of `q` times its scale grid, each scale repeated over its block."""
+    torch = _torch()
+    grid = scale.to(torch.float64).repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+    return q.to(torch.float64) * grid
+
+
 def _rel_error(out, ref) -> float:
     torch = _torch()
     out, ref = out.to(torch.float64), ref.to(torch.float64)
@@ -236,8 +243,8 @@ def _fp8_grouped(name: str, lengths: list[int], n: int, k: int, repeat: int) -> 
     for ei, m in enumerate(lengths):
         if m:
             rows = start + torch.randperm(m, generator=g)[:96].cuda()
-            xa = x[rows].to(torch.float64) * xs[rows].to(torch.float64).repeat_interleave(128, dim=1)
-            wb = w[ei].to(torch.float64) * ws[ei].to(torch.float64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+            xa = _dequantized(x[rows], xs[rows], 1, 128)
+            wb = _dequantized(w[ei], ws[ei], 128, 128)
             errs_out.append(y[rows])
             errs_ref.append(xa @ wb.t())
         start += m
@@ -313,11 +320,9 @@ def case_wgrad(repeat):
     for ei in (0, 5):
         s = ei * m
         rows = torch.randperm(n, generator=g)[:64].cuda()
-        dseg = dy[s * n:(s + m) * n].view(n, m)[rows].to(torch.float64)
-        dsc = dys[s // 128:(s + m) // 128][:, rows].t().to(torch.float64).repeat_interleave(128, dim=1)
-        xseg = x[s * k:(s + m) * k].view(k, m).to(torch.float64)
-        xsc = xs[s // 128:(s + m) // 128].t().to(torch.float64).repeat_interleave(128, dim=1)
-        refs.append((dseg * dsc) @ (xseg * xsc).t())
+        dseg = _dequantized(dy[s * n:(s + m) * n].view(n, m)[rows], dys[s // 128:(s + m) // 128][:, rows].t(), 1, 128)
+        xseg = _dequantized(x[s * k:(s + m) * k].view(k, m), xs[s // 128:(s + m) // 128].t(), 1, 128)
+        refs.append(dseg @ xseg.t())
         outs.append(dw[ei][rows])
     check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 1e-3, "float64 reference (sampled rows)")
     flops = 2.0 * t * n * k
@@ -345,8 +350,8 @@ def case_masked(repeat):
     outs, refs = [], []
     for ei, c in enumerate(MASKED):
         rows = torch.arange(0, c, max(c // 64, 1), device="cuda")
-        xa = x[ei][rows].to(torch.float64) * xs[ei][rows].to(torch.float64).repeat_interleave(128, dim=1)
-        wb = w[ei].to(torch.float64) * ws[ei].to(torch.float64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+        xa = _dequantized(x[ei][rows], xs[ei][rows], 1, 128)
+        wb = _dequantized(w[ei], ws[ei], 128, 128)
         outs.append(y[ei][rows])
         refs.append(xa @ wb.t())
     check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
@@ -395,8 +400,8 @@ def case_dense(repeat):
     run.enqueue()
     torch.cuda.synchronize()
     rows = torch.arange(0, t, 37, device="cuda")
-    xa = x[rows].to(torch.float64) * xs[rows].to(torch.float64).repeat_interleave(128, dim=1)
-    wb = w.to(torch.float64) * ws.to(torch.float64).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    xa = _dequantized(x[rows], xs[rows], 1, 128)
+    wb = _dequantized(w, ws, 128, 128)
     check = _checked(_rel_error(y[rows], xa @ wb.t()), 4e-3, "float64 reference (sampled rows)")
     flops = 2.0 * t * n * k
     out = [_result(name, "gemmspec", _time(run.enqueue, repeat), flops, check=check)]
