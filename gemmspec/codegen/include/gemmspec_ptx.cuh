@@ -187,11 +187,6 @@ __device__ __forceinline__ void gs_tma_load_2d_multicast(unsigned dst, const GsT
       : "memory");
 }
 
-__device__ __forceinline__ void gs_tma_prefetch_map(const GsTensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map))
-               : "memory");
-}
-
 // ---------------------------------------------------------------------------
 // Tensor maps patched on the device. The writer edits a copy in shared memory, stores
 // it to global memory and releases; the kernel that uses it acquires before its first
@@ -265,11 +260,6 @@ __device__ __forceinline__ void gs_setmaxnreg_dec() {
 template <int R>
 __device__ __forceinline__ void gs_setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
-}
-
-// Named barrier over `threads` threads (a multiple of 32) of this CTA; id 0 is __syncthreads.
-__device__ __forceinline__ void gs_named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---------------------------------------------------------------------------
