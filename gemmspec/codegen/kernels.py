@@ -201,6 +201,30 @@ class GemmKernelConfig:
         return _ceil_div(m, self.tile_m) * _ceil_div(n, self.tile_n) if m > 0 and n > 0 else 0
 
 
+@dataclass(frozen=True)
+class MapSpec:
+    """One per-leaf TMA tensor map of a grouped GEMM launch, as its host-encoded template
+    fixes it: element type and box (``box_inner`` contiguous elements, one 128-byte
+    swizzle row, by ``box_rows`` rows), 128-byte swizzle, 256-byte L2 promotion, zero
+    fill. The leaf-table builder patches each leaf's base address, extents and row stride
+    into a copy. ``operand`` is "a" or "b" (loads) or "d" (the output, stored by TMA)."""
+
+    operand: str
+    dtype: str
+    box_inner: int
+    box_rows: int
+
+
+def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
+    """The tensor maps each leaf of a launch owns, in their order in the maps buffer
+    (leaf i's maps start at i * len(map_specs(cfg))). In a cluster each CTA loads (and
+    multicasts) its share of A's rows."""
+    return (
+        MapSpec("a", cfg.a_type, cfg.tile_k, cfg.tile_m // cfg.cluster),
+        MapSpec("b", cfg.b_type, cfg.tile_k, cfg.tile_n),
+    )
+
+
 def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     """Deterministic C identifier, e.g. gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store."""
     scales = f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"

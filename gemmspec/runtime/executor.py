@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..codegen.emit import EmittedLaunch, EmittedPrePass, EmittedProgram
-from ..codegen.kernels import RequantKernelConfig, TransposeKernelConfig, include_dir
+from ..codegen.kernels import RequantKernelConfig, TransposeKernelConfig, include_dir, map_specs
 from ..errors import ArgumentError
 from ..explain import explain_text
 from ..lower.schedule import Schedule
@@ -379,7 +379,7 @@ class Executable:
         pg = x.launch.problems
         a, b = ptrs[pg.a.tensor], ptrs[pg.b.tensor]
         table = run.allocate((x.leaf_count + 1) * GS_LEAF_BYTES)
-        maps = run.allocate(2 * x.leaf_count * TENSOR_MAP_BYTES)
+        maps = run.allocate(len(map_specs(x.gemm)) * x.leaf_count * TENSOR_MAP_BYTES)
         templates = run.upload(operand_templates(x.gemm, maps.ptr))
         builder = self._kernel(x.source, x.table_kernel)
         args = [ptrs[t] for t in x.table_params] + [np.int64(bound.dims[d]) for d in x.dim_params]

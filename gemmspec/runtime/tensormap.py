@@ -14,7 +14,7 @@ import ctypes
 import numpy as np
 from cuda.bindings import driver
 
-from ..codegen.kernels import SWIZZLE_BYTES, GemmKernelConfig
+from ..codegen.kernels import SWIZZLE_BYTES, GemmKernelConfig, map_specs
 from ..errors import GemmspecError
 
 TENSOR_MAP_BYTES = 128
@@ -54,8 +54,7 @@ def encode_tile_map(dtype: str, box_rows: int, box_k: int, address: int) -> byte
 
 
 def operand_templates(cfg: GemmKernelConfig, address: int) -> np.ndarray:
-    """The A and B templates of a GEMM configuration, back to back (256 bytes). In a
-    cluster each CTA loads (and multicasts) its share of A's rows."""
-    a = encode_tile_map(cfg.a_type, cfg.tile_m // cfg.cluster, cfg.tile_k, address)
-    b = encode_tile_map(cfg.b_type, cfg.tile_n, cfg.tile_k, address)
-    return np.frombuffer(a + b, dtype=np.uint8)
+    """The templates of every per-leaf map of a GEMM configuration, back to back
+    (128 bytes each, in ``map_specs`` order)."""
+    maps = b"".join(encode_tile_map(m.dtype, m.box_rows, m.box_inner, address) for m in map_specs(cfg))
+    return np.frombuffer(maps, dtype=np.uint8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gemmspec.codegen.kernels import map_specs
 from gemmspec.runtime import executor
 
 
@@ -45,7 +46,7 @@ def offline(monkeypatch):
     monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
     monkeypatch.setattr(executor, "num_sms", lambda: 132)
     # Tensor-map templates are encoded by the driver; their bytes do not matter here.
-    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(256, np.uint8))
+    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(128 * len(map_specs(cfg)), np.uint8))
     monkeypatch.setattr(executor, "current_stream", lambda s: NoStream())
     monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
     return host
