@@ -13,11 +13,13 @@ the wgmma limit. The choice trades three things, in this order:
    shared memory per FLOP; but columns past N are wasted. Over the candidate widths the
    cost ceil(N / TILE_N) x (TILE_M + TILE_N) (operand rows loaded per TILE_M output rows,
    padding included) is minimized; a run-time N takes the widest candidate.
-3. **Registers.** Unscaled kernels keep one f32 accumulator tile (TILE_N / 2 registers
-   per thread): up to 256 columns. Scaled FP8 kernels keep two (the K block's and the
-   promoted sum) and read one B scale per tile when the tile lies inside one B scale
-   block: their widths divide the B scale block (128 for 128x128 weights), or are at most
-   128 when B scales change per column.
+3. **Registers and scales.** Unscaled kernels keep one f32 accumulator tile (TILE_N / 2
+   registers per thread): up to 256 columns. Scaled FP8 kernels keep two (the K block's
+   and the promoted sum): up to 192 columns. They read one B scale per tile and K block
+   when the tile lies inside one B scale block, and two when it straddles at most one
+   block boundary: with 128-column weight blocks that allows 144, 160 and 192 columns
+   (TILE_N - 128 <= gcd(TILE_N, 128)) beside the divisors of 128. When B scales change
+   per column, widths are at most 128.
 
 4. **L2 traffic.** At full tensor-core rate a 128 x 128 FP8 tile streams about 64 bytes
    per cycle per SM out of L2, more than L2 can feed all 132 SMs. Two CTAs of a cluster
@@ -31,9 +33,11 @@ The ring depth is then as many stages as shared memory holds (see GemmKernelConf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 UNSCALED_WIDTHS = (256, 192, 128, 96, 64, 48, 32, 16)
+SCALED_WIDTHS = (192, 160, 144, 128, 96, 64, 48, 32, 16)
 PER_COLUMN_SCALED_WIDTHS = (128, 96, 64, 48, 32, 16)
 
 
@@ -48,8 +52,13 @@ class TileChoice:
 def candidate_widths(scaled: bool, sb_block_n: int) -> tuple[int, ...]:
     if not scaled:
         return UNSCALED_WIDTHS
-    uniform = tuple(w for w in (192, 128, 64, 32, 16) if sb_block_n % w == 0)
-    return uniform or PER_COLUMN_SCALED_WIDTHS
+    # One or two B scales per tile (see GemmKernelConfig.sb_mode); else one per column.
+    few = tuple(
+        w
+        for w in SCALED_WIDTHS
+        if sb_block_n % w == 0 or (sb_block_n % 8 == 0 and w <= sb_block_n + math.gcd(w, sb_block_n))
+    )
+    return few or PER_COLUMN_SCALED_WIDTHS
 
 
 def _cost(n_extents: list[int], tile_m: int, tile_n: int) -> int:

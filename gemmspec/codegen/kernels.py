@@ -11,6 +11,7 @@ This module must not import lark (the GPU harness runs where lark is missing).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,8 @@ def _ceil_div(a: int, b: int) -> int:
 # Shared memory one block may use on Hopper (227 KB), and the deepest ring worth having.
 SMEM_LIMIT = 232448
 MAX_STAGES = 12
+# A staged epilogue is worth its shared memory only while the ring stays this deep.
+MIN_STAGES_WITH_STAGING = 4
 # Registers per thread after reallocation: the producer warpgroup gives its registers to
 # the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
 PRODUCER_REGS = 56
@@ -85,6 +88,8 @@ class GemmKernelConfig:
 
     ``tile_k`` 0 means "one 128-byte swizzle row of K" (128 for FP8, 64 for 16-bit);
     ``stages`` 0 means as many ring stages as shared memory holds (at most MAX_STAGES);
+    ``store_tma`` None means "stage the epilogue in shared memory and store it by TMA
+    when the tile allows it and the ring keeps at least MIN_STAGES_WITH_STAGING stages";
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
     """
@@ -104,6 +109,7 @@ class GemmKernelConfig:
     stages: int = 0
     raster: int = 8
     cluster: int = 1
+    store_tma: bool | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -114,6 +120,13 @@ class GemmKernelConfig:
         if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
             object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
         self._validate()
+        if self.store_tma is None:
+            object.__setattr__(self, "store_tma", self._store_tma_pays())
+        elif self.store_tma and not self.store_tma_possible:
+            raise ValueError(
+                f"a TMA-stored epilogue needs whole {self.box_cols}-column boxes and, for D +=, "
+                f"f32 output (tile_n {self.tile_n}, {self.d_type}{', +=' if self.accumulate else ''})"
+            )
         if self.stages == 0:
             object.__setattr__(self, "stages", self._max_stages())
         if not 2 <= self.stages <= MAX_STAGES or self.smem_bytes > SMEM_LIMIT:
@@ -172,9 +185,46 @@ class GemmKernelConfig:
         return self.consumer_warpgroups == 2
 
     @property
-    def sb_uniform(self) -> bool:
-        """Every column of a tile shares one B scale block (one scale per K block)."""
-        return self.scaled and self.sb_bn % self.tile_n == 0
+    def sb_mode(self) -> int:
+        """B scales per tile and K block: 0 when every column of a tile lies in one B scale
+        block (one scale), 1 when a tile straddles at most one block boundary (two scales;
+        tile_n - sb_bn <= gcd(tile_n, sb_bn) guarantees it for tiles at multiples of tile_n),
+        2 otherwise (one scale per column). Unscaled kernels: 0."""
+        if not self.scaled or self.sb_bn % self.tile_n == 0:
+            return 0
+        if self.sb_bn % 8 == 0 and self.tile_n <= self.sb_bn + math.gcd(self.tile_n, self.sb_bn):
+            return 1
+        return 2
+
+    @property
+    def sb_splits(self) -> tuple[int, ...]:
+        """In mode 1, the possible counts of 8-column groups before a tile's block boundary
+        (the kernel compiles one main loop per count)."""
+        if self.sb_mode != 1:
+            return ()
+        g = math.gcd(self.tile_n, self.sb_bn)
+        return tuple(sorted({min((self.sb_bn - r) // 8, self.tile_n // 8) for r in range(0, self.sb_bn, g)}))
+
+    @property
+    def box_cols(self) -> int:
+        """Columns of D in one 128-byte swizzle row: the width of a staged epilogue box."""
+        return SWIZZLE_BYTES // ELEMENT_BYTES[self.d_type]
+
+    @property
+    def store_tma_possible(self) -> bool:
+        return self.tile_n % self.box_cols == 0 and (not self.accumulate or self.d_type == "f32")
+
+    @property
+    def staging_bytes(self) -> int:
+        """Shared memory of the staged epilogue: the whole tile of D."""
+        return self.tile_m * self.tile_n * ELEMENT_BYTES[self.d_type] if self.store_tma else 0
+
+    def _store_tma_pays(self) -> bool:
+        if not self.store_tma_possible:
+            return False
+        staging = self.tile_m * self.tile_n * ELEMENT_BYTES[self.d_type]
+        per_stage = self.stage_bytes + self.scale_bytes + 16
+        return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage >= MIN_STAGES_WITH_STAGING
 
     @property
     def stage_bytes(self) -> int:
@@ -182,19 +232,24 @@ class GemmKernelConfig:
 
     @property
     def scale_bytes(self) -> int:
-        """Scales of one stage: a float per tile row, then a float per tile column."""
-        return (self.tile_m + self.tile_n) * 4 if self.scaled else 0
+        """Scales of one stage: a float per tile row, then the B scales (sb_mode)."""
+        if not self.scaled:
+            return 0
+        floats = self.tile_m + (1, 2, self.tile_n)[self.sb_mode]
+        return 16 * _ceil_div(floats, 4)  # padded to 16 bytes
 
     def _max_stages(self) -> int:
         per_stage = self.stage_bytes + self.scale_bytes + 16
-        return min(MAX_STAGES, (SMEM_LIMIT - SMEM_ALIGN) // per_stage)
+        return min(MAX_STAGES, (SMEM_LIMIT - SMEM_ALIGN - self.staging_bytes) // per_stage)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block; the template static_asserts the same sum:
-        alignment slack, the ring (operands, then scales) and a full/empty mbarrier pair
-        per stage."""
-        return SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + 16 * self.stages
+        alignment slack, the ring's operands, the epilogue staging, the ring's scales and a
+        full/empty mbarrier pair per stage."""
+        return (
+            SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
+        )
 
     def tiles(self, m: int, n: int) -> int:
         """Output tiles of one leaf; the leaf table's tile_begin sums these."""
@@ -219,10 +274,12 @@ def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
     """The tensor maps each leaf of a launch owns, in their order in the maps buffer
     (leaf i's maps start at i * len(map_specs(cfg))). In a cluster each CTA loads (and
     multicasts) its share of A's rows."""
-    return (
+    maps = (
         MapSpec("a", cfg.a_type, cfg.tile_k, cfg.tile_m // cfg.cluster),
         MapSpec("b", cfg.b_type, cfg.tile_k, cfg.tile_n),
     )
+    # The staged epilogue stores each consumer warpgroup's 64 rows one box at a time.
+    return maps + (MapSpec("d", cfg.d_type, cfg.box_cols, 64),) if cfg.store_tma else maps
 
 
 def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
@@ -231,9 +288,10 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     mode = "acc" if cfg.accumulate else "store"
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
     cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
+    staged = "_tma" if cfg.store_tma else ""
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
-        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}"
+        f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
     )
 
 
@@ -303,7 +361,10 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         sa_bk=cfg.sa_bk,
         sb_bn=cfg.sb_bn,
         sb_bk=cfg.sb_bk,
-        sb_uniform=cfg.sb_uniform,
+        sb_mode=cfg.sb_mode,
+        sb_splits=cfg.sb_splits,
+        store_tma=cfg.store_tma,
+        maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         tile_k=cfg.tile_k,

@@ -94,8 +94,13 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     realloc = set(re.findall(r"\bUSETMAXREG\.(\w+)", sass))
     assert realloc == ({"DEALLOC", "TRY_ALLOC"} if cfg.reallocates_registers else set()), realloc
     # No block-wide barrier inside the loops: the only one follows the mbarrier
-    # initialisation (a cluster barrier instead when CTAs pair up).
-    assert len(re.findall(r"\bBAR\.SYNC\b", sass)) == (0 if cfg.cluster > 1 else 1)
+    # initialisation (a cluster barrier instead when CTAs pair up). A staged epilogue
+    # syncs each consumer warpgroup on its own named barrier and stores by TMA.
+    assert len(re.findall(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)? 0x0\b", sass)) == (0 if cfg.cluster > 1 else 1)
+    named = re.findall(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)? (?!0x0\b)", sass)
+    assert bool(named) == cfg.store_tma
+    tma_store = "UTMAREDG" if cfg.accumulate else "UTMASTG"
+    assert bool(re.search(rf"\b{tma_store}\.2D\b", sass)) == cfg.store_tma, f"{tma_store} iff staged epilogue"
     if cfg.cluster > 1:
         assert re.search(r"\bUTMALDG\.2D\.MULTICAST\b", sass), "A is not multicast"
     fp8 = cfg.a_type in ("e4m3", "e5m2")
@@ -123,7 +128,7 @@ def test_names_are_procedural_and_distinct() -> None:
     names = {cfg.name for cfg in GEMM_CONFIGS.values()}
     assert len(names) == len(GEMM_CONFIGS)
     cfg = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store"
+    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s5_store_tma"
     assert GEMM_CONFIGS["bf16_store"].tile_k == 64
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
 
@@ -139,12 +144,19 @@ def test_render_is_deterministic() -> None:
 
 
 def test_smem_bytes_matches_layout() -> None:
-    # Alignment slack, then per stage: A and B tiles, a scale per row and column, two mbarriers.
+    # Alignment slack, the epilogue staging (a whole D tile), then per stage: A and B
+    # tiles, a scale per row and the B scales (padded to 16 bytes), two mbarriers.
     fp8 = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert fp8.stages == 6
-    assert fp8.smem_bytes == 1024 + 6 * (256 * 128 + 256 * 4 + 16)
+    assert fp8.store_tma and fp8.sb_mode == 0 and fp8.stages == 5
+    assert fp8.smem_bytes == 1024 + 128 * 128 * 2 + 5 * (256 * 128 + 132 * 4 + 16)
+    wide = GEMM_CONFIGS["e4m3_n192"]
+    assert wide.sb_mode == 1 and wide.sb_splits == (8, 16) and wide.stages == 4
+    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
+    per_column = GEMM_CONFIGS["e4m3_1d1d_n144"]
+    assert per_column.sb_mode == 2 and not per_column.store_tma  # 144 f32 columns: not whole boxes
+    # Without staging: a BF16 128 x 256 ring would keep only 3 stages beside a 64 KB tile.
     bf = GEMM_CONFIGS["bf16_wide"]
-    assert bf.stages == 4 and bf.smem_bytes == 1024 + 4 * (384 * 64 * 2 + 16)
+    assert not bf.store_tma and bf.stages == 4 and bf.smem_bytes == 1024 + 4 * (384 * 64 * 2 + 16)
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
     assert GEMM_CONFIGS["bf16_skinny_m64"].stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())
@@ -176,6 +188,9 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, tile_n=256),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", stages=1),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=256, stages=5),
+        # A staged epilogue stores whole 128-byte boxes, and reduce-adds only f32.
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=96, store_tma=True),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", accumulate=True, store_tma=True),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:

@@ -15,8 +15,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.mark.parametrize(
     "n, m_bound, scaled, sb_bn, want",
     [
-        # FP8 1x128/128x128: one B scale per tile, so widths divide 128; pairs share A.
-        ([4096], None, True, 128, (128, 128, 2)),
+        # FP8 1x128/128x128: 192 columns straddle at most one B scale block boundary
+        # (two scales per tile) and move the fewest bytes; 22 column blocks pair up.
+        ([4096], None, True, 128, (128, 192, 2)),
         # BF16: the widest tile moves the fewest bytes per output.
         ([4096], None, False, 1, (128, 256, 2)),
         # Per-column B scales (WGRAD 128x1): at most 128 columns.
@@ -24,7 +25,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
         # A skinny memory-bound GEMM: 64-row tiles, 16 columns, an odd column-block count.
         ([16], None, False, 1, (64, 16, 1)),
         # Leaves of at most 64 rows (masked M = 64).
-        ([4096], 64, True, 128, (64, 128, 2)),
+        ([4096], 64, True, 128, (64, 192, 2)),
         # N known only at run time: the widest candidate, no pairs.
         ([None], None, False, 1, (128, 256, 1)),
         # 200 columns: two 128-wide blocks beat four 64-wide ones; they pair up.
@@ -39,15 +40,17 @@ def test_choose_tile(n, m_bound, scaled, sb_bn, want):
     assert t.reason
 
 
-def test_scaled_widths_divide_the_b_scale_block():
-    assert candidate_widths(True, 128) == (128, 64, 32, 16)
+def test_scaled_widths_straddle_at_most_one_b_scale_boundary():
+    assert candidate_widths(True, 128) == (192, 160, 144, 128, 96, 64, 48, 32, 16)
+    # 64-column B blocks: 128 and 96 columns touch two blocks, 192 would touch three.
+    assert 192 not in candidate_widths(True, 64) and 96 in candidate_widths(True, 64)
     assert all(w <= 192 and w % 8 == 0 for w in candidate_widths(True, 1))
     assert max(candidate_widths(False, 1)) == 256
 
 
 def test_explain_states_the_tile_choice_and_loader():
     text = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec").explain()
-    assert "tile choice: 128-row tiles, 128 columns" in text
+    assert "tile choice: 128-row tiles, 192 columns" in text
     assert "CTA pairs multicast the shared A tile" in text
     assert "loads: TMA through a tensor map per leaf and operand" in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()

@@ -31,8 +31,10 @@ static_assert(sizeof(GsLeaf) == 144, "GsLeaf layout must match the kernel ABI");
 
 // GsLeaf::loads: set when the leaf's operand is loaded by TMA through its tensor map
 // (16-byte aligned base and row stride, K contiguous); clear means the producer
-// warpgroup copies it with masked vector loads.
-enum GsLoad : int { GS_LOAD_A_TMA = 1, GS_LOAD_B_TMA = 2 };
+// warpgroup copies it with masked vector loads. GS_STORE_D_TMA: the leaf's output is
+// stored by TMA through its map (kernels that stage their epilogue in shared memory);
+// clear means the consumers store from registers.
+enum GsLoad : int { GS_LOAD_A_TMA = 1, GS_LOAD_B_TMA = 2, GS_STORE_D_TMA = 4 };
 
 // A CUtensorMap's 128 opaque bytes (cuda.h is not needed to hold one). Encoded on the
 // host as a template, patched per leaf on the device (tensormap.replace).
@@ -185,6 +187,41 @@ __device__ __forceinline__ void gs_tma_load_2d_multicast(unsigned dst, const GsT
       " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
       : "memory");
+}
+
+// ---------------------------------------------------------------------------
+// TMA stores: a shared-memory box to global memory through a tensor map. Elements outside
+// the map's bounds are not written, so the leaf's edges mask themselves.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ void gs_tma_store_2d(const GsTensorMap* map, unsigned src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+// The same box added element-wise into global memory (D += box; f32 adds).
+__device__ __forceinline__ void gs_tma_reduce_add_2d(const GsTensorMap* map, unsigned src, int c0, int c1) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<unsigned long long>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+__device__ __forceinline__ void gs_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until this thread's committed bulk stores have finished reading shared memory
+// (the buffer may be rewritten); their global writes may still be in flight.
+__device__ __forceinline__ void gs_bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// Waits until this thread's committed bulk stores are complete.
+__device__ __forceinline__ void gs_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (whole warps).
+__device__ __forceinline__ void gs_named_barrier(unsigned id, unsigned threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---------------------------------------------------------------------------
