@@ -58,6 +58,7 @@ class Group:
     within: str | None = None
     tensor: str | None = None  # ragged: offsets; masked: valid counts
     sizes: tuple[int, ...] = ()  # split/uniform: compile-time segment sizes
+    capacity: bool = False  # ragged: offsets may end below the dim (rows past them untouched)
 
     @property
     def starts(self) -> tuple[int, ...]:
@@ -73,6 +74,8 @@ class Group:
             head += f" within {self.within}"
         if self.kind == "ragged":
             head += f", offsets={self.tensor}"
+            if self.capacity:
+                head += ", capacity"
         elif self.kind == "masked":
             head += f", counts={self.tensor}"
         elif self.sizes:

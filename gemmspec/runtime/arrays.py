@@ -336,14 +336,17 @@ def _check(result: tuple, what: str) -> None:
 class DeviceBuffer:
     """An owned, contiguous device allocation (freed when the object is collected)."""
 
-    def __init__(self, nbytes: int, *, device: int = 0):
+    def __init__(self, nbytes: int, *, device: int = 0, stream: object = None):
+        """Allocate `nbytes`; with `stream`, ordered on that stream and usable there at
+        once (no wait); without, usable by any stream after a wait on the default one."""
         dev = get_device(device)
         self.nbytes = nbytes
         self.device = dev.device_id
+        self._host = None  # the host copy of an upload in flight
         try:
-            self._buffer = dev.allocate(max(nbytes, 1), stream=dev.default_stream)
-            # The allocation is stream-ordered; make it usable by any stream from here on.
-            dev.default_stream.sync()
+            self._buffer = dev.allocate(max(nbytes, 1), stream=stream or dev.default_stream)
+            if stream is None:
+                dev.default_stream.sync()
         except CUDAError as e:
             raise GemmspecError(f"cannot allocate {nbytes} bytes on device {device}: {e}") from e
 
@@ -352,12 +355,20 @@ class DeviceBuffer:
         return int(self._buffer.handle)
 
     @classmethod
-    def from_numpy(cls, array: np.ndarray, *, device: int = 0) -> DeviceBuffer:
-        """Copy a host array (C order) to a new device buffer."""
+    def from_numpy(cls, array: np.ndarray, *, device: int = 0, stream: object = None) -> DeviceBuffer:
+        """Copy a host array (C order) to a new device buffer; with `stream`, the copy is
+        ordered on that stream and the host never waits for the device."""
         host = np.ascontiguousarray(array)
-        buf = cls(host.nbytes, device=device)
-        if host.nbytes:
+        buf = cls(host.nbytes, device=device, stream=stream)
+        if host.nbytes and stream is None:
             _check(driver.cuMemcpyHtoD(buf.ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        elif host.nbytes:
+            buf._host = host  # must outlive the copy
+            handle = driver.CUstream(int(stream.handle))
+            _check(
+                driver.cuMemcpyHtoDAsync(buf.ptr, host.ctypes.data, host.nbytes, handle),
+                "cuMemcpyHtoDAsync",
+            )
         return buf
 
     def to_numpy(self, shape: tuple[int, ...] | int, dtype: str | np.dtype) -> np.ndarray:

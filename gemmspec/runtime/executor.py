@@ -1,32 +1,50 @@
 """A compiled spec you can call: validate run-time arguments, then launch.
 
 `Executable` owns the emitted program, compiles it with NVRTC on first use
-(cubins cached on disk), allocates the workspaces that pre-passes write, and
-launches pre-passes, leaf-table builders and grouped GEMMs in schedule order on
-one stream. Every argument is checked before anything is launched; a bad one
-raises `ArgumentError` naming the tensor and what was expected. A call whose
-run-time dims leave nothing to write (no tokens at all, say) launches nothing.
+(cubins cached on disk, modules loaded per device), allocates the workspaces that
+pre-passes write, and launches pre-passes, leaf-table builders and grouped GEMMs
+in schedule order on one stream. What the host can see (names, dtypes, shapes,
+strides, alignment, overlaps) is checked before anything is launched and a bad
+argument raises `ArgumentError`. The values of offsets and counts are checked on
+the device by a small kernel that runs first (codegen/validate.py), so a call
+never waits for the GPU; `check=True` waits and raises on what it found. A call
+whose run-time dims leave nothing to write (no tokens at all, say) launches nothing.
+
+A call plans its launches once per argument signature (dtypes, shapes, strides,
+device) and stream, and reuses that plan, with its workspaces, for every later
+call of the same shapes: only the pointers change.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..codegen.emit import EmittedLaunch, EmittedPrePass, EmittedProgram
 from ..codegen.kernels import RequantKernelConfig, TransposeKernelConfig, include_dir, map_specs
-from ..errors import ArgumentError
+from ..codegen.validate import ValidationKernel, group_chain_count, validation_kernel
+from ..errors import ArgumentError, GemmspecError
 from ..explain import explain_text
 from ..lower.schedule import Schedule
 from ..spec import Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
-from .launch import LoadedKernel, current_stream, num_sms
+from .launch import LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
+from .streams import caller_stream, is_capturing, on_device, stream_key
 from .tensormap import TENSOR_MAP_BYTES, operand_templates
 
 GS_LEAF_BYTES = 144
 ALIGN = 16
+PLAN_CACHE = 32  # plans kept per executable; a plan captured in a CUDA graph is never dropped
+
+
+def debug_checks() -> bool:
+    """GEMMSPEC_CHECK=1 makes every call behave as if passed check=True."""
+    return os.environ.get("GEMMSPEC_CHECK", "") not in ("", "0")
 
 
 def _ceil(a: int, b: int) -> int:
@@ -39,8 +57,15 @@ class _Bound:
 
     arrays: dict[str, DeviceArray]
     dims: dict[str, int]
-    offsets: dict[str, np.ndarray]  # host copies of offsets/counts tensors
+    offsets: dict[str, np.ndarray] | None  # host copies of offsets/counts, when read back
     workspace: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """A user array in a planned launch, filled in with the pointer of each call."""
+
+    name: str
 
 
 class Executable:
@@ -48,8 +73,10 @@ class Executable:
         self.spec = spec
         self.schedule = schedule
         self.program = program
-        self._kernels: dict[str, LoadedKernel] = {}
+        self._kernels: dict[tuple[int, str], LoadedKernel] = {}
         self._cubins: dict[str, CompiledCubin] = {}
+        self._plans: OrderedDict[tuple, PreparedRun] = OrderedDict()
+        self._validation: ValidationKernel | None = validation_kernel(spec)
 
     @property
     def sources(self) -> dict[str, str]:
@@ -73,39 +100,82 @@ class Executable:
                 names.append(g.tensor)
         return names
 
-    def _bind(self, tensors: dict[str, object]) -> _Bound:
-        expected = self.argument_names()
-        missing = [n for n in expected if n not in tensors]
-        if missing:
-            raise ArgumentError(f"{self.spec.name}: missing tensor(s): {', '.join(missing)}")
-        unknown = [n for n in tensors if n not in expected]
-        if unknown:
-            raise ArgumentError(
-                f"{self.spec.name}: unknown argument(s) {', '.join(unknown)}; expected {', '.join(expected)}"
-            )
-        arrays: dict[str, DeviceArray] = {}
-        for name in expected:
-            hint = None
-            t = self._tensor_named(name)
-            if t is not None and t.dtype in ("e4m3", "e5m2", "bf16"):
-                hint = t.dtype
-            arrays[name] = as_device_array(tensors[name], name=name, dtype_hint=hint)
-        devices = {a.device for a in arrays.values()}
-        if len(devices) > 1:
-            raise ArgumentError(f"{self.spec.name}: tensors are on different devices {sorted(devices)}")
-        # Metadata first (no device access), then the values of offsets and counts,
-        # then what depends on them (scale grids anchored at segment starts).
-        dims = self._runtime_dims(arrays)
-        self._check_group_metadata(arrays)
-        for t in self.spec.tensors:
-            if t.derived is None:
-                self._check_tensor(t, arrays, dims)
-        self._check_outputs(arrays)
+    def _bind(self, tensors: dict[str, object], *, read_offsets: bool = True) -> _Bound:
+        """Every check; with `read_offsets`, the offsets values too (a host wait)."""
+        arrays = self._arrays(tensors)
+        dims = self._check_metadata(arrays)
+        self._check_pointers(arrays)
+        if not read_offsets:
+            return _Bound(arrays, dims, None)
         offsets = self._check_group_values(arrays, dims)
         for t in self.spec.tensors:
             if t.derived is None and t.scale is not None:
                 self._check_scale(t, arrays, dims, offsets)
         return _Bound(arrays, dims, offsets)
+
+    def _arrays(self, tensors: dict[str, object]) -> dict[str, DeviceArray]:
+        expected = self.argument_names()
+        if len(tensors) != len(expected) or any(n not in tensors for n in expected):
+            missing = [n for n in expected if n not in tensors]
+            if missing:
+                raise ArgumentError(f"{self.spec.name}: missing tensor(s): {', '.join(missing)}")
+            unknown = [n for n in tensors if n not in expected]
+            raise ArgumentError(
+                f"{self.spec.name}: unknown argument(s) {', '.join(unknown)}; expected {', '.join(expected)}"
+            )
+        arrays: dict[str, DeviceArray] = {}
+        for name in expected:
+            arrays[name] = as_device_array(tensors[name], name=name, dtype_hint=self._hints.get(name))
+        devices = {a.device for a in arrays.values()}
+        if len(devices) > 1:
+            where = ", ".join(f"{n} on device {a.device}" for n, a in arrays.items())
+            raise ArgumentError(
+                f"{self.spec.name}: tensors are on different devices {sorted(devices)} ({where}); "
+                "pass every tensor on one device"
+            )
+        return arrays
+
+    @property
+    def _hints(self) -> dict[str, str]:
+        hints = self.__dict__.get("_hint_cache")
+        if hints is None:
+            hints = {
+                t.name: t.dtype
+                for t in self.spec.tensors
+                if t.derived is None and t.dtype in ("e4m3", "e5m2", "bf16")
+            }
+            self.__dict__["_hint_cache"] = hints
+        return hints
+
+    def _check_metadata(self, arrays: dict[str, DeviceArray]) -> dict[str, int]:
+        """What the shapes, dtypes and strides say; nothing that depends on a pointer."""
+        dims = self._runtime_dims(arrays)
+        self._check_group_metadata(arrays)
+        for t in self.spec.tensors:
+            if t.derived is None:
+                self._check_tensor(t, arrays, dims)
+                if t.scale is not None:
+                    self._check_scale_bounds(t, arrays, dims)
+        return dims
+
+    def _check_pointers(self, arrays: dict[str, DeviceArray]) -> None:
+        """What depends on the addresses: checked on every call."""
+        for t in self.spec.tensors:
+            if t.derived is not None:
+                continue
+            if arrays[t.name].ptr % ALIGN:
+                raise ArgumentError(f"tensor '{t.name}' must be {ALIGN}-byte aligned")
+            if t.scale is not None and arrays[t.scale.name].ptr % ALIGN:
+                raise ArgumentError(f"scale '{t.scale.name}' must be {ALIGN}-byte aligned")
+        for g in self.spec.groups:
+            if g.tensor:
+                a = arrays[g.tensor]
+                if a.ptr % a.itemsize:
+                    raise ArgumentError(
+                        f"'{g.tensor}' must be {a.itemsize}-byte aligned (int32), "
+                        f"got address {a.ptr:#x}"
+                    )
+        self._check_outputs(arrays)
 
     def _tensor_named(self, name: str) -> Tensor | None:
         for t in self.spec.tensors:
@@ -164,11 +234,6 @@ class Executable:
                 raise ArgumentError(f"'{g.tensor}' must have shape {list(shape)}, got {list(a.shape)}")
             if a.strides != _row_major(shape):
                 raise ArgumentError(f"'{g.tensor}' must be contiguous")
-            if a.ptr % a.itemsize:
-                raise ArgumentError(
-                    f"'{g.tensor}' must be {a.itemsize}-byte aligned (int32), "
-                    f"got address {a.ptr:#x}"
-                )
 
     def _check_group_values(self, arrays, dims) -> dict[str, np.ndarray]:
         host: dict[str, np.ndarray] = {}
@@ -185,9 +250,11 @@ class Executable:
             rows = values.reshape(-1, g.count + 1)
             if (np.diff(rows, axis=1) < 0).any():
                 raise ArgumentError(f"'{g.tensor}' must be non-decreasing along each row")
-            if g.within is None and (rows[0, 0] != 0 or rows[0, -1] != size):
+            end_ok = 0 <= rows[0, -1] <= size if g.capacity else rows[0, -1] == size
+            if g.within is None and (rows[0, 0] != 0 or not end_ok):
+                at = "at or below" if g.capacity else "at"
                 raise ArgumentError(
-                    f"'{g.tensor}' must start at 0 and end at {g.dim} = {size}, "
+                    f"'{g.tensor}' must start at 0 and end {at} {g.dim} = {size}, "
                     f"got {rows[0, 0]}..{rows[0, -1]}"
                 )
             if g.within is not None:
@@ -221,16 +288,12 @@ class Executable:
                 f"tensor '{t.name}' must have element strides {list(want)} ({t.layout}), "
                 f"got {list(a.strides)}"
             )
-        if a.ptr % ALIGN:
-            raise ArgumentError(f"tensor '{t.name}' must be {ALIGN}-byte aligned")
         if t.scale is not None:
             s = arrays[t.scale.name]
             if s.dtype != "f32":
                 raise ArgumentError(f"scale '{t.scale.name}' must be float32, got {s.dtype}")
             if len(s.shape) != t.rank:
                 raise ArgumentError(f"scale '{t.scale.name}' must have {t.rank} dims, got {len(s.shape)}")
-            if s.ptr % ALIGN:
-                raise ArgumentError(f"scale '{t.scale.name}' must be {ALIGN}-byte aligned")
             want = tuple(x.evaluate(env) for x in t.scale.layout.strides)
             if 0 not in s.shape and not all(
                 w == x or n <= 1 for w, x, n in zip(want, s.strides, s.shape)
@@ -242,7 +305,10 @@ class Executable:
 
     def _argument_roles(self) -> dict[str, str]:
         """What each argument is to a call: 'output', 'input', 'scale', 'offsets' or 'counts'."""
-        roles = {}
+        cached = self.__dict__.get("_roles")
+        if cached is not None:
+            return cached
+        roles = self.__dict__["_roles"] = {}
         for t in self.spec.tensors:
             if t.derived is None:
                 roles[t.name] = "input"
@@ -294,14 +360,54 @@ class Executable:
                 f"scale '{t.scale.name}' must have shape {list(grid)}, got {list(s.shape)}"
             )
 
+    def _check_scale_bounds(self, t: Tensor, arrays, dims) -> None:
+        """The scale grid's shape as far as the shapes alone decide it.
+
+        Along a dim whose blocks restart at each segment of a ragged group, the row
+        count follows from the offsets: the host checks the range it must lie in, the
+        device the exact count.
+        """
+        s = arrays[t.scale.name]
+        want, exact = [], True
+        for axis, d in enumerate(t.dims):
+            n, b = self._dim_size(d, dims), t.scale.block[axis]
+            g = self.spec.group(t.scale.anchor) if t.scale.anchor else None
+            if g is None or g.dim != d:
+                want.append(str(_ceil(n, b)))
+                if s.shape[axis] != _ceil(n, b):
+                    exact = False
+            elif g.kind != "ragged":
+                rows = sum(_ceil(size, b) for size in g.sizes)
+                want.append(str(rows))
+                exact = exact and s.shape[axis] == rows
+            else:
+                segments = group_chain_count(self.spec, g.name) * g.count
+                low = 0 if self._capacity_of(g.name) else _ceil(n, b)
+                high = (n + segments * (b - 1)) // b
+                want.append(f"{low}..{high}" if low != high else str(low))
+                exact = exact and low <= s.shape[axis] <= high
+        if not exact:
+            raise ArgumentError(
+                f"scale '{t.scale.name}' must have shape [{', '.join(want)}], got {list(s.shape)}"
+            )
+
+    def _capacity_of(self, group: str) -> bool:
+        """Whether the segments of `group` may end below its dim (its outermost group says)."""
+        g = self.spec.group(group)
+        while g.within:
+            g = self.spec.group(g.within)
+        return g.capacity
+
     # ---- launching --------------------------------------------------------------------
-    def _kernel(self, source: str, name: str) -> LoadedKernel:
-        """Kernel `name` of `source`; each source is compiled once, whatever it defines."""
-        if name not in self._kernels:
+    def _kernel(self, source: str, name: str, device: int = 0) -> LoadedKernel:
+        """Kernel `name` of `source` on `device`; each source is compiled once, whatever
+        it defines, and loaded once per device."""
+        key = (device, name)
+        if key not in self._kernels:
             if source not in self._cubins:
                 self._cubins[source] = compile_cubin(source, name=name, include_dirs=[include_dir()])
-            self._kernels[name] = LoadedKernel(self._cubins[source], name)
-        return self._kernels[name]
+            self._kernels[key] = LoadedKernel(self._cubins[source], name, device=device)
+        return self._kernels[key]
 
     def _writes_nothing(self, dims: dict[str, int]) -> bool:
         """No statement has an element to write: each output is empty, or adds a sum
@@ -314,30 +420,104 @@ class Executable:
             return False
         return True
 
-    def __call__(self, stream: object = None, **tensors: object) -> None:
-        """Validate, then run the whole schedule on `stream` and wait for it."""
-        run = self.prepare(stream, **tensors)
+    def __call__(self, stream: object = None, *, check: bool | None = None, **tensors: object) -> None:
+        """Run the whole schedule on `stream` (default: the caller's current stream).
+
+        Does not wait for the GPU: offsets and counts are checked by the device. With
+        `check=True` (or GEMMSPEC_CHECK=1) it waits and raises `ArgumentError` for what
+        the device found.
+        """
+        arrays = self._arrays(tensors)
+        device = next(iter(arrays.values())).device
+        key = (_signature(arrays), device, stream_key(stream, tensors.values(), device))
+        run = self._plans.get(key)
+        if run is None:
+            run = self._plan_call(key, arrays, stream, tensors.values())
+        else:
+            self._plans.move_to_end(key)
+            self._check_pointers(arrays)
         if not run.launches:
             return
-        run.enqueue()
-        run.synchronize()
+        run.enqueue(arrays)
+        if check or (check is None and debug_checks()):
+            run.check()
 
-    def prepare(self, stream: object = None, **tensors: object) -> PreparedRun:
+    def _plan_call(self, key: tuple, arrays: dict[str, DeviceArray], stream, objects) -> PreparedRun:
+        """A plan for a new signature and stream. Inside a CUDA-graph capture nothing may
+        be allocated: the capture then takes over a plan of the same shapes made before."""
+        signature, device, _ = key
+        dims = self._check_metadata(arrays)
+        self._check_pointers(arrays)
+        stream = caller_stream(stream, objects, device)
+        if is_capturing(stream):
+            for (sig, dev, _), run in self._plans.items():
+                if (sig, dev) == (signature, device):
+                    # Same launches and workspaces on the capturing stream; the graph keeps
+                    # their addresses, so this plan is never dropped.
+                    captured = dataclasses.replace(run, stream=stream, pinned=True)
+                    self._plans[key] = captured
+                    return captured
+            raise GemmspecError(
+                f"{self.spec.name}: first call with these shapes is inside a CUDA-graph "
+                "capture; call it once before capturing (a warm-up), so its workspaces exist"
+            )
+        run = self._plan(_Bound(arrays, dims, None), stream)
+        self._plans[key] = run
+        while len(self._plans) > PLAN_CACHE:
+            old = next((k for k, r in self._plans.items() if not r.pinned), None)
+            if old is None:
+                break
+            del self._plans[old]  # its buffers are freed in order on their own stream
+        return run
+
+    def prepare(self, stream: object = None, *, check: bool = True, **tensors: object) -> PreparedRun:
         """Validate once, allocate workspaces, and return the launch list.
 
-        `enqueue()` on the result issues every kernel on the stream without
+        `check=True` also reads the offsets back and checks their values on the host
+        (one wait). `enqueue()` on the result issues every kernel on the stream without
         synchronising (so it can be timed or captured in a CUDA graph).
         """
-        bound = self._bind(tensors)
-        run = PreparedRun(current_stream(stream), workspace=[])
+        bound = self._bind(tensors, read_offsets=check)
+        device = next(iter(bound.arrays.values())).device
+        return self._plan(bound, caller_stream(stream, tensors.values(), device))
+
+    def _plan(self, bound: _Bound, stream) -> PreparedRun:
+        device = next(iter(bound.arrays.values())).device
+        run = PreparedRun(stream, workspace=[], device=device, arrays=dict(bound.arrays))
+        run.executable, run.dims = self, dict(bound.dims)
         if self._writes_nothing(bound.dims):
             return run
-        ptrs: dict[str, object] = dict(bound.arrays)
-        for p in self.program.prepasses:
-            self._plan_prepass(p, bound, ptrs, run)
-        for x in self.program.launches:
-            self._plan_launch(x, bound, ptrs, run)
+        with on_device(device):
+            ptrs: dict[str, object] = {name: _Arg(name) for name in bound.arrays}
+            self._plan_validation(bound, ptrs, run)
+            for p in self.program.prepasses:
+                self._plan_prepass(p, bound, ptrs, run)
+            for x in self.program.launches:
+                self._plan_launch(x, bound, ptrs, run)
         return run
+
+    def _plan_validation(self, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
+        """The offsets check runs first; every later launch reads its checked copies."""
+        v = self._validation
+        if v is None:
+            return
+        from ..codegen.validate import THREADS
+
+        run.flags = run.allocate(4 * max(len(v.checks), 1))
+        run.checks = v.checks
+        args: list[object] = [run.flags]
+        for name in v.tensors:
+            copy = run.allocate(bound.arrays[name].size * 4)
+            args += [ptrs[name], copy]
+            ptrs[name] = copy
+        args += [np.int64(self._dim_size(d, bound.dims)) for d in v.sizes]
+        for a in v.anchored:
+            args.append(np.int64(bound.arrays[a.scale].shape[a.axis]))
+        run.add(self._kernel(v.source, v.name, run.device), 1, THREADS, 0, *args)
+
+    def validation_source(self) -> str | None:
+        """The CUDA source of the offsets check (None when no group is known only at run time)."""
+        return None if self._validation is None else self._validation.source
 
     def _plan_prepass(self, p: EmittedPrePass, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
         spec = self.spec
@@ -345,7 +525,7 @@ class Executable:
         env = dict(bound.dims)
         shape = [self._dim_size(d, bound.dims) for d in src.dims]
         out = run.allocate(max(int(np.prod(shape)), 1))
-        kern = self._kernel(p.source, p.kernel)
+        kern = self._kernel(p.source, p.kernel, run.device)
         if p.prepass.kind == "transpose":
             cfg = TransposeKernelConfig()
             rows, cols = shape
@@ -381,14 +561,14 @@ class Executable:
         table = run.allocate((x.leaf_count + 1) * GS_LEAF_BYTES)
         maps = run.allocate(len(map_specs(x.gemm)) * x.leaf_count * TENSOR_MAP_BYTES)
         templates = run.upload(operand_templates(x.gemm, maps.ptr))
-        builder = self._kernel(x.source, x.table_kernel)
+        builder = self._kernel(x.source, x.table_kernel, run.device)
         args = [ptrs[t] for t in x.table_params] + [np.int64(bound.dims[d]) for d in x.dim_params]
         run.add(builder, 1, 256, 0, table, maps, templates, a, b, *args)
-        gemm = self._kernel(x.source, x.gemm.name)
+        gemm = self._kernel(x.source, x.gemm.name, run.device)
         sa = ptrs[pg.sa.tensor] if pg.sa else None
         sb = ptrs[pg.sb.tensor] if pg.sb else None
         # Persistent grid: one CTA per SM, whole clusters only.
-        grid = max(num_sms() // x.gemm.cluster, 1) * x.gemm.cluster
+        grid = max(num_sms(run.device) // x.gemm.cluster, 1) * x.gemm.cluster
         run.add(
             gemm, grid, x.gemm.threads, x.gemm.smem_bytes,
             table, maps, np.int32(x.leaf_count), a, b, ptrs[pg.d.tensor], sa, sb,
@@ -397,31 +577,72 @@ class Executable:
 
 @dataclass
 class PreparedRun:
-    """Validated arguments, owned workspaces and the ordered kernel launches."""
+    """Validated arguments, owned workspaces and the ordered kernel launches.
+
+    Launch arguments that are user arrays stay placeholders: `enqueue(arrays)` runs
+    the same plan on other arrays of the same signature.
+    """
 
     stream: object
     workspace: list
     launches: list = field(default_factory=list)
+    device: int = 0
+    arrays: dict = field(default_factory=dict)
+    flags: DeviceBuffer | None = None  # one int per check of the offsets-check kernel
+    checks: tuple = ()
+    pinned: bool = False  # captured in a CUDA graph: never dropped from the plan cache
+    executable: object = None
+    dims: dict = field(default_factory=dict)
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
-        buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN)
+        buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN, device=self.device, stream=self.stream)
         self.workspace.append(buf)
         return buf
 
     def upload(self, array: np.ndarray) -> DeviceBuffer:
-        buf = DeviceBuffer.from_numpy(array)
+        buf = DeviceBuffer.from_numpy(array, device=self.device, stream=self.stream)
         self.workspace.append(buf)
         return buf
 
     def add(self, kernel: LoadedKernel, grid, block, smem: int, *args) -> None:
         self.launches.append((kernel, grid, block, smem, args))
 
-    def enqueue(self) -> None:
-        for kernel, grid, block, smem, args in self.launches:
-            kernel.launch(grid, block, smem, self.stream, *args)
+    def enqueue(self, arrays: dict[str, DeviceArray] | None = None) -> None:
+        """Issue every kernel on the stream; `arrays` (same signature) replace the bound ones."""
+        if arrays is not None:
+            self.arrays = arrays
+        bound = self.arrays
+        with on_device(self.device):
+            for kernel, grid, block, smem, args in self.launches:
+                args = [bound[a.name] if type(a) is _Arg else a for a in args]
+                kernel.launch(grid, block, smem, self.stream, *args)
 
     def synchronize(self) -> None:
         self.stream.sync()
+
+    def check(self) -> None:
+        """Wait for the run and raise `ArgumentError` if the device found bad offsets,
+        counts or anchored scale shapes (the launches then computed nothing)."""
+        self.synchronize()
+        if self.flags is None or not self.checks:
+            return
+        flags = self.flags.to_numpy(len(self.checks), np.int32)
+        failed = [c for c, f in zip(self.checks, flags) if f]
+        if not failed:
+            return
+        exe = self.executable
+        if exe is not None:  # the host checks say it with the values
+            offsets = exe._check_group_values(self.arrays, self.dims)
+            for t in exe.spec.tensors:
+                if t.derived is None and t.scale is not None:
+                    exe._check_scale(t, self.arrays, self.dims, offsets)
+        dims = ", ".join(f"{d} = {n}" for d, n in self.dims.items())
+        raise ArgumentError("; ".join(c.message for c in failed) + (f" ({dims})" if dims else ""))
+
+
+def _signature(arrays: dict[str, DeviceArray]) -> tuple:
+    """What a plan depends on: everything about the arrays except where they are."""
+    return tuple((a.dtype, a.shape, a.strides) for a in arrays.values())
 
 
 def _row_major(shape) -> tuple[int, ...]:

@@ -3,6 +3,8 @@ kernels are never compiled or loaded, and offsets are read from a host dict."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -24,8 +26,15 @@ class FakeBuffer:
 
 
 class FakeKernel:
+    """Records launches instead of making them (`launched`: every launch, all kernels)."""
+
+    launched: list = []
+
     def __init__(self, compiled, name, **_):
         self.name = name
+
+    def launch(self, grid, block, smem, stream, *args):
+        FakeKernel.launched.append((self.name, stream, args))
 
 
 class NoStream:
@@ -41,12 +50,15 @@ def offline(monkeypatch):
     """Executor planning without a device; returns {pointer: host values} for the
     offsets and counts tensors the test creates."""
     host = {}
+    FakeKernel.launched = []
     monkeypatch.setattr(executor, "DeviceBuffer", FakeBuffer)
     monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
     monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
-    monkeypatch.setattr(executor, "num_sms", lambda: 132)
+    monkeypatch.setattr(executor, "num_sms", lambda device=0: 132)
     # Tensor-map templates are encoded by the driver; their bytes do not matter here.
     monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(128 * len(map_specs(cfg)), np.uint8))
-    monkeypatch.setattr(executor, "current_stream", lambda s: NoStream())
+    monkeypatch.setattr(executor, "caller_stream", lambda s, objects, device: NoStream())
+    monkeypatch.setattr(executor, "is_capturing", lambda s: False)
+    monkeypatch.setattr(executor, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: host[a.ptr].reshape(shape))
     return host

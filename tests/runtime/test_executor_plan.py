@@ -46,11 +46,15 @@ def test_prepare_builds_one_argument_per_parameter(path, offline):
     exe = gemmspec.build(path)
     run = exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(0)))
     params = {}
-    for source in exe.sources.values():
+    for source in [*exe.sources.values(), exe.validation_source() or ""]:
         for decl in entry_points(source):
             name = decl.split("void ", 1)[1].split("(", 1)[0]
             params[name] = decl.count(",") + 1
     names = [k.name for k, *_ in run.launches]
+    # The offsets check comes first whenever a group is known only at run time.
+    checked = exe.validation_source() is not None
+    assert (names[0] == f"gs_validate_{exe.spec.name}") == checked
+    names = names[checked:]
     expected = len(exe.program.prepasses) + 2 * len(exe.program.launches)
     assert len(names) == expected
     for kernel, grid, block, smem, args in run.launches:

@@ -1,0 +1,187 @@
+"""The offsets check that runs on the device, so a call never waits for the host.
+
+Before a spec's first launch, one small kernel (one block) reads every run-time
+offsets and counts tensor and checks what the host used to check after copying them
+back: rows non-decreasing, a top-level ragged group starting at 0 and ending at its
+dim (at or below it for a capacity group), nested rows spanning their outer segment
+exactly, counts non-negative, and the rows of scales anchored per ragged group. It
+writes one flag per check (0 or 1, every run, so no flag is stale) and a copy of each
+tensor for the launches to read: the tensor itself when every check passed, zeros
+otherwise, which makes every segment empty. A call with bad offsets therefore
+computes no leaf, and `check=True` reads the flags back to raise a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import Spec, Tensor
+
+THREADS = 256
+
+
+@dataclass(frozen=True)
+class Check:
+    """One flag of the kernel: what it checks, said as the error message says it."""
+
+    tensor: str  # the offsets/counts tensor or the scale it concerns
+    message: str
+
+
+@dataclass(frozen=True)
+class AnchoredRows:
+    """A scale whose blocks restart at each segment of a ragged group: its row count
+    along `axis` follows from the offsets, so the device counts it."""
+
+    scale: str
+    axis: int
+    group: str
+    block: int
+
+
+@dataclass(frozen=True)
+class ValidationKernel:
+    name: str
+    source: str
+    tensors: tuple[str, ...]  # offsets/counts tensors: (input, checked copy) pairs in this order
+    sizes: tuple[str, ...]  # dims whose size the kernel compares against, in parameter order
+    anchored: tuple[AnchoredRows, ...]  # one `long long` row count each, after the sizes
+    checks: tuple[Check, ...]  # flags[i] is 1 when checks[i] failed
+
+
+def group_chain_count(spec: Spec, group: str) -> int:
+    """Rows of a group's tensor: the product of the counts of its enclosing groups."""
+    rows, g = 1, spec.group(group)
+    while g.within:
+        g = spec.group(g.within)
+        rows *= g.count
+    return rows
+
+
+def anchored_rows(spec: Spec, t: Tensor) -> tuple[AnchoredRows, ...]:
+    """The axes of `t`'s scale grid whose length depends on run-time offsets."""
+    sc = t.scale
+    if sc is None or sc.anchor is None:
+        return ()
+    g = spec.group(sc.anchor)
+    if g.kind != "ragged":
+        return ()
+    return tuple(
+        AnchoredRows(sc.name, axis, g.name, sc.block[axis])
+        for axis, d in enumerate(t.dims)
+        if d == g.dim
+    )
+
+
+def validation_kernel(spec: Spec) -> ValidationKernel | None:
+    """The check kernel of a spec, or None when no group is known only at run time."""
+    groups = [g for g in spec.groups if g.tensor]
+    if not groups:
+        return None
+    name = f"gs_validate_{spec.name}"
+    index = {g.name: i for i, g in enumerate(groups)}
+    sizes: list[str] = []
+    for g in groups:
+        if g.kind == "ragged" and g.within is None and g.dim not in sizes:
+            sizes.append(g.dim)
+    anchored = tuple(a for t in spec.tensors if t.derived is None for a in anchored_rows(spec, t))
+    checks: list[Check] = []
+    body: list[str] = []
+
+    def flag(cond: str, check: Check) -> None:
+        # Every thread takes part in the vote, so the flag is the block's verdict.
+        body.append(f"  {{ const int f = __syncthreads_or({cond}); bad |= f;")
+        body.append(f"    if (threadIdx.x == 0) flags[{len(checks)}] = f ? 1 : 0; }}")
+        checks.append(check)
+
+    for g in groups:
+        i = index[g.name]
+        rows = group_chain_count(spec, g.name)
+        if g.kind == "masked":
+            body.append(f"  {{ int neg = 0; for (int s = threadIdx.x; s < {g.count}; s += blockDim.x) neg |= in{i}[s] < 0;")
+            flag("neg", Check(g.tensor, f"'{g.tensor}' holds a negative count"))
+            body.append("  }")
+            continue
+        c = g.count
+        body.append(f"  {{ int down = 0, ends = 0;  // {g.name}: {rows} row(s) of {c + 1}")
+        body.append(f"    for (int s = threadIdx.x; s < {rows * c}; s += blockDim.x) {{")
+        body.append(f"      const int r = s / {c}, e = s % {c};")
+        body.append(f"      down |= in{i}[r * {c + 1} + e] > in{i}[r * {c + 1} + e + 1];")
+        body.append("    }")
+        if g.within is None:
+            size = f"size{sizes.index(g.dim)}"
+            last = f"in{i}[{c}]"
+            if g.capacity:
+                body.append(f"    ends = in{i}[0] != 0 || {last} < 0 || {last} > {size};")
+                what = f"end at or below {g.dim}"
+            else:
+                body.append(f"    ends = in{i}[0] != 0 || {last} != {size};")
+                what = f"end at {g.dim}"
+            flag("down", Check(g.tensor, f"'{g.tensor}' must be non-decreasing along each row"))
+            flag("ends", Check(g.tensor, f"'{g.tensor}' must start at 0 and {what}"))
+        else:
+            outer = spec.group(g.within)
+            body.append(f"    for (int r = threadIdx.x; r < {rows}; r += blockDim.x) {{")
+            if outer.kind == "ragged":
+                o, oc = index[outer.name], outer.count
+                body.append(f"      const int at = (r / {oc}) * {oc + 1} + r % {oc};")
+                body.append(f"      const long long lo = in{o}[at], hi = in{o}[at + 1];")
+            else:
+                starts = ", ".join(str(s) for s in outer.starts)
+                ends = ", ".join(str(s + n) for s, n in zip(outer.starts, outer.sizes))
+                body.append(f"      const long long starts[] = {{{starts}}}, stops[] = {{{ends}}};")
+                body.append("      const long long lo = starts[r], hi = stops[r];")
+            body.append(f"      ends |= in{i}[r * {c + 1}] != lo || in{i}[r * {c + 1} + {c}] != hi;")
+            body.append("    }")
+            flag("down", Check(g.tensor, f"'{g.tensor}' must be non-decreasing along each row"))
+            flag("ends", Check(g.tensor, f"'{g.tensor}': each row must span its '{g.within}' segment exactly"))
+        body.append("  }")
+
+    for j, a in enumerate(anchored):
+        g = spec.group(a.group)
+        i, c = index[g.name], g.count
+        rows = group_chain_count(spec, g.name)
+        body.append(f"  {{ // rows of '{a.scale}' along axis {a.axis}: ceil(length / {a.block}) per segment")
+        body.append("    if (threadIdx.x == 0) counted = 0;")
+        body.append("    __syncthreads();")
+        body.append("    unsigned long long mine = 0;")
+        body.append(f"    for (int s = threadIdx.x; s < {rows * c}; s += blockDim.x) {{")
+        body.append(f"      const int r = s / {c}, e = s % {c};")
+        body.append(f"      const long long n = (long long)in{i}[r * {c + 1} + e + 1] - in{i}[r * {c + 1} + e];")
+        body.append(f"      if (n > 0) mine += (unsigned long long)((n + {a.block - 1}) / {a.block});")
+        body.append("    }")
+        body.append("    atomicAdd(&counted, mine);")
+        body.append("    __syncthreads();")
+        body.append(f"    const int wrong = counted != (unsigned long long)rows{j};")
+        flag("wrong", Check(a.scale, f"scale '{a.scale}' must have one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
+        body.append("  }")
+
+    params = ["int* __restrict__ flags"]
+    for g in groups:
+        i = index[g.name]
+        params += [f"const int* __restrict__ in{i}", f"int* __restrict__ out{i}"]
+    params += [f"long long size{k}" for k in range(len(sizes))]
+    params += [f"long long rows{j}" for j in range(len(anchored))]
+    copies = []
+    for g in groups:
+        i = index[g.name]
+        n = group_chain_count(spec, g.name) * (g.count + (1 if g.kind == "ragged" else 0))
+        copies.append(f"  for (int s = threadIdx.x; s < {n}; s += blockDim.x) out{i}[s] = bad ? 0 : in{i}[s];")
+    source = "\n".join(
+        [
+            f"// Run-time offsets and counts of spec {spec.name}, checked on the device (see",
+            "// gemmspec/codegen/validate.py): one flag per check, and a checked copy of each",
+            "// tensor that is all zeros (every segment empty) when any check failed.",
+            f'extern "C" __global__ void __launch_bounds__({THREADS})',
+            f"{name}({', '.join(params)}) {{",
+            "  __shared__ unsigned long long counted;",
+            "  int bad = 0;",
+            *body,
+            *copies,
+            "}",
+            "",
+        ]
+    )
+    return ValidationKernel(
+        name, source, tuple(g.tensor for g in groups), tuple(sizes), anchored, tuple(checks)
+    )

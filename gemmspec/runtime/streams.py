@@ -1,0 +1,104 @@
+"""Which stream and which device a call runs on, without waiting for either.
+
+A call with no explicit stream runs on the caller's current stream: torch's when any
+argument is a torch tensor, CuPy's when any is a CuPy array, else the device's
+default stream. Work for device d is issued with d's primary context current and
+the caller's context restored afterwards, so a torch program's current device never
+changes under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator
+
+from cuda.bindings import driver
+from cuda.core import Stream
+
+from .arrays import get_device
+from .launch import _stream_handle, current_stream
+
+__all__ = ["caller_stream", "is_capturing", "on_device", "stream_handle", "stream_key"]
+
+_STREAMS: dict[tuple[int, int], Stream] = {}  # (device, handle) -> wrapper, built once
+_CONTEXTS: dict[int, driver.CUcontext] = {}
+
+
+def _framework_stream(objects: Iterable[object], device: int) -> int | None:
+    """The current stream of the framework the arguments come from, if any."""
+    modules = {type(o).__module__.split(".", 1)[0] for o in objects}
+    if "torch" in modules:
+        torch = sys.modules["torch"]
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    if "cupy" in modules:
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(device):
+            return int(cupy.cuda.get_current_stream().ptr)
+    return None
+
+
+def stream_key(stream: object, objects: Iterable[object], device: int) -> int:
+    """The handle of the stream a call runs on (0: the device's default stream).
+
+    Touches no device when the call names no stream and no framework supplies one,
+    so argument errors still come before any device work.
+    """
+    if stream is None:
+        handle = _framework_stream(objects, device)
+        return 0 if handle is None else handle
+    if isinstance(stream, Stream):
+        return int(stream.handle)
+    return _stream_handle(stream)
+
+
+def caller_stream(stream: object, objects: Iterable[object], device: int) -> Stream:
+    """The stream a call runs on (see the module's docstring), as a cuda.core Stream."""
+    if isinstance(stream, Stream):
+        return stream
+    handle = stream_key(stream, objects, device)
+    key = (device, handle)
+    cached = _STREAMS.get(key)
+    if cached is None:
+        cached = _STREAMS[key] = current_stream(handle, device=device)
+    return cached
+
+
+def stream_handle(stream: Stream) -> int:
+    return int(stream.handle)
+
+
+def is_capturing(stream: Stream) -> bool:
+    """Whether `stream` is being captured into a CUDA graph right now."""
+    err, status = driver.cuStreamIsCapturing(driver.CUstream(int(stream.handle)))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return False
+    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _primary(device: int) -> driver.CUcontext:
+    ctx = _CONTEXTS.get(device)
+    if ctx is None:
+        _, before = driver.cuCtxGetCurrent()
+        get_device(device)  # retains the primary context and makes it current
+        _, ctx = driver.cuCtxGetCurrent()
+        if before is not None and int(before):
+            driver.cuCtxSetCurrent(before)
+        _CONTEXTS[device] = ctx
+    return ctx
+
+
+@contextlib.contextmanager
+def on_device(device: int) -> Iterator[None]:
+    """Run the body with `device`'s primary context current, then restore the caller's."""
+    target = _primary(device)
+    _, before = driver.cuCtxGetCurrent()
+    if before is not None and int(before) == int(target):
+        yield
+        return
+    driver.cuCtxSetCurrent(target)
+    try:
+        yield
+    finally:
+        if before is not None and int(before):
+            driver.cuCtxSetCurrent(before)

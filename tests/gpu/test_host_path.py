@@ -1,0 +1,150 @@
+"""On a Hopper GPU: the default call path. Bad offsets are found by the device (the
+launches then compute nothing and `check=True` raises), a call of the same shapes
+reuses its plan, a call runs on torch's current stream (a side stream included,
+ordered with the work around it), on any GPU of the machine, and is capturable in a
+CUDA graph after one warm-up call. Skipped elsewhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gemmspec
+from gemmspec.errors import ArgumentError
+from gemmspec.runtime.arrays import DeviceBuffer
+
+pytestmark = pytest.mark.gpu
+
+BF16_MOE = """
+gemm moe {
+  dim T
+  dim N = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [E, N, K]
+  tensor y : f32  [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}
+"""
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return values.astype(ml_dtypes.bfloat16)
+
+
+def _buffers(t=200, offsets=(0, 50, 50, 129, 200)):
+    rng = np.random.default_rng(0)
+    x = DeviceBuffer.from_numpy(_bf16(rng.standard_normal((t, 256))))
+    w = DeviceBuffer.from_numpy(_bf16(rng.standard_normal((4, 256, 256))))
+    y = DeviceBuffer.from_numpy(np.full((t, 256), 7.0, np.float32))
+    offs = DeviceBuffer.from_numpy(np.array(offsets, np.int32))
+    return {
+        "x": x.view((t, 256), "bf16"),
+        "w": w.view((4, 256, 256), "bf16"),
+        "y": y.view((t, 256), "f32"),
+        "offs": offs.view((5,), "i32"),
+    }, y
+
+
+def test_bad_offsets_compute_nothing_and_check_raises():
+    exe = gemmspec.build(BF16_MOE)
+    args, y = _buffers(offsets=(0, 80, 40, 129, 200))  # not non-decreasing
+    exe(**args)  # no wait, no error: the device saw it
+    assert (y.to_numpy((200, 256), np.float32) == 7.0).all()  # nothing written
+    with pytest.raises(ArgumentError, match="non-decreasing"):
+        exe(check=True, **args)
+
+
+def test_same_shapes_reuse_the_plan_and_match():
+    exe = gemmspec.build(BF16_MOE)
+    args, y = _buffers()
+    exe(check=True, **args)
+    first = y.to_numpy((200, 256), np.float32).copy()
+    args2, y2 = _buffers()
+    exe(check=True, **args2)
+    assert len(exe._plans) == 1
+    assert np.array_equal(first, y2.to_numpy((200, 256), np.float32))
+    assert not (first == 7.0).all()
+
+
+def test_torch_side_stream_is_used_and_ordered():
+    torch = pytest.importorskip("torch")
+    exe = gemmspec.build(BF16_MOE)
+    dev = torch.device("cuda:0")
+    t = 4096
+    x = torch.randn(t, 256, device=dev).to(torch.bfloat16)
+    w = torch.randn(4, 256, 256, device=dev).to(torch.bfloat16)
+    offs = torch.tensor([0, 1000, 1000, 3000, t], dtype=torch.int32, device=dev)
+    y = torch.empty(t, 256, device=dev)
+    side = torch.cuda.Stream(dev)
+    exe(x=x, w=w, y=y, offs=offs)  # warm-up: compile and plan on the default stream
+    torch.cuda.synchronize()
+    expected = torch.cat(
+        [x[a:b].float() @ w[e].float().T for e, (a, b) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist()))]
+    )
+    with torch.cuda.stream(side):
+        # Work queued before the call on the same stream must finish first: a long
+        # matmul writes x, then the call reads it, then a copy reads y. If the call
+        # ran on another stream it would read the old x or be read too early.
+        y.zero_()
+        big = torch.randn(8192, 8192, device=dev)
+        for _ in range(4):
+            big = big @ big / 8192
+        x2 = (x.float() * 2).to(torch.bfloat16)
+        exe(x=x2, w=w, y=y, offs=offs)
+        out = y.clone()
+    side.synchronize()
+    torch.testing.assert_close(out, 2 * expected, rtol=2e-2, atol=2e-1)
+    # The plan for the side stream is its own.
+    assert len(exe._plans) == 2
+
+
+def test_captured_in_a_cuda_graph_after_a_warm_up():
+    torch = pytest.importorskip("torch")
+    exe = gemmspec.build(BF16_MOE)
+    dev = torch.device("cuda:0")
+    t = 512
+    x = torch.randn(t, 256, device=dev).to(torch.bfloat16)
+    w = torch.randn(4, 256, 256, device=dev).to(torch.bfloat16)
+    offs = torch.tensor([0, 100, 100, 300, t], dtype=torch.int32, device=dev)
+    y = torch.zeros(t, 256, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        exe(x=x, w=w, y=y, offs=offs)  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        exe(x=x, w=w, y=y, offs=offs)
+    # New offsets in place: the replay reads them on the device.
+    offs.copy_(torch.tensor([0, 0, 256, 256, t], dtype=torch.int32))
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.cat([x[:256].float() @ w[1].float().T, x[256:].float() @ w[3].float().T])
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-1)
+
+
+def test_runs_on_the_device_of_its_arrays():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    exe = gemmspec.build(BF16_MOE)
+    results = []
+    for index in (1, 0):
+        dev = torch.device(f"cuda:{index}")
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(300, 256, generator=gen).to(dev, torch.bfloat16)
+        w = torch.randn(4, 256, 256, generator=gen).to(dev, torch.bfloat16)
+        offs = torch.tensor([0, 7, 150, 150, 300], dtype=torch.int32, device=dev)
+        y = torch.zeros(300, 256, device=dev)
+        before = torch.cuda.current_device()
+        exe(x=x, w=w, y=y, offs=offs, check=True)
+        assert torch.cuda.current_device() == before  # the caller's device is left alone
+        results.append(y.cpu())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    x0 = torch.zeros(300, 256, device="cuda:0", dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="different devices"):
+        exe(x=x0, w=w, y=y, offs=offs)
