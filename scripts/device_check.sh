@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything that needs the H200, in one go: a smoke run, the GPU tests, the sanitizer
-# suite and the benchmark table. Run from the repository root on a machine with a Hopper
-# GPU. Logs go to $OUT (or ./out). STEPS picks a subset, e.g. STEPS=smoke,bench.
+# Everything that needs the H200, in one go: a smoke run, kernel-variant probes, the GPU
+# tests, the sanitizer suite and the benchmark table. Run from the repository root on a Hopper
+# machine. Logs go to $OUT (or ./out). STEPS picks a subset, e.g. STEPS=smoke,probe,bench.
 # Every step has a time limit, so a hung kernel costs minutes, not the whole session.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -21,6 +21,10 @@ if want smoke; then
   rc=${PIPESTATUS[0]}
   if [ "$rc" -eq 124 ]; then echo "smoke run timed out: a kernel hangs; stopping here"; exit 1; fi
   [ "$rc" -eq 0 ] || status=1
+fi
+if want probe; then
+  # Kernel variants of the FP8 headline (tile width, CTA pairs, epilogue, promotion).
+  timeout 240 python3 scripts/pipeline_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || status=1
 fi
 if want tests; then
   timeout 480 python3 -m pytest -q -m gpu tests/gpu -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1

@@ -44,7 +44,7 @@ def variant(exe, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
     x = exe.program.launches[0]
     base = gemm_config(x.launch)
-    cfg = dataclasses.replace(base, name="", stages=0, store_tma=None, **changes)
+    cfg = dataclasses.replace(base, **{"name": "", "stages": 0, "store_tma": None, **changes})
     launch = emit_launch(exe.spec, x.launch, cfg)
     exe.program = dataclasses.replace(exe.program, launches=(launch,))
     return cfg

@@ -25,6 +25,7 @@ _DATA_TYPE = {
     "e5m2": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
     "bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     "f16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    "f32": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,  # outputs (TMA reduce-add)
 }
 
 
