@@ -35,6 +35,8 @@ VARIANTS = {
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128, "store_tma": True},
     "128 wide, registers epilogue": {"tile_n": 128, "store_tma": False},
+    "192 wide, raster groups of 4 row blocks": {"tile_n": 192, "raster": 4},
+    "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
     "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False},
     "128 wide, no promotion (wrong values)": {"tile_n": 128, "scaled": False},
 }
