@@ -1,0 +1,100 @@
+"""On a Hopper GPU with torch: the custom op under torch.compile(fullgraph=True), in a
+captured CUDA graph (functional and in-place forms) and with outputs returned."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import gemmspec.torch as gt  # noqa: E402
+
+MOE = """
+gemm moe_torch_op {
+  dim T
+  dim N = 384, K = 512
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [E, N, K]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}
+"""
+COUNTS = [0, 1, 127, 129]
+
+
+def inputs(t_counts=COUNTS, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    t = sum(t_counts)
+    x = torch.randn(t, 512, generator=gen).cuda().to(torch.bfloat16)
+    w = (torch.randn(4, 384, 512, generator=gen) / 16).cuda().to(torch.bfloat16)
+    offs = torch.tensor([0, *torch.tensor(t_counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    return x, w, offs
+
+
+def reference(x, w, offs):
+    o = offs.tolist()
+    return torch.cat([x[a:b].double() @ w[e].double().T for e, (a, b) in enumerate(zip(o[:-1], o[1:]))])
+
+
+def test_returns_its_output():
+    op = gt.op(MOE)
+    x, w, offs = inputs()
+    y = op(x=x, w=w, offs=offs)
+    assert y.shape == (257, 384) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), reference(x, w, offs), rtol=2e-2, atol=2e-2)
+
+
+def test_under_torch_compile_fullgraph():
+    op = gt.op(MOE)
+    x, w, offs = inputs()
+
+    @torch.compile(fullgraph=True)
+    def layer(x, w, offs):
+        return torch.relu(op(x=x, w=w, offs=offs).float()) * 2
+
+    out = layer(x, w, offs)
+    torch.testing.assert_close(out.double(), torch.relu(reference(x, w, offs)) * 2, rtol=2e-2, atol=4e-2)
+    # Another token count: a dynamic T recompiles at most once and stays right.
+    x2, w2, offs2 = inputs([5, 300, 0, 64], seed=1)
+    torch.testing.assert_close(layer(x2, w, offs2).double(), torch.relu(reference(x2, w, offs2)) * 2, rtol=2e-2, atol=4e-2)
+
+
+def test_under_torch_compile_reduce_overhead():
+    op = gt.op(MOE)
+    x, w, offs = inputs()
+
+    @torch.compile(fullgraph=True, mode="reduce-overhead")
+    def layer(x, w, offs):
+        return op(x=x, w=w, offs=offs).float().sum(dim=1)
+
+    for _ in range(3):  # warm-up, capture, replay
+        out = layer(x, w, offs)
+    torch.testing.assert_close(out.double(), reference(x, w, offs).sum(dim=1), rtol=2e-2, atol=1.0)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["returned", "in_place"])
+def test_in_a_captured_cuda_graph(in_place):
+    op = gt.op(MOE)
+    x, w, offs = inputs()
+    y = torch.zeros(257, 384, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        if in_place:
+            op(x=x, w=w, offs=offs, y=y)
+            return y
+        return op(x=x, w=w, offs=offs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x.copy_(torch.randn_like(x, dtype=torch.float32).to(torch.bfloat16))  # new values, same memory
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.double(), reference(x, w, offs), rtol=2e-2, atol=2e-2)

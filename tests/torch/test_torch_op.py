@@ -1,0 +1,124 @@
+"""gemmspec.torch without a GPU: the custom ops' schemas, their fake implementations
+(shapes and dtypes of fresh outputs, from the input shapes) on meta and fake tensors,
+and tracing under torch.compile(fullgraph=True) with no graph break."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gemmspec  # noqa: E402
+import gemmspec.torch as gt  # noqa: E402
+from gemmspec.errors import ArgumentError  # noqa: E402
+from gemmspec.reference.data import dim_size, random_runtime, scale_grid_shape  # noqa: E402
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
+
+
+def meta_inputs(op, t=300, device="meta"):
+    """Inputs of every argument the op takes, on `device`, shaped as the spec says."""
+    import numpy as np
+
+    spec = op.exe.spec
+    rt = random_runtime(spec, np.random.default_rng(0), dims={d: t for d in spec.runtime_dims})
+    out = {}
+    for tensor in spec.tensors:
+        if tensor.derived is not None or tensor.name not in op.inputs:
+            continue
+        shape = [dim_size(spec, rt, d) for d in tensor.dims]
+        out[tensor.name] = torch.empty(shape, dtype=gt.torch_dtype(tensor.dtype), device=device)
+        if tensor.scale:
+            out[tensor.scale.name] = torch.empty(scale_grid_shape(spec, rt, tensor), device=device)
+    for name, values in rt.tensors.items():
+        out[name] = torch.empty(values.shape, dtype=torch.int32, device=device)
+    return out, rt
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_fake_outputs_have_the_declared_shapes_and_dtypes(path):
+    op = gt.op(path)
+    spec = op.exe.spec
+    inputs, rt = meta_inputs(op)
+    outs = op(**inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert len(outs) == len(op.outputs)
+    for name, out in zip(op.outputs, outs):
+        t = spec.tensor(name)
+        assert tuple(out.shape) == tuple(dim_size(spec, rt, d) for d in t.dims), name
+        assert out.dtype == gt.torch_dtype(t.dtype) and out.device.type == "meta"
+
+
+def test_fake_tensors_on_cuda_keep_their_device():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = gt.op(EXAMPLES[0].parent / "moe_fp8_forward.gspec")
+    with FakeTensorMode():
+        inputs, _ = meta_inputs(op, t=777, device="cuda")
+        y = op(**inputs)
+    assert tuple(y.shape) == (777, 4096) and y.dtype == torch.bfloat16 and y.device.type == "cuda"
+
+
+def test_schemas():
+    op = gt.op(EXAMPLES[0].parent / "moe_fp8_forward.gspec")
+    assert str(op.functional._schema).endswith(
+        "(Tensor x, Tensor x_scale, Tensor w, Tensor w_scale, Tensor expert_offsets) -> Tensor"
+    )
+    assert str(op.in_place._schema).endswith("Tensor expert_offsets, Tensor(a0!) y) -> ()")
+
+
+def test_same_spec_same_operator_and_other_spec_other_operator():
+    path = EXAMPLES[0].parent / "moe_fp8_forward.gspec"
+    assert gt.op(path) is gt.op(gemmspec.build(path))
+    other = path.read_text().replace("N = 4096", "N = 2048")
+    assert gt.op(other).name != gt.op(path).name
+
+
+def test_accumulated_outputs_start_from_zeros_when_fresh():
+    op = gt.op(EXAMPLES[0].parent / "linear_fp8_training.gspec")
+    assert op.outputs == ("y", "dx", "dw")
+    assert [s.zero for s in op.shapes] == [False, False, True]
+
+
+def test_outputs_all_or_none():
+    op = gt.op(EXAMPLES[0].parent / "linear_fp8_training.gspec")
+    inputs, _ = meta_inputs(op)
+    y = torch.empty(300, 4096, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ArgumentError, match="pass every output"):
+        op(y=y, **inputs)
+    with pytest.raises(ArgumentError, match="missing tensor"):
+        op(**{k: v for k, v in inputs.items() if k != "x"})
+
+
+def compiled(fn):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward  # runs the meta kernels: nothing needs a GPU
+
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+def test_traced_whole_by_torch_compile():
+    torch._dynamo.reset()
+    op = gt.op(EXAMPLES[0].parent / "moe_fp8_forward.gspec")
+    inputs, _ = meta_inputs(op)
+
+    def returned(**kw):
+        return op(**kw).float() * 2
+
+    def in_place(y, **kw):
+        op(y=y, **kw)
+        return y + 1
+
+    f, graphs = compiled(returned)
+    assert f(**inputs).shape == (300, 4096)
+    g, more = compiled(in_place)
+    y = torch.empty(300, 4096, dtype=torch.bfloat16, device="meta")
+    assert g(y, **inputs).shape == (300, 4096)
+    assert len(graphs) == 1 and len(more) == 1  # fullgraph: one graph each, no break
+    assert f"gemmspec.{op.name}.default" in graphs[0].code
+    assert f"gemmspec.{op.name}_out.default" in more[0].code
