@@ -115,4 +115,7 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
     lines.append(f"launches: {len(schedule.launches)}")
     for launch in schedule.launches:
         lines += ["  " + ln for ln in str(launch).splitlines()]
+    from .backward import derive_backward  # the gradients a training step would run
+
+    lines += derive_backward(spec).text().splitlines()
     return "\n".join(lines)

@@ -25,7 +25,7 @@ import torch
 from . import ast
 from .errors import ArgumentError, GemmspecError
 
-__all__ = ["GemmOp", "op", "torch_dtype"]
+__all__ = ["GemmFunction", "GemmOp", "function", "op", "quantize", "torch_dtype"]
 
 _DTYPES = {
     "e4m3": torch.float8_e4m3fn,
@@ -185,3 +185,146 @@ def op(spec, name: str | None = None) -> GemmOp:
     if opname not in _OPS:
         _OPS[opname] = GemmOp(exe, opname)
     return _OPS[opname]
+
+
+# ---- autograd --------------------------------------------------------------------------
+_FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def quantize(value: torch.Tensor, dtype: str, block: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`value` in FP8 with one f32 scale per block (amax / FP8 max): (data, scale grid),
+    both contiguous. Blocks at the edges may be short."""
+    v = value.float()
+    grid = [-(-n // b) for n, b in zip(v.shape, block)]
+    pad = []
+    for n, b, g in reversed(list(zip(v.shape, block, grid))):
+        pad += [0, g * b - n]
+    padded = torch.nn.functional.pad(v, pad) if any(pad) else v
+    shape = [x for g, b in zip(grid, block) for x in (g, b)]
+    blocks = padded.reshape(shape)
+    amax = blocks.abs().amax(dim=tuple(range(1, 2 * len(grid), 2)))
+    scale = torch.where(amax > 0, amax / _FP8_MAX[dtype], torch.ones_like(amax))
+    expanded = scale
+    for axis, b in enumerate(block):
+        expanded = expanded.repeat_interleave(b, dim=axis)
+    expanded = expanded[tuple(slice(0, n) for n in v.shape)]
+    return (v / expanded).to(_DTYPES[dtype]), scale.contiguous()
+
+
+def _strided(value: torch.Tensor, layout, dims: dict[str, int]) -> torch.Tensor:
+    """A copy of `value` stored as `layout` (a strided layout of the spec) says."""
+    if layout.kind != "strided":
+        raise GemmspecError(f"layout {layout} cannot be made by gemmspec.torch")
+    strides = [int(s.evaluate(dims)) for s in layout.strides]
+    out = torch.empty_strided(tuple(value.shape), strides, dtype=value.dtype, device=value.device)
+    return out.copy_(value)
+
+
+class GemmFunction:
+    """A spec's forward statements with autograd: backward runs the derived DGRAD and
+    WGRAD statements (see gemmspec.backward). FP8 operands are passed in high precision
+    and quantized with the spec's scale blocks; their gradients come back in the
+    dtype they were passed in (straight through the quantization)."""
+
+    def __init__(self, exe):
+        from .backward import build_backward
+
+        self.forward_op = op(exe)
+        spec = exe.spec
+        self.spec = spec
+        backward_exe, self.backward = build_backward(spec)
+        if self.backward.skipped:
+            why = "; ".join(f"#{s.forward}: {s.reason}" for s in self.backward.skipped)
+            raise GemmspecError(f"{spec.name}: no derived backward for every statement ({why})")
+        self.backward_op = op(backward_exe)
+        scales = {t.scale.name for t in spec.tensors if t.scale}
+        self.args = tuple(n for n in self.forward_op.inputs if n not in scales)
+        for t in spec.tensors:
+            if t.scale is not None and t.scale.anchor and t.derived is None:
+                raise GemmspecError(
+                    f"{spec.name}: '{t.name}' has scales anchored per {t.scale.anchor}; "
+                    "gemmspec.torch.function quantizes inputs without the offsets"
+                )
+
+    def _dims(self, values: dict[str, torch.Tensor]) -> dict[str, int]:
+        dims = {}
+        for t in self.spec.tensors:
+            if t.name in values:
+                for d, n in zip(t.dims, values[t.name].shape):
+                    if self.spec.dim(d).size is None:
+                        dims[d] = int(n)
+        return dims
+
+    def _quantized(self, t, value: torch.Tensor, dims) -> dict[str, torch.Tensor]:
+        """`value` as the spec declares tensor `t`: quantized (with its scale) or cast."""
+        if t.scale is None:
+            return {t.name: _strided(value.to(_DTYPES[t.dtype]), t.layout, dims)}
+        q, s = quantize(value, t.dtype, t.scale.block)
+        return {t.name: _strided(q, t.layout, dims), t.scale.name: _strided(s, t.scale.layout, dims)}
+
+    def __call__(self, **tensors: torch.Tensor):
+        missing = [n for n in self.args if n not in tensors]
+        unknown = [n for n in tensors if n not in self.args]
+        if missing or unknown:
+            raise ArgumentError(
+                f"{self.spec.name}: takes {', '.join(self.args)} (FP8 operands in high "
+                f"precision, no scales); missing {missing or 'none'}, unknown {unknown or 'none'}"
+            )
+        outs = _Autograd.apply(self, *[tensors[n] for n in self.args])
+        return outs[0] if len(outs) == 1 else outs
+
+    def forward(self, values: dict[str, torch.Tensor]):
+        dims = self._dims(values)
+        inputs: dict[str, torch.Tensor] = {}
+        for name, value in values.items():
+            t = self.spec.tensor(name) if name in {x.name for x in self.spec.tensors} else None
+            inputs.update(self._quantized(t, value, dims) if t is not None else {name: value})
+        outs = self.forward_op(**inputs)
+        return (outs,) if isinstance(outs, torch.Tensor) else tuple(outs), inputs, dims
+
+    def backward_inputs(self, saved: dict[str, torch.Tensor], grads, dims) -> dict[str, torch.Tensor]:
+        bspec = self.backward_op.exe.spec
+        inputs = {n: v for n, v in saved.items() if n in self.backward_op.inputs}
+        for (_, name), grad in zip(self.backward.output_grads, grads):
+            t = bspec.tensor(name)
+            if grad is None:
+                grad = torch.zeros(
+                    [dims.get(d, bspec.dim(d).size) for d in t.dims], device=next(iter(saved.values())).device
+                )
+            inputs.update(self._quantized(t, grad, dims))
+        for src, copy in self.backward.transposed:
+            inputs[copy] = _strided(saved[src], bspec.tensor(copy).layout, dims)
+        return inputs
+
+
+class _Autograd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn: GemmFunction, *args: torch.Tensor):
+        values = dict(zip(fn.args, args))
+        outs, inputs, dims = fn.forward(values)
+        ctx.fn, ctx.dims, ctx.names = fn, dims, tuple(inputs)
+        ctx.arg_dtypes = {n: a.dtype for n, a in values.items()}
+        ctx.save_for_backward(*inputs.values())
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        fn: GemmFunction = ctx.fn
+        saved = dict(zip(ctx.names, ctx.saved_tensors))
+        out_index = {o: i for i, o in enumerate(fn.forward_op.outputs)}
+        ordered = [grads[out_index[o]] for o, _ in fn.backward.output_grads]
+        inputs = fn.backward_inputs(saved, ordered, ctx.dims)
+        outs = fn.backward_op(**inputs)
+        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+        by_name = dict(zip(fn.backward_op.outputs, outs))
+        result = []
+        for name in fn.args:
+            grad = next((by_name[d.grad] for d in fn.backward.statements if d.wrt == name), None)
+            result.append(None if grad is None else grad.to(ctx.arg_dtypes[name]))
+        return (None, *result)
+
+
+def function(spec, name: str | None = None) -> GemmFunction:
+    """`spec`'s forward with autograd: its backward runs the derived DGRAD and WGRAD
+    statements (`explain` prints them)."""
+    return GemmFunction(_load(spec, name))

@@ -1,0 +1,271 @@
+"""Backward statements derived from a forward statement: DGRAD and WGRAD.
+
+For a forward statement `D[m, n] = sum[k] A[m, k] * B[n, k]` (per leaf), the
+gradients are two more grouped GEMMs over the same groups:
+
+    DGRAD  dA[m, k] = sum[n] dD[m, n] * B[n, k]          (contracts over D's columns)
+    WGRAD  dB[n, k] = sum[m in G(e)] dD[m, n] * A[m, k]  (contracts over D's rows; K-grouped
+                                                          by G when B is indexed by G(m))
+
+In FP8 they follow DeepSeek-V3's recipe: the output gradient dD is quantized with
+1x128 blocks along its columns; DGRAD reads B through a transposed copy (FP8 wgmma
+reads K-major operands; 2-D weights get the checker's `transpose` pass, others a copy
+the caller passes, `<B>_t`, sharing B's 128x128 scales); WGRAD reads dD and A through
+the `requantize` pass (1x128 -> 128x1 blocks, tokens contiguous, per segment when
+K-grouped). dA comes out in BF16 (or A's 16-bit type), dB in FP32.
+
+`derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
+and runs it through the whole front half, so the derived statements are checked,
+analysed and lowered exactly as written ones; a statement whose gradient the
+language or the kernels cannot express yet is reported with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import GemmspecError
+from .spec import FP8_TYPES, Gemm, Spec, Tensor
+
+_REF = re.compile(r"(\w+)\[([^\]]*)\]")
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One derived statement: the gradient of `wrt` for forward statement `forward`."""
+
+    forward: int
+    kind: str  # "dgrad" or "wgrad"
+    wrt: str  # the forward input it is the gradient of
+    grad: str  # the backward output holding it
+    text: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    forward: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Backward:
+    """The backward spec of a forward spec, and how its arguments relate to the forward's."""
+
+    spec_name: str
+    source: str  # .gspec text of the backward spec ('' when nothing was derived)
+    statements: tuple[Derived, ...]
+    skipped: tuple[Skipped, ...]
+    output_grads: tuple[tuple[str, str], ...]  # (forward output, its gradient: a backward input)
+    transposed: tuple[tuple[str, str], ...]  # (forward input, its transposed copy the caller passes)
+
+    def text(self) -> str:
+        """What `explain` prints about the derived backward."""
+        lines = ["backward (derived):"]
+        for d in self.statements:
+            lines.append(f"  {d.kind} of {d.wrt} (statement #{d.forward}): {d.text}")
+        for out, grad in self.output_grads:
+            lines.append(f"  {grad}: the gradient of {out}")
+        for src, copy in self.transposed:
+            lines.append(f"  {copy}: {src} transposed by the caller (a {src} of more than 2 dims has no transpose pass yet)")
+        for s in self.skipped:
+            lines.append(f"  statement #{s.forward}: not derived: {s.reason}")
+        return "\n".join(lines)
+
+
+def _refs(text: str) -> tuple[list[str], list[str], list[str]]:
+    """Index lists of the output and the two factors of a statement's text."""
+    refs = _REF.findall(text)
+    out, a, b = refs[0], refs[-2], refs[-1]
+    split = [[i.strip() for i in r[1].split(",")] for r in (out, a, b)]
+    return split[0], split[1], split[2]
+
+
+def _dims_and_groups(spec: Spec) -> list[str]:
+    lines = []
+    for d in spec.dims:
+        lines.append(f"  dim {d.name}" if d.size is None else f"  dim {d.name} = {d.size}")
+    for g in spec.groups:
+        where = f"{g.dim} within {g.within}" if g.within else g.dim
+        if g.kind == "ragged":
+            body = f"ragged({where}, offsets = {g.tensor}{', capacity' if g.capacity else ''})"
+        elif g.kind == "masked":
+            body = f"masked({g.dim}, counts = {g.tensor})"
+        elif g.kind == "split":
+            body = f"split({g.dim}, sizes = [{', '.join(str(s) for s in g.sizes)}])"
+        else:
+            body = f"uniform({g.dim})"
+        lines.append(f"  group {g.name}[{g.count_dim}] = {body}")
+    return lines
+
+
+def _decl(t: Tensor, name: str | None = None, layout: str | None = None, scale_as: str | None = None) -> str:
+    s = f"  tensor {name or t.name} : {t.dtype} [{', '.join(t.dims)}] layout {layout or t.layout.text}"
+    if t.scale is not None:
+        sc = t.scale
+        s += f" scale f32 [{', '.join(str(b) for b in sc.block)}] layout {sc.layout.text}"
+        if sc.anchor:
+            s += f" per {sc.anchor}"
+        s += f" as {scale_as or sc.name}"
+    return s
+
+
+class _Names:
+    """Fresh tensor names that collide with nothing in the forward spec."""
+
+    def __init__(self, spec: Spec):
+        self.taken = {t.name for t in spec.tensors} | {g.name for g in spec.groups}
+        self.taken |= {t.scale.name for t in spec.tensors if t.scale}
+        self.taken |= {g.tensor for g in spec.groups if g.tensor} | {d.name for d in spec.dims}
+
+    def fresh(self, *candidates: str) -> str:
+        for c in candidates:
+            if c not in self.taken:
+                self.taken.add(c)
+                return c
+        i = 2
+        while f"{candidates[-1]}{i}" in self.taken:
+            i += 1
+        self.taken.add(f"{candidates[-1]}{i}")
+        return f"{candidates[-1]}{i}"
+
+
+def _eligible(spec: Spec, g: Gemm) -> str | None:
+    """Why statement `g` gets no derived backward, or None when it does."""
+    if g.accumulate:
+        return "it adds into its output (+=); only `=` statements are derived"
+    if g.k.group is not None:
+        return "it is K-grouped already (a WGRAD-style statement)"
+    read_later = {x.a.tensor for x in spec.gemms} | {x.b.tensor for x in spec.gemms}
+    if g.out.tensor in read_later:
+        return f"its output '{g.out.tensor}' is read by another statement"
+    for acc in (g.a, g.b):
+        t = spec.tensor(acc.tensor)
+        if t.derived is not None:
+            return f"it reads the derived tensor '{t.name}'"
+    if g.m.masked_by is not None:
+        return "its rows are masked (a WGRAD over masked rows is not expressible yet)"
+    return None
+
+
+def derive_backward(spec: Spec) -> Backward:
+    """The backward spec of `spec` (see the module's docstring)."""
+    names = _Names(spec)
+    name = names.fresh(f"{spec.name}_backward")
+    decls: dict[str, str] = {}
+    body: list[str] = []
+    derived: list[Derived] = []
+    skipped: list[Skipped] = []
+    out_grads: dict[str, str] = {}
+    transposed: list[tuple[str, str]] = []
+
+    for g in spec.gemms:
+        reason = _eligible(spec, g)
+        if reason is not None:
+            skipped.append(Skipped(g.index, reason))
+            continue
+        d_idx, a_idx, b_idx = _refs(g.text)
+        ta, tb, td = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor), spec.tensor(g.out.tensor)
+        fp8 = ta.dtype in FP8_TYPES
+        grad_type = "bf16" if fp8 else ta.dtype
+
+        # dD: the output gradient, an input of the backward (1x128 along D's columns in FP8).
+        dd = out_grads.get(td.name) or names.fresh(f"d{td.name}", f"grad_{td.name}")
+        out_grads[td.name] = dd
+        n_axis = g.out.axis_of_role("n")
+        if fp8:
+            blocks = ", ".join("128" if i == n_axis else "1" for i in range(td.rank))
+            decls[dd] = f"  tensor {dd} : e4m3 [{', '.join(td.dims)}] scale f32 [{blocks}]"
+        else:
+            decls[dd] = f"  tensor {dd} : {grad_type} [{', '.join(td.dims)}]"  # an operand now
+        dd_ref = f"{dd}[{', '.join(d_idx)}]"
+
+        # DGRAD: dA = sum[n] dD * B, B read with n contiguous.
+        da = names.fresh(f"d{ta.name}", f"grad_{ta.name}")
+        decls[da] = f"  tensor {da} : {grad_type} [{', '.join(ta.dims)}]"
+        b_name = tb.name
+        if fp8:
+            n_dim = tb.dims[g.b.axis_of_role("n")]
+            b_name = names.fresh(f"{tb.name}_t")
+            if tb.rank == 2:
+                decls[b_name] = _decl(tb, b_name, f"major({n_dim})") + f" = transpose({tb.name})"
+                decls[b_name] = decls[b_name].replace(f" as {tb.scale.name}", f" as {b_name}_scale")
+                decls[tb.name] = _decl(tb)
+            else:
+                decls[b_name] = _decl(tb, b_name, f"major({n_dim})")
+                transposed.append((tb.name, b_name))
+        else:
+            decls[tb.name] = _decl(tb)
+        text = f"{da}[{', '.join(a_idx)}] = sum[{g.n.var}] {dd_ref} * {b_name}[{', '.join(b_idx)}]"
+        body.append(f"  {text}")
+        derived.append(Derived(g.index, "dgrad", ta.name, da, text))
+
+        # WGRAD: dB = sum over D's rows of dD * A, K-grouped when B is indexed by G(m).
+        db = names.fresh(f"d{tb.name}", f"grad_{tb.name}")
+        decls[db] = f"  tensor {db} : f32 [{', '.join(tb.dims)}]"
+        groups_on_m = [
+            (i, idx) for i, idx in enumerate(b_idx) if idx.endswith(f"({g.m.var})")
+        ]
+        if len(groups_on_m) > 1:
+            skipped.append(Skipped(g.index, "its B operand is indexed by nested groups of its rows; the WGRAD would need one output index per group"))
+            body.pop()
+            derived.pop()
+            continue
+        m_dim = ta.dims[g.a.axis_of_role("m")]
+        if groups_on_m:
+            axis, ref = groups_on_m[0]
+            group = ref.split("(", 1)[0]
+            e = names.fresh(spec.group(group).count_dim.lower(), "e")
+            db_idx = [e if i == axis else idx for i, idx in enumerate(b_idx)]
+            sums = f"{g.m.var} in {group}({e})"
+            seg_layout, per = f"segment_major({group})", f" per {group}"
+        else:
+            db_idx, sums, seg_layout, per = b_idx, g.m.var, f"major({m_dim})", ""
+        a_ref, d_ref = ta.name, dd
+        if fp8:
+            a_ref = names.fresh(f"{ta.name}_q")
+            d_ref = names.fresh(f"{dd}_q")
+            for src, q, t in ((ta.name, a_ref, ta), (dd, d_ref, None)):
+                dims = t.dims if t is not None else td.dims
+                m_axis = dims.index(m_dim)
+                blocks = ", ".join("128" if i == m_axis else "1" for i in range(len(dims)))
+                decls[q] = (
+                    f"  tensor {q} : e4m3 [{', '.join(dims)}] layout {seg_layout} "
+                    f"scale f32 [{blocks}]{per} = requantize({src})"
+                )
+            decls.setdefault(ta.name, _decl(ta))
+        else:
+            decls.setdefault(ta.name, _decl(ta))
+        text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_idx)}] * {a_ref}[{', '.join(a_idx)}]"
+        body.append(f"  {text}")
+        derived.append(Derived(g.index, "wgrad", tb.name, db, text))
+
+    if not derived:
+        return Backward(name, "", (), tuple(skipped), (), ())
+    # Inputs first, then outputs, then derived tensors: the checker needs no order, a
+    # reader does.
+    order = sorted(decls, key=lambda k: (" = " in decls[k], k in {d.grad for d in derived}))
+    source = "\n".join(
+        [
+            f"# Derived from {spec.name}: DGRAD and WGRAD of its forward statement(s).",
+            f"gemm {name} {{",
+            *_dims_and_groups(spec),
+            *(decls[k] for k in order),
+            *body,
+            "}",
+            "",
+        ]
+    )
+    return Backward(name, source, tuple(derived), tuple(skipped), tuple(out_grads.items()), tuple(transposed))
+
+
+def build_backward(spec: Spec):
+    """The derived backward spec, built (checked, lowered, emitted) as a callable
+    Executable, with its `Backward` description; GemmspecError when nothing derives."""
+    from .build import build
+
+    bw = derive_backward(spec)
+    if not bw.statements:
+        why = "; ".join(f"#{s.forward}: {s.reason}" for s in bw.skipped) or "no statement"
+        raise GemmspecError(f"{spec.name}: no backward statement derived ({why})")
+    return build(bw.source), bw
