@@ -8,7 +8,7 @@ kernels. Python computes every expression; the templates only lay them out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import GemmspecError
 from ..expr import Poly
@@ -20,10 +20,12 @@ from .kernels import (
     GemmKernelConfig,
     RequantKernelConfig,
     TransposeKernelConfig,
+    gemm_kernel_name,
     render_gemm,
     render_requant,
     render_transpose,
 )
+from .names import gemm_symbol, prepass_symbol, table_symbol
 
 HEADER = '#include "gemmspec_ptx.cuh"\n'
 
@@ -215,6 +217,9 @@ def _mixed_radix(pg: ProblemGenerator) -> list[dict]:
 def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
     pg = launch.problems
     cfg = gemm_config(launch)
+    # The symbol names the spec and launch, so that equal configurations in two launches
+    # (or two specs) never define one symbol twice.
+    cfg = replace(cfg, name=gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg)))
     counts = {ax.name: ax.count for ax in pg.leaf_axes}
     body: list[str] = []
     for ext in pg.extents:
@@ -235,7 +240,7 @@ def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
                 (f"{prefix}_{r0}", c_expr(sm.strides[0])),
                 (f"{prefix}_sk", c_expr(sm.strides[1])),
             ]
-    table_name = f"{cfg.name}_{spec.name}_l{launch.index}_leaves"
+    table_name = table_symbol(spec.name, launch.index)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
     table = ENV.get_template("leaf_table.cu.jinja").render(
@@ -259,14 +264,16 @@ def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
     return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)
 
 
-def emit_prepass(spec: Spec, p: PrePass) -> EmittedPrePass:
+def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
+    """The checker admits only what these kernels compute (check_derived_emittable);
+    the EmitErrors below guard that agreement."""
     src, dst = spec.tensor(p.source), spec.tensor(p.target)
     if p.kind == "transpose":
-        if src.layout.kind != "strided" or dst.layout.kind != "strided" or src.rank != 2:
-            raise EmitError(f"transpose {p.source} -> {p.target}: only 2-D strided tensors are emitted so far")
-        if src.scale.layout.strides != dst.scale.layout.strides:
-            raise EmitError(f"transpose {p.source} -> {p.target}: the scale layouts must match (scales are shared)")
+        axes = (src.layout.contiguous_axis(), dst.layout.contiguous_axis())
+        if src.rank not in (2, 3) or None in axes or axes[0] == axes[1]:
+            raise EmitError(f"transpose {p.source} -> {p.target}: no transpose kernel for these layouts")
         cfg = TransposeKernelConfig()
+        cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
         return EmittedPrePass(p, cfg.name, HEADER + render_transpose(cfg))
     ok = (
         src.rank == 2
@@ -281,12 +288,13 @@ def emit_prepass(spec: Spec, p: PrePass) -> EmittedPrePass:
             "[T, C] FP8 with [1, 128] scales into [128, 1] scales"
         )
     cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
+    cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
     return EmittedPrePass(p, cfg.name, HEADER + render_requant(cfg))
 
 
 def emit(spec: Spec, schedule: Schedule) -> EmittedProgram:
     return EmittedProgram(
         schedule.spec,
-        tuple(emit_prepass(spec, p) for p in schedule.prepasses),
+        tuple(emit_prepass(spec, p, i) for i, p in enumerate(schedule.prepasses)),
         tuple(emit_launch(spec, x) for x in schedule.launches),
     )
