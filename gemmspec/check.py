@@ -1238,37 +1238,117 @@ class _Checker:
             op = self.tensor_ast[t.name].derived.op
             assert src.scale is not None and t.scale is not None
             if t.derived.op == "transpose":
-                if src.rank != 2 or src.layout.kind != "strided" or t.layout.kind != "strided":
-                    raise self.error(
-                        f"transpose({src.name}) is generated for 2-D tensors with row_major, "
-                        f"major(...) or strides(...) layouts only; '{src.name}' is "
-                        f"{src.rank}-D {src.layout} and '{t.name}' is {t.layout}",
-                        op.pos,
-                    )
-                if src.scale.layout.strides != t.scale.layout.strides:
-                    raise self.error(
-                        f"transpose({src.name}) shares the scale tensor of '{src.name}', so "
-                        f"the scale layout of '{t.name}' ({t.scale.layout}) must be that of "
-                        f"'{src.name}' ({src.scale.layout})",
-                        op.pos,
-                        f"declare the scale of '{t.name}' with the same layout as '{src.name}'",
-                    )
-                continue
-            wrong = []
-            if src.rank != 2:
-                wrong.append(f"'{src.name}' is {src.rank}-D")
-            elif src.layout.kind != "strided" or src.layout.contiguous_axis() != 1:
-                wrong.append(f"'{src.name}' is {src.layout}, not row-major [T, C]")
-            if src.scale.block != (1, KERNEL_K_BLOCK):
-                wrong.append(f"its scale blocks are {list(src.scale.block)}, not [1, 128]")
-            if t.scale.block != (KERNEL_K_BLOCK, 1):
-                wrong.append(f"'{t.name}' has scale blocks {list(t.scale.block)}, not [128, 1]")
-            if wrong:
+                self._check_transpose_emittable(src, t, op.pos)
+            else:
+                self._check_requantize_emittable(src, t, op.pos)
+
+    def _size_poly(self, dim: str) -> Poly:
+        size = self.dims[dim].size
+        return Poly.sym(dim) if size is None else Poly.const(size)
+
+    def _check_transpose_emittable(self, src: Tensor, t: Tensor, pos: ast.Pos) -> None:
+        # The kernel copies rows along the source's unit-stride dim into rows along the
+        # target's, batched over a third dim (any strides).
+        if src.rank not in (2, 3) or src.layout.kind != "strided" or t.layout.kind != "strided":
+            raise self.error(
+                f"transpose({src.name}) is generated for 2-D and 3-D tensors with row_major, "
+                f"major(...) or strides(...) layouts only; '{src.name}' is {src.rank}-D "
+                f"{src.layout} and '{t.name}' is {t.layout}",
+                pos,
+            )
+        a, b = src.layout.contiguous_axis(), t.layout.contiguous_axis()
+        if a is None or b is None or a == b:
+            why = (
+                f"'{src.name}' has no dim of stride 1" if a is None
+                else f"'{t.name}' has no dim of stride 1" if b is None
+                else f"both have {src.dims[a]} contiguous, so nothing moves"
+            )
+            raise self.error(
+                f"transpose({src.name}) moves the contiguous dim of '{src.name}' to another "
+                f"one, but {why}",
+                pos,
+                f"declare '{t.name}' with the dim it is contracted over contiguous, e.g. major(...)",
+            )
+        if src.scale.layout.strides != t.scale.layout.strides:
+            raise self.error(
+                f"transpose({src.name}) shares the scale tensor of '{src.name}', so "
+                f"the scale layout of '{t.name}' ({t.scale.layout}) must be that of "
+                f"'{src.name}' ({src.scale.layout})",
+                pos,
+                f"declare the scale of '{t.name}' with the same layout as '{src.name}'",
+            )
+        # CUDA grids hold at most 65535 blocks along y (64 rows of the target's
+        # contiguous dim each) and z (the batch).
+        rest = [i for i in range(src.rank) if i not in (a, b)]
+        for axis, per_block, where in ((b, 64, "rows"), *((r, 1, "batch entries") for r in rest)):
+            size = self.dims[src.dims[axis]].size
+            if size is not None and -(-size // per_block) > 65535:
                 raise self.error(
-                    f"requantize({src.name}) is generated only from a 2-D row-major [T, C] FP8 "
-                    f"tensor with [1, 128] scales into [128, 1] scales: {'; '.join(wrong)}",
-                    op.pos,
+                    f"transpose({src.name}) launches one block per {per_block} {where} of "
+                    f"{src.dims[axis]} = {size}, more than the 65535 a CUDA grid holds there",
+                    pos,
                 )
+
+    def _check_requantize_emittable(self, src: Tensor, t: Tensor, pos: ast.Pos) -> None:
+        wrong = []
+        if src.rank != 2:
+            wrong.append(f"'{src.name}' is {src.rank}-D")
+        elif src.layout.kind != "strided" or src.layout.contiguous_axis() != 1:
+            wrong.append(f"'{src.name}' is {src.layout}, not row-major [T, C]")
+        if src.scale.block != (1, KERNEL_K_BLOCK):
+            wrong.append(f"its scale blocks are {list(src.scale.block)}, not [1, 128]")
+        if t.scale.block != (KERNEL_K_BLOCK, 1):
+            wrong.append(f"'{t.name}' has scale blocks {list(t.scale.block)}, not [128, 1]")
+        if wrong:
+            raise self.error(
+                f"requantize({src.name}) is generated only from a 2-D row-major [T, C] FP8 "
+                f"tensor with [1, 128] scales into [128, 1] scales: {'; '.join(wrong)}",
+                pos,
+            )
+        tokens, channels = src.dims
+        # The kernel writes each segment's tokens contiguously ([T, C] with T contiguous,
+        # or segment_major on T) and a row-major grid of [128, 1] scale blocks restarted
+        # at every segment; the source's [1, 128] blocks start at channel 0.
+        dense = (ONE, self._size_poly(tokens))
+        lay = t.layout
+        segmented = lay.kind == "segment_major" and lay.seg_axis == 0
+        if not segmented and not (lay.kind == "strided" and lay.strides == dense):
+            raise self.error(
+                f"requantize({src.name}) writes '{t.name}' with {tokens} contiguous and no "
+                f"padding (strides(1, {tokens}), major({tokens})) or segment_major over a "
+                f"group of {tokens}; '{t.name}' is {lay}",
+                pos,
+                f"declare '{t.name}' with layout major({tokens}) or segment_major(GROUP)",
+            )
+        anchor = self._anchor_along(t, 0)
+        if anchor is not None and anchor != (lay.group if segmented else None):
+            where = f"the segments of '{lay.group}'" if segmented else "the start of the tensor"
+            raise self.error(
+                f"requantize({src.name}) starts the scale blocks of '{t.name}' at {where}, "
+                f"but they are declared per '{anchor}'",
+                pos,
+                f"drop `per {anchor}` or store '{t.name}' as segment_major({anchor})",
+            )
+        if t.scale.layout.kind != "strided" or t.scale.layout.strides != (self._size_poly(channels), ONE):
+            raise self.error(
+                f"requantize({src.name}) writes the scales of '{t.name}' row-major (a row of "
+                f"{channels} per block of 128 tokens); its scale layout is {t.scale.layout}",
+                pos,
+                "declare the scale with the default layout",
+            )
+        if self._anchor_along(src, 1) is not None:
+            raise self.error(
+                f"requantize({src.name}) reads the [1, 128] scales of '{src.name}' in blocks "
+                f"from channel 0, but they are declared per '{src.scale.anchor}'",
+                pos,
+            )
+
+    def _anchor_along(self, t: Tensor, axis: int) -> str | None:
+        """The group whose segments restart `t`'s scale blocks along dim `axis`, if any."""
+        anchor = t.scale.anchor if t.scale else None
+        if anchor is None or self.groups[anchor].dim != t.dims[axis]:
+            return None
+        return anchor
 
     def check_directives(self) -> Directives:
         force = None

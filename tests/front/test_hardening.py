@@ -454,8 +454,7 @@ def test_requantize_from_a_column_major_source():
     located(edit(WGRAD, 4, "[T, K] scale", "[T, K] layout major(T) scale"), 7, "requantize", "not row-major [T, C]")
 
 
-def test_transpose_of_a_3d_tensor():
-    text = """\
+MOE_DGRAD = """\
 gemm g {
   dim T
   dim N = 256, K = 512
@@ -467,7 +466,21 @@ gemm g {
   dx[t, k] = sum[n] dy[t, n] * w_t[expert(t), n, k]
 }
 """
-    located(text, 7, "transpose", "2-D tensors")
+
+
+def test_transpose_of_a_3d_tensor_is_emitted():
+    (prog,) = front(MOE_DGRAD)
+    assert [p.prepass.kind for p in prog.prepasses] == ["transpose"]
+
+
+def test_transpose_that_moves_nothing():
+    text = edit(MOE_DGRAD, 6, "scale f32 [1, 128, 128]", "layout major(N) scale f32 [1, 128, 128]")
+    located(text, 7, "transpose", "nothing moves")
+
+
+def test_requantize_into_a_padded_layout():
+    text = edit(WGRAD, 7, "layout major(T)", "layout strides(1, T + 16)")
+    located(text, 7, "requantize", "no padding")
 
 
 def test_transpose_with_its_own_scale_layout():
