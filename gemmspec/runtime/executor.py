@@ -18,14 +18,16 @@ call of the same shapes: only the pointers change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codegen.emit import EmittedLaunch, EmittedPrePass, EmittedProgram
-from ..codegen.kernels import RequantKernelConfig, TransposeKernelConfig, include_dir, map_specs
+from ..codegen.emit import EmittedProgram
+from ..codegen.kernels import include_dir
+from ..codegen.manifest import Manifest, launch_manifest
 from ..codegen.validate import ValidationKernel, group_chain_count, validation_kernel
 from ..errors import ArgumentError, GemmspecError
 from ..explain import explain_text
@@ -34,8 +36,8 @@ from ..spec import Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
 from .launch import LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
+from .plan import plan_steps
 from .streams import caller_stream, is_capturing, on_device, stream_key
-from .tensormap import TENSOR_MAP_BYTES, operand_templates
 
 GS_LEAF_BYTES = 144
 ALIGN = 16
@@ -409,6 +411,15 @@ class Executable:
             self._kernels[key] = LoadedKernel(self._cubins[source], name, device=device)
         return self._kernels[key]
 
+    @functools.cached_property
+    def manifest(self) -> Manifest:
+        """Every kernel of a call in order, with its arguments (`<spec>.manifest.json`)."""
+        return launch_manifest(self.spec, self.program, self.program.spec)
+
+    def _step_kernel(self, run: PreparedRun):
+        sources = self.program.sources()
+        return lambda step: self._kernel(sources[step.file], step.symbol, run.device)
+
     def _writes_nothing(self, dims: dict[str, int]) -> bool:
         """No statement has an element to write: each output is empty, or adds a sum
         over an empty range. (`=` over an empty sum still writes zeros.)"""
@@ -490,10 +501,8 @@ class Executable:
         with on_device(device):
             ptrs: dict[str, object] = {name: _Arg(name) for name in bound.arrays}
             self._plan_validation(bound, ptrs, run)
-            for p in self.program.prepasses:
-                self._plan_prepass(p, bound, ptrs, run)
-            for x in self.program.launches:
-                self._plan_launch(x, bound, ptrs, run)
+            # The same steps, in the same order, as the emitted host launcher.
+            plan_steps(self.manifest, run, ptrs, bound.dims, num_sms(run.device), self._step_kernel(run))
         return run
 
     def _plan_validation(self, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
@@ -518,61 +527,6 @@ class Executable:
     def validation_source(self) -> str | None:
         """The CUDA source of the offsets check (None when no group is known only at run time)."""
         return None if self._validation is None else self._validation.source
-
-    def _plan_prepass(self, p: EmittedPrePass, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
-        spec = self.spec
-        src, dst = spec.tensor(p.prepass.source), spec.tensor(p.prepass.target)
-        env = dict(bound.dims)
-        shape = [self._dim_size(d, bound.dims) for d in src.dims]
-        out = run.allocate(max(int(np.prod(shape)), 1))
-        kern = self._kernel(p.source, p.kernel, run.device)
-        if p.prepass.kind == "transpose":
-            cfg = TransposeKernelConfig()
-            rows, cols = shape
-            run.add(
-                kern, cfg.grid(1, rows, cols), cfg.threads, 0,
-                ptrs[src.name], out, np.int32(1), np.int32(rows), np.int32(cols),
-                np.int64(rows * cols), np.int64(src.layout.strides[0].evaluate(env)),
-                np.int64(rows * cols), np.int64(dst.layout.strides[1].evaluate(env)),
-            )
-            ptrs[dst.name] = out
-            ptrs[dst.scale.name] = ptrs[src.scale.name]  # transpose keeps the scale grid
-            return
-        cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
-        tokens, channels = shape
-        if dst.layout.kind == "segment_major":
-            group = spec.group(dst.layout.group)
-            offsets, groups = ptrs[group.tensor], group.count
-        else:  # one segment spanning all tokens
-            offsets, groups = run.upload(np.array([0, tokens], dtype=np.int32)), 1
-        sy = run.allocate(max(cfg.scale_rows_bound(tokens, groups) * channels, 1) * 4)
-        run.add(
-            kern, cfg.grid(tokens, channels, groups), cfg.threads, 0,
-            ptrs[src.name], np.int64(src.layout.strides[0].evaluate(env)),
-            ptrs[src.scale.name], np.int64(src.scale.layout.strides[0].evaluate(env)),
-            np.int64(src.scale.layout.strides[1].evaluate(env)),
-            offsets, np.int32(groups), np.int32(tokens), np.int32(channels), out, sy,
-        )
-        ptrs[dst.name], ptrs[dst.scale.name] = out, sy
-
-    def _plan_launch(self, x: EmittedLaunch, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
-        pg = x.launch.problems
-        a, b = ptrs[pg.a.tensor], ptrs[pg.b.tensor]
-        table = run.allocate((x.leaf_count + 1) * GS_LEAF_BYTES)
-        maps = run.allocate(len(map_specs(x.gemm)) * x.leaf_count * TENSOR_MAP_BYTES)
-        templates = run.upload(operand_templates(x.gemm, maps.ptr))
-        builder = self._kernel(x.source, x.table_kernel, run.device)
-        args = [ptrs[t] for t in x.table_params] + [np.int64(bound.dims[d]) for d in x.dim_params]
-        run.add(builder, 1, 256, 0, table, maps, templates, a, b, *args)
-        gemm = self._kernel(x.source, x.gemm.name, run.device)
-        sa = ptrs[pg.sa.tensor] if pg.sa else None
-        sb = ptrs[pg.sb.tensor] if pg.sb else None
-        # Persistent grid: one CTA per SM, whole clusters only.
-        grid = max(num_sms(run.device) // x.gemm.cluster, 1) * x.gemm.cluster
-        run.add(
-            gemm, grid, x.gemm.threads, x.gemm.smem_bytes,
-            table, maps, np.int32(x.leaf_count), a, b, ptrs[pg.d.tensor], sa, sb,
-        )
 
 
 @dataclass

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
 
-from gemmspec.codegen.kernels import map_specs
-from gemmspec.runtime import executor
+from gemmspec.runtime import executor, plan
 
 
 class FakeBuffer:
@@ -56,7 +54,7 @@ def offline(monkeypatch):
     monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)
     monkeypatch.setattr(executor, "num_sms", lambda device=0: 132)
     # Tensor-map templates are encoded by the driver; their bytes do not matter here.
-    monkeypatch.setattr(executor, "operand_templates", lambda cfg, address: np.zeros(128 * len(map_specs(cfg)), np.uint8))
+    monkeypatch.setattr(plan, "encode_tile_map", lambda dtype, rows, inner, address: bytes(128))
     monkeypatch.setattr(executor, "caller_stream", lambda s, objects, device: NoStream())
     monkeypatch.setattr(executor, "is_capturing", lambda s: False)
     monkeypatch.setattr(executor, "on_device", lambda device: contextlib.nullcontext())

@@ -1,0 +1,475 @@
+"""The launch manifest: every kernel of a spec in launch order, with its arguments.
+
+Built from the compiler's own data (the spec, the schedule and the emitted kernel
+configurations), never from CUDA text. Three things read it: `<spec>.manifest.json`
+(a versioned contract, docs/kernel-abi.md), the emitted C++ header and host launcher
+(codegen/host.py) and the Python runtime, which walks the same steps. Run-time
+quantities are `Formula`s over the spec's run-time dims (and `num_sms` for grids).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..lower.schedule import PrePass
+from ..spec import Spec, Tensor
+from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram
+from .formula import NUM_SMS, Formula
+from .kernels import CTYPES, ELEMENT_BYTES, RequantKernelConfig, TransposeKernelConfig, map_specs
+from .names import file_stem, host_prefix
+
+MANIFEST_VERSION = 1
+TARGET = "sm_90a"
+LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
+WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
+SHARED_HEADER = "gemmspec_ptx.cuh"
+TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
+# cuTensorMapEncodeTiled's element type per dtype: FP8 moves as bytes (TMA only copies).
+TENSOR_MAP_DATA_TYPE = {
+    "e4m3": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+    "e5m2": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+    "bf16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+    "f16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+    "f32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32",
+}
+# What every template shares (gemmspec/runtime/tensormap.py encodes the same).
+TENSOR_MAP_FIXED = {
+    "rank": 2,
+    "swizzle": "CU_TENSOR_MAP_SWIZZLE_128B",
+    "interleave": "CU_TENSOR_MAP_INTERLEAVE_NONE",
+    "l2_promotion": "CU_TENSOR_MAP_L2_PROMOTION_L2_256B",
+    "oob_fill": "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE",
+    "row_stride_bytes": 128,
+}
+# The operands whose base pointers the leaf-table builder takes, in parameter order.
+TABLE_OPERANDS = ("a", "b", "d")
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One run-time argument of a call: a field of `<prefix>_args`, a keyword in Python."""
+
+    name: str
+    role: str  # "input", "output", "scale", "offsets" or "counts"
+    dtype: str  # element type; "f32" for scales, "i32" for offsets and counts
+    ctype: str  # the field's C++ type
+    dims: tuple[str, ...] = ()  # tensors: dims as declared
+    scale_of: str | None = None  # scales: the tensor they scale
+    group: str | None = None  # offsets/counts: the group they describe
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a kernel parameter's value comes from."""
+
+    kind: str  # "tensor", "workspace", "dim", "value" or "null"
+    ref: str = ""  # tensor, workspace or dim name
+    value: Formula | None = None  # kind "value"
+
+    def text(self) -> str:
+        return str(self.value) if self.kind == "value" else self.ref
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    ctype: str
+    source: Source
+
+
+@dataclass(frozen=True)
+class Workspace:
+    name: str
+    bytes: Formula
+    purpose: str
+
+
+@dataclass(frozen=True)
+class MapTemplate:
+    """One tensor-map template (cuTensorMapEncodeTiled) of a launch; see TENSOR_MAP_FIXED."""
+
+    operand: str  # "a", "b" or "d"
+    dtype: str
+    box_inner: int  # contiguous elements per box row (one 128-byte swizzle row)
+    box_rows: int
+
+    @property
+    def data_type(self) -> str:
+        return TENSOR_MAP_DATA_TYPE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """Bytes a step writes into a workspace before the kernels that read it: tensor-map
+    templates (encoded at the address of workspace `address_of`) or int32 values."""
+
+    workspace: str
+    templates: tuple[MapTemplate, ...] = ()
+    address_of: str = ""
+    int32: tuple[Formula, ...] = ()
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    role: str  # "transpose", "requantize", "leaf_table" or "gemm"
+    symbol: str
+    file: str
+    owner: str  # "prepass <i>" or "launch <i>"
+    grid: tuple[Formula, Formula, Formula]
+    block: int
+    dynamic_smem: int
+    cluster: int  # CTAs per cluster along x, fixed in the kernel (__cluster_dims__)
+    params: tuple[Param, ...]
+
+    @property
+    def raise_smem_limit(self) -> bool:
+        """Above 48 KB a kernel needs cudaFuncAttributeMaxDynamicSharedMemorySize."""
+        return self.dynamic_smem > 48 * 1024
+
+
+Step = Upload | KernelLaunch
+
+
+@dataclass(frozen=True)
+class Manifest:
+    spec: str
+    source: str  # the .gspec file
+    stem: str
+    runtime_dims: tuple[str, ...]
+    arguments: tuple[Argument, ...]
+    workspaces: tuple[Workspace, ...]
+    steps: tuple[Step, ...]
+
+    @property
+    def kernels(self) -> tuple[KernelLaunch, ...]:
+        return tuple(s for s in self.steps if isinstance(s, KernelLaunch))
+
+    @property
+    def prefix(self) -> str:
+        return host_prefix(self.spec)
+
+    @property
+    def files(self) -> dict[str, object]:
+        return {
+            "kernels": sorted({k.file for k in self.kernels}),
+            "host": f"{self.stem}_host.cu",
+            "header": f"{self.stem}.h",
+            "device_header": SHARED_HEADER,
+            "schedule": f"{self.stem}.schedule.json",
+            "manifest": f"{self.stem}.manifest.json",
+        }
+
+    def workspace(self, name: str) -> Workspace:
+        return next(w for w in self.workspaces if w.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "manifest_version": MANIFEST_VERSION,
+            "spec": self.spec,
+            "source": self.source,
+            "target": TARGET,
+            "files": self.files,
+            "host_api": {
+                "args_struct": f"{self.prefix}_args",
+                "run": f"{self.prefix}_run",
+                "workspace_bytes": f"{self.prefix}_workspace_bytes",
+            },
+            "runtime_dims": list(self.runtime_dims),
+            "arguments": [_argument_json(a) for a in self.arguments],
+            "workspace_align": WORKSPACE_ALIGN,
+            "workspaces": [
+                {"name": w.name, "bytes": str(w.bytes), "purpose": w.purpose} for w in self.workspaces
+            ],
+            "steps": [_step_json(s) for s in self.steps],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+
+def _argument_json(a: Argument) -> dict:
+    doc: dict = {"name": a.name, "role": a.role, "dtype": a.dtype, "ctype": a.ctype}
+    if a.role in ("input", "output"):
+        doc["dims"] = list(a.dims)
+    if a.scale_of is not None:
+        doc["scale_of"] = a.scale_of
+    if a.group is not None:
+        doc["group"] = a.group
+    return doc
+
+
+def _step_json(s: Step) -> dict:
+    if isinstance(s, Upload):
+        if s.templates:
+            contents = {
+                "type": "tensor_map_templates",
+                "address_of": s.address_of,
+                **TENSOR_MAP_FIXED,
+                "maps": [
+                    {
+                        "operand": m.operand,
+                        "dtype": m.dtype,
+                        "data_type": m.data_type,
+                        "box": [m.box_inner, m.box_rows],
+                    }
+                    for m in s.templates
+                ],
+            }
+        else:
+            contents = {"type": "int32", "values": [str(v) for v in s.int32]}
+        return {"kind": "upload", "workspace": s.workspace, "contents": contents}
+    return {
+        "kind": "kernel",
+        "role": s.role,
+        "owner": s.owner,
+        "symbol": s.symbol,
+        "file": s.file,
+        "grid": [str(g) for g in s.grid],
+        "block": [s.block, 1, 1],
+        "cluster": [s.cluster, 1, 1],
+        "dynamic_smem_bytes": s.dynamic_smem,
+        "set_max_dynamic_smem": s.raise_smem_limit,
+        "params": [
+            {"name": p.name, "ctype": p.ctype, "kind": p.source.kind, "ref": p.source.text()}
+            for p in s.params
+        ],
+    }
+
+
+# ---- building ----------------------------------------------------------------------------
+
+
+def _ptr(dtype: str, const: bool = True) -> str:
+    return f"{'const ' if const else ''}{CTYPES[dtype]}*"
+
+
+def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
+    """Every run-time tensor of a call, in the order the Python API lists them: each
+    tensor no pass derives (then its scale), then each group's offsets or counts."""
+    written = {g.out.tensor for g in spec.gemms}
+    out: list[Argument] = []
+    for t in spec.tensors:
+        if t.derived is not None:
+            continue
+        role = "output" if t.name in written else "input"
+        out.append(Argument(t.name, role, t.dtype, _ptr(t.dtype, role != "output"), t.dims))
+        if t.scale is not None:
+            out.append(Argument(t.scale.name, "scale", "f32", "const float*", scale_of=t.name))
+    for g in spec.groups:
+        if g.tensor:
+            role = "counts" if g.kind == "masked" else "offsets"
+            out.append(Argument(g.tensor, role, "i32", "const int*", group=g.name))
+    return tuple(out)
+
+
+def dim_formula(spec: Spec, name: str) -> Formula:
+    size = spec.dim(name).size
+    return Formula.var(name) if size is None else Formula.const(size)
+
+
+def _layout_formula(spec: Spec, p) -> Formula:
+    unknown = p.symbols - set(spec.runtime_dims)
+    assert not unknown, f"stride {p} uses {sorted(unknown)}, which are not run-time dims"
+    return Formula.poly(p)
+
+
+def tensor_elements(spec: Spec, t: Tensor) -> Formula:
+    """Elements a strided tensor's layout reaches: 1 + sum (n_i - 1) * s_i (0 when empty)."""
+    if t.layout.kind != "strided":
+        total = Formula.const(1)
+        for d in t.dims:
+            total = total * dim_formula(spec, d)
+        return total
+    reach = Formula.const(1)
+    for d, s in zip(t.dims, t.layout.strides):
+        reach = reach + (dim_formula(spec, d) - 1) * _layout_formula(spec, s)
+    return reach.max(0) if not reach.is_const else reach
+
+
+class _Builder:
+    def __init__(self, spec: Spec, program: EmittedProgram, stem: str):
+        self.spec = spec
+        self.program = program
+        self.stem = stem
+        self.workspaces: list[Workspace] = []
+        self.steps: list[Step] = []
+        # Where each tensor a kernel reads lives: a spec argument, or a workspace a
+        # pre-pass writes (a transpose's target shares its source's scales).
+        self.where: dict[str, Source] = {a.name: Source("tensor", a.name) for a in spec_arguments(spec)}
+
+    def workspace(self, name: str, nbytes: Formula, purpose: str) -> Source:
+        self.workspaces.append(Workspace(name, nbytes, purpose))
+        return Source("workspace", name)
+
+    def dim(self, name: str) -> Formula:
+        return dim_formula(self.spec, name)
+
+    def value(self, f: Formula | int) -> Source:
+        return Source("value", value=Formula.of(f))
+
+    # ---- pre-passes --------------------------------------------------------------------
+    def prepass(self, index: int, e: EmittedPrePass) -> None:
+        p = e.prepass
+        src, dst = self.spec.tensor(p.source), self.spec.tensor(p.target)
+        file = f"{self.stem}_prepass{index}.cu"
+        if p.kind == "transpose":
+            self.transpose(index, e, p, src, dst, file)
+        else:
+            self.requantize(index, e, p, src, dst, file)
+
+    def transpose(self, index, e, p: PrePass, src: Tensor, dst: Tensor, file: str) -> None:
+        cfg = TransposeKernelConfig()
+        # The kernel reads rows along the source's contiguous axis and writes rows along
+        # the target's; a third axis, if any, is the batch.
+        a, b = src.layout.contiguous_axis(), dst.layout.contiguous_axis()
+        assert a is not None and b is not None and a != b and src.rank in (2, 3), p
+        rest = [i for i in range(src.rank) if i not in (a, b)]
+        batch = self.dim(src.dims[rest[0]]) if rest else Formula.const(1)
+        k, n = self.dim(src.dims[b]), self.dim(src.dims[a])
+        in_bs = _layout_formula(self.spec, src.layout.strides[rest[0]]) if rest else Formula.const(0)
+        out_bs = _layout_formula(self.spec, dst.layout.strides[rest[0]]) if rest else Formula.const(0)
+        out = self.workspace(
+            f"prepass{index}.{dst.name}",
+            tensor_elements(self.spec, dst) * ELEMENT_BYTES[dst.dtype],
+            f"'{dst.name}', the transposed copy of '{src.name}'",
+        )
+        params = (
+            Param("in", "const unsigned char*", self.where[src.name]),
+            Param("out", "unsigned char*", out),
+            Param("batch", "int", self.value(batch)),
+            Param("K", "int", self.value(k)),
+            Param("N", "int", self.value(n)),
+            Param("in_bs", "long long", self.value(in_bs)),
+            Param("in_ldk", "long long", self.value(_layout_formula(self.spec, src.layout.strides[b]))),
+            Param("out_bs", "long long", self.value(out_bs)),
+            Param("out_ldn", "long long", self.value(_layout_formula(self.spec, dst.layout.strides[a]))),
+        )
+        grid = (n.ceil_div(cfg.tile), k.ceil_div(cfg.tile), batch)
+        self.steps.append(
+            KernelLaunch("transpose", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
+        )
+        self.where[dst.name] = out
+        self.where[dst.scale.name] = self.where[src.scale.name]  # the scales are shared
+
+    def requantize(self, index, e, p: PrePass, src: Tensor, dst: Tensor, file: str) -> None:
+        cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
+        tokens, channels = self.dim(src.dims[0]), self.dim(src.dims[1])
+        offsets, groups = self.requant_segments(index, dst, tokens)
+        y = self.workspace(
+            f"prepass{index}.{dst.name}",
+            tokens * channels * ELEMENT_BYTES[dst.dtype],
+            f"'{dst.name}', '{src.name}' requantized",
+        )
+        rows = tokens.ceil_div(cfg.block_t) + groups  # RequantKernelConfig.scale_rows_bound
+        sy = self.workspace(
+            f"prepass{index}.{dst.scale.name}", rows * channels * 4, f"the scales of '{dst.name}'"
+        )
+        strides = src.scale.layout.strides
+        params = (
+            Param("X", _ptr(src.dtype), self.where[src.name]),
+            Param("ldx", "long long", self.value(_layout_formula(self.spec, src.layout.strides[0]))),
+            Param("SX", "const float*", self.where[src.scale.name]),
+            Param("sx_st", "long long", self.value(_layout_formula(self.spec, strides[0]))),
+            Param("sx_sc", "long long", self.value(_layout_formula(self.spec, strides[1]))),
+            Param("offsets", "const int*", offsets),
+            Param("G", "int", self.value(groups)),
+            Param("T", "int", self.value(tokens)),
+            Param("C", "int", self.value(channels)),
+            Param("Y", _ptr(dst.dtype, const=False), y),
+            Param("SY", "float*", sy),
+        )
+        grid = (rows, channels.ceil_div(cfg.tile_c), Formula.const(1))
+        self.steps.append(
+            KernelLaunch("requantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
+        )
+        self.where[dst.name], self.where[dst.scale.name] = y, sy
+
+    def requant_segments(self, index: int, dst: Tensor, tokens: Formula) -> tuple[Source, Formula]:
+        """The segments the requantize kernel restarts its scale blocks at, as a monotone
+        int32 list of G + 1 offsets: the target's segment_major group (a nested group's
+        rows, flattened, repeat each row end once, which adds empty segments), or one
+        segment spanning every token."""
+        if dst.layout.kind == "segment_major":
+            g = self.spec.group(dst.layout.group)
+            if g.tensor:
+                flat = g.count + 1
+                outer = g
+                while outer.within:
+                    outer = self.spec.group(outer.within)
+                    flat *= outer.count
+                return self.where[g.tensor], Formula.const(flat - 1)
+            values = tuple(Formula.const(s) for s in (*g.starts, sum(g.sizes)))
+        else:
+            values = (Formula.const(0), tokens)
+        name = f"prepass{index}.offsets"
+        src = self.workspace(name, Formula.const(4 * len(values)), f"the segment offsets of '{dst.name}'")
+        self.steps.append(Upload(name, int32=values))
+        return src, Formula.const(len(values) - 1)
+
+    # ---- launches ----------------------------------------------------------------------
+    def launch(self, x: EmittedLaunch) -> None:
+        i, cfg, pg = x.launch.index, x.gemm, x.launch.problems
+        file = f"{self.stem}_launch{i}.cu"
+        maps = tuple(MapTemplate(m.operand, m.dtype, m.box_inner, m.box_rows) for m in map_specs(cfg))
+        leaves = self.workspace(
+            f"launch{i}.leaves", Formula.const((x.leaf_count + 1) * LEAF_BYTES), "the leaf table"
+        )
+        maps_ws = self.workspace(
+            f"launch{i}.maps",
+            Formula.const(len(maps) * x.leaf_count * TENSOR_MAP_BYTES),
+            "the per-leaf tensor maps",
+        )
+        templates = self.workspace(
+            f"launch{i}.templates", Formula.const(len(maps) * TENSOR_MAP_BYTES), "the tensor-map templates"
+        )
+        self.steps.append(Upload(templates.ref, templates=maps, address_of=maps_ws.ref))
+        operand = {"a": pg.a.tensor, "b": pg.b.tensor, "d": pg.d.tensor}
+        table_params = [
+            Param("leaves", "GsLeaf*", leaves),
+            Param("maps", "GsTensorMap*", maps_ws),
+            Param("templates", "const GsTensorMap*", templates),
+            *(Param(op.upper(), "const void*", self.where[operand[op]]) for op in TABLE_OPERANDS),
+            *(Param(f"p_{t}", "const int*", self.where[t]) for t in x.table_params),
+            *(Param(f"dim_{d}", "long long", Source("dim", d)) for d in x.dim_params),
+        ]
+        one = Formula.const(1)
+        self.steps.append(
+            KernelLaunch(
+                "leaf_table", x.table_kernel, file, f"launch {i}", (one, one, one),
+                TABLE_THREADS, 0, 1, tuple(table_params),
+            )
+        )
+        null = Source("null")
+        gemm_params = (
+            Param("leaves", "const GsLeaf*", leaves),
+            Param("maps", "const GsTensorMap*", maps_ws),
+            Param("num_leaves", "int", self.value(x.leaf_count)),
+            Param("A", _ptr(cfg.a_type), self.where[pg.a.tensor]),
+            Param("B", _ptr(cfg.b_type), self.where[pg.b.tensor]),
+            Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
+            Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
+            Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
+        )
+        # A persistent grid: one block per multiprocessor, whole clusters only.
+        grid = ((Formula.var(NUM_SMS) // cfg.cluster).max(1) * cfg.cluster, one, one)
+        self.steps.append(
+            KernelLaunch(
+                "gemm", cfg.name, file, f"launch {i}", grid, cfg.threads, cfg.smem_bytes,
+                cfg.cluster, gemm_params,
+            )
+        )
+
+
+def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None) -> Manifest:
+    """The manifest of one emitted spec; `stem` names its files (default: file_stem)."""
+    b = _Builder(spec, program, stem or file_stem(spec.name))
+    for i, p in enumerate(program.prepasses):
+        b.prepass(i, p)
+    for x in program.launches:
+        b.launch(x)
+    return Manifest(
+        spec.name, spec.path, b.stem, spec.runtime_dims, spec_arguments(spec),
+        tuple(b.workspaces), tuple(b.steps),
+    )
