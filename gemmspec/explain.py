@@ -68,8 +68,10 @@ def _map_json(m) -> dict:
     return doc
 
 
-def schedule_json(spec: Spec, schedule: Schedule) -> dict:
-    return {
+def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
+    """The JSON form; with the emitted `program` (as `compile` writes it) each launch and
+    pre-pass also names the symbols of its kernels, as the header and manifest do."""
+    doc = {
         "version": JSON_VERSION,
         "name": spec.name,
         "file": spec.path,
@@ -96,6 +98,12 @@ def schedule_json(spec: Spec, schedule: Schedule) -> dict:
             for p in schedule.prepasses
         ],
     }
+    if program is not None:
+        for launch, x in zip(doc["launches"], program.launches):
+            launch["symbols"] = {"leaf_table": x.table_kernel, "gemm": x.gemm.name}
+        for prepass, p in zip(doc["prepasses"], program.prepasses):
+            prepass["symbol"] = p.kernel
+    return doc
 
 
 def explain_text(spec: Spec, schedule: Schedule) -> str:

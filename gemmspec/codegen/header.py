@@ -7,9 +7,7 @@ byte is written: an error in any spec leaves the output folder as it was.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,44 +17,24 @@ from ..explain import schedule_json
 from ..lower.schedule import Schedule
 from ..spec import Spec
 from .emit import EmittedProgram
+from .host import render_header, render_host
 from .kernels import include_dir
+from .manifest import SHARED_HEADER, Manifest, launch_manifest
+from .names import MAX_FILE_NAME_BYTES, file_stem, header_guard
 
-_ENTRY = re.compile(
-    r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(?:__cluster_dims__\([^)]*\)\s*)?'
-    r"(\w+)\(([^)]*)\)"
-)
-SHARED_HEADER = "gemmspec_ptx.cuh"
-# A stem plus its longest suffix (`_prepass<i>.cubin`, `.schedule.json`) stays well
-# under MAX_FILE_NAME_BYTES, which leaves room for a temporary name below 255 bytes.
-_MAX_STEM_BYTES = 150
-MAX_FILE_NAME_BYTES = 200
-
-
-def entry_points(source: str) -> list[str]:
-    """`extern "C"` kernel declarations found in emitted source."""
-    return [
-        f'extern "C" __global__ void {name}({" ".join(params.split())});'
-        for name, params in _ENTRY.findall(source)
-    ]
-
-
-def _name_hash(spec_name: str) -> str:
-    return hashlib.sha256(spec_name.encode("utf-8")).hexdigest()
-
-
-def file_stem(spec_name: str) -> str:
-    """The stem of a spec's files: its name, or a cut of a long name plus a hash of all of it."""
-    raw = spec_name.encode("utf-8")
-    if len(raw) <= _MAX_STEM_BYTES:
-        return spec_name
-    head = raw[: _MAX_STEM_BYTES - 17].decode("utf-8", errors="ignore")
-    return f"{head}_{_name_hash(spec_name)[:16]}"
-
-
-def header_guard(spec_name: str) -> str:
-    """Include guard of a spec's header; the hash of the exact name keeps `moe` and `MOE` apart."""
-    stem = re.sub(r"\W", "_", file_stem(spec_name), flags=re.ASCII)
-    return f"GEMMSPEC_{stem.upper()}_{_name_hash(spec_name)[:8].upper()}_H"
+__all__ = [
+    "MAX_FILE_NAME_BYTES",
+    "SHARED_HEADER",
+    "SpecFiles",
+    "check_file_names",
+    "check_symbols",
+    "file_stem",
+    "header_guard",
+    "plan_programs",
+    "spec_files",
+    "write_programs",
+    "write_program",
+]
 
 
 @dataclass(frozen=True)
@@ -65,43 +43,49 @@ class SpecFiles:
 
     spec: Spec
     files: dict[str, bytes]
+    manifest: Manifest
 
 
 def spec_files(
     spec: Spec, schedule: Schedule, program: EmittedProgram, cubins: bool = False
 ) -> SpecFiles:
-    """Every file of one spec: per kernel a .cu (and a .cubin), then the .h and the schedule."""
+    """Every file of one spec: per kernel a .cu (and a .cubin), the host launcher, the
+    .h, the launch manifest and the schedule, all from the manifest's data."""
     stem = file_stem(spec.name)
+    manifest = launch_manifest(spec, program, stem)
     files: dict[str, bytes] = {}
-    decls: list[str] = []
     for fname, source in program.sources().items():
         if fname.startswith(program.spec):
             fname = stem + fname[len(program.spec) :]
         files[fname] = source.encode("utf-8")
-        decls += entry_points(source)
         if cubins:
             from ..runtime.nvrtc import compile_cubin
 
             kernel = Path(fname).stem
             compiled = compile_cubin(source, name=kernel, include_dirs=[include_dir()])
             files[f"{kernel}.cubin"] = compiled.cubin
-    guard = header_guard(spec.name)
-    header = "\n".join(
-        [
-            f"// Entry points emitted by gemmspec for spec '{spec.name}'. Launch order and",
-            f"// arguments: {stem}.schedule.json and docs/kernel-abi.md.",
-            f"#ifndef {guard}",
-            f"#define {guard}",
-            f'#include "{SHARED_HEADER}"',
-            *sorted(set(decls)),
-            f"#endif  // {guard}",
-            "",
-        ]
-    )
-    files[f"{stem}.h"] = header.encode("utf-8")
-    doc = json.dumps(schedule_json(spec, schedule), indent=2) + "\n"
+    files[f"{stem}_host.cu"] = render_host(manifest).encode("utf-8")
+    files[f"{stem}.h"] = render_header(manifest).encode("utf-8")
+    files[f"{stem}.manifest.json"] = manifest.dumps().encode("utf-8")
+    doc = json.dumps(schedule_json(spec, schedule, program), indent=2) + "\n"
     files[f"{stem}.schedule.json"] = doc.encode("utf-8")
-    return SpecFiles(spec, files)
+    return SpecFiles(spec, files, manifest)
+
+
+def check_symbols(planned: Sequence[SpecFiles]) -> None:
+    """Refuse two specs that would define one extern "C" symbol (they could not link)."""
+    owners: dict[str, Spec] = {}
+    for sf in planned:
+        m = sf.manifest
+        symbols = [k.symbol for k in m.kernels]
+        symbols += [f"{m.prefix}_run", f"{m.prefix}_workspace_bytes"]
+        for symbol in symbols:
+            other = owners.setdefault(symbol, sf.spec)
+            if other is not sf.spec:
+                raise OutputError(
+                    f"specs '{other.name}' ({other.path}:{other.line}) and '{sf.spec.name}' "
+                    f"({sf.spec.path}:{sf.spec.line}) would both define {symbol}; rename one of the specs"
+                )
 
 
 def check_file_names(planned: Sequence[SpecFiles]) -> None:
@@ -135,14 +119,23 @@ def _clash(spec: Spec, name: str, other: Spec | None, other_name: str) -> str:
     )
 
 
+def plan_programs(
+    programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], cubins: bool = False
+) -> list[SpecFiles]:
+    """Every spec's files in memory, their names and symbols checked; nothing written."""
+    planned = [spec_files(spec, schedule, program, cubins) for spec, schedule, program in programs]
+    check_file_names(planned)
+    check_symbols(planned)
+    return planned
+
+
 def write_programs(
     programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], out: Path, cubins: bool = False
 ) -> list[Path]:
     """Write every spec's files and the shared PTX header into `out`; returns the paths."""
     from ..pipeline import make_output_dir, write_if_changed
 
-    planned = [spec_files(spec, schedule, program, cubins) for spec, schedule, program in programs]
-    check_file_names(planned)
+    planned = plan_programs(programs, cubins)
     for name in [SHARED_HEADER, *(n for sf in planned for n in sf.files)]:
         if (out / name).is_dir():
             raise OutputError(f"cannot write {out / name}: a directory is in the way", str(out / name))
