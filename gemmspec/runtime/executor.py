@@ -451,7 +451,7 @@ class Executable:
             return
         run.enqueue(arrays)
         if check or (check is None and debug_checks()):
-            run.check()
+            run.check(arrays)
 
     def _plan_call(self, key: tuple, arrays: dict[str, DeviceArray], stream, objects) -> PreparedRun:
         """A plan for a new signature and stream. Inside a CUDA-graph capture nothing may
@@ -472,7 +472,7 @@ class Executable:
                 f"{self.spec.name}: first call with these shapes is inside a CUDA-graph "
                 "capture; call it once before capturing (a warm-up), so its workspaces exist"
             )
-        run = self._plan(_Bound(arrays, dims, None), stream)
+        run = self._plan(_Bound(arrays, dims, None), stream, keep=False)
         self._plans[key] = run
         while len(self._plans) > PLAN_CACHE:
             old = next((k for k, r in self._plans.items() if not r.pinned), None)
@@ -490,11 +490,14 @@ class Executable:
         """
         bound = self._bind(tensors, read_offsets=check)
         device = next(iter(bound.arrays.values())).device
-        return self._plan(bound, caller_stream(stream, tensors.values(), device))
+        return self._plan(bound, caller_stream(stream, tensors.values(), device), keep=True)
 
-    def _plan(self, bound: _Bound, stream) -> PreparedRun:
+    def _plan(self, bound: _Bound, stream, *, keep: bool) -> PreparedRun:
         device = next(iter(bound.arrays.values())).device
-        run = PreparedRun(stream, workspace=[], device=device, arrays=dict(bound.arrays))
+        # A cached plan keeps no array of the call that made it: holding a framework's
+        # tensor would keep its memory alive (and out of a CUDA-graph pool's books).
+        arrays = dict(bound.arrays) if keep else {}
+        run = PreparedRun(stream, workspace=[], device=device, arrays=arrays)
         run.executable, run.dims = self, dict(bound.dims)
         if self._writes_nothing(bound.dims):
             return run
@@ -562,10 +565,9 @@ class PreparedRun:
         self.launches.append((kernel, grid, block, smem, args))
 
     def enqueue(self, arrays: dict[str, DeviceArray] | None = None) -> None:
-        """Issue every kernel on the stream; `arrays` (same signature) replace the bound ones."""
-        if arrays is not None:
-            self.arrays = arrays
-        bound = self.arrays
+        """Issue every kernel on the stream, on the bound arrays or on `arrays` (same
+        signature; not kept)."""
+        bound = self.arrays if arrays is None else arrays
         with on_device(self.device):
             for kernel, grid, block, smem, args in self.launches:
                 args = [bound[a.name] if type(a) is _Arg else a for a in args]
@@ -574,7 +576,7 @@ class PreparedRun:
     def synchronize(self) -> None:
         self.stream.sync()
 
-    def check(self) -> None:
+    def check(self, arrays: dict[str, DeviceArray] | None = None) -> None:
         """Wait for the run and raise `ArgumentError` if the device found bad offsets,
         counts or anchored scale shapes (the launches then computed nothing)."""
         self.synchronize()
@@ -586,10 +588,11 @@ class PreparedRun:
             return
         exe = self.executable
         if exe is not None:  # the host checks say it with the values
-            offsets = exe._check_group_values(self.arrays, self.dims)
+            arrays = self.arrays if arrays is None else arrays
+            offsets = exe._check_group_values(arrays, self.dims)
             for t in exe.spec.tensors:
                 if t.derived is None and t.scale is not None:
-                    exe._check_scale(t, self.arrays, self.dims, offsets)
+                    exe._check_scale(t, arrays, self.dims, offsets)
         dims = ", ".join(f"{d} = {n}" for d, n in self.dims.items())
         raise ArgumentError("; ".join(c.message for c in failed) + (f" ({dims})" if dims else ""))
 
