@@ -108,6 +108,7 @@ class GroupKind:
     within: Name | None = None  # ragged: the enclosing group
     tensor: Name | None = None  # ragged: offsets tensor; masked: counts tensor
     sizes: tuple[Expr, ...] = ()  # split: the segment sizes
+    capacity: bool = False  # ragged: offsets may end at or below the dim (rows past them untouched)
 
 
 @dataclass(frozen=True)

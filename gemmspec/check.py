@@ -347,6 +347,12 @@ class _Checker:
             )
         if within is not None and k.kind != "ragged":
             raise self.error("only ragged groups may nest with `within`", k.pos)
+        if k.capacity and within is not None:
+            raise self.error(
+                "a nested group spans its outer segments exactly; only the outermost "
+                "ragged group may be a capacity (`capacity`)",
+                k.pos,
+            )
         if k.tensor is not None:
             self.claim(k.tensor, "offsets tensor" if k.kind == "ragged" else "counts tensor")
         self.groups[g.name.text] = Group(
@@ -358,6 +364,7 @@ class _Checker:
             within=within,
             tensor=k.tensor.text if k.tensor else None,
             sizes=sizes,
+            capacity=k.capacity,
         )
         self.group_rank[g.name.text] = len(self.group_order)
         self.group_order.append(g.name.text)

@@ -56,6 +56,9 @@ _TERMINAL_WORDS = {
 }
 
 
+_CAPACITY = object()  # marks `ragged(..., capacity)` among a rule's children
+
+
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     return Lark.open_from_package(
@@ -144,10 +147,17 @@ class _ToAst(Transformer_NonRecursive):
     def within(self, items):
         return _name(items[0])
 
+    def capacity(self, items):
+        return _CAPACITY
+
     def ragged(self, items):
+        capacity = items[-1] is _CAPACITY
+        items = [i for i in items if i is not _CAPACITY]
         dim = _name(items[0])
         within = items[1] if len(items) == 3 else None
-        return ast.GroupKind("ragged", dim, dim.pos, within=within, tensor=_name(items[-1]))
+        return ast.GroupKind(
+            "ragged", dim, dim.pos, within=within, tensor=_name(items[-1]), capacity=capacity
+        )
 
     def size_list(self, items):
         return tuple(items)

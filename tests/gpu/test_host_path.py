@@ -148,3 +148,34 @@ def test_runs_on_the_device_of_its_arrays():
     x0 = torch.zeros(300, 256, device="cuda:0", dtype=torch.bfloat16)
     with pytest.raises(ArgumentError, match="different devices"):
         exe(x=x0, w=w, y=y, offs=offs)
+
+
+CAPACITY_MOE = BF16_MOE.replace("offsets = offs)", "offsets = offs, capacity)").replace("gemm moe ", "gemm moe_capacity ")
+
+
+def test_capacity_buffer_one_graph_for_every_batch():
+    torch = pytest.importorskip("torch")
+    exe = gemmspec.build(CAPACITY_MOE)
+    cap = 600
+    x = torch.randn(cap, 256, device="cuda").to(torch.bfloat16)
+    w = torch.randn(4, 256, 256, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([0, 0, 1, 128, 257], dtype=torch.int32, device="cuda")
+    y = torch.full((cap, 256), float("nan"), device="cuda")
+    exe(x=x, w=w, y=y, offs=offs, check=True)  # warm-up, rows past 257 untouched
+    assert torch.isnan(y[257:]).all() and not torch.isnan(y[:257]).any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        exe(x=x, w=w, y=y, offs=offs)
+    for ends in ([0, 129, 129, 300, 430], [0, 0, 0, 0, 0], [0, 1, 2, 3, cap]):
+        offs.copy_(torch.tensor(ends, dtype=torch.int32))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        used = ends[-1]
+        assert torch.isnan(y[used:]).all()
+        ref = [x[a:b].float() @ w[e].float().T for e, (a, b) in enumerate(zip(ends[:-1], ends[1:]))]
+        if used:
+            torch.testing.assert_close(y[:used], torch.cat(ref), rtol=2e-2, atol=2e-1)
+    offs.copy_(torch.tensor([0, 1, 2, 3, cap + 1], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="end at or below T"):
+        exe(x=x, w=w, y=y, offs=offs, check=True)

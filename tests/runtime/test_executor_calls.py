@@ -225,3 +225,37 @@ def test_offsets_check_compiles(path):
         return
     assert len(v.checks) >= len(v.tensors)
     assert compile_cubin(v.source, name=v.name, include_dirs=[include_dir()]).cubin
+
+
+CAPACITY = """
+gemm capacity_moe {
+  dim T
+  dim N = 72, K = 300
+  group expert[E = 4] = ragged(T, offsets = offs, capacity)
+  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}
+"""
+
+
+def test_capacity_offsets_end_at_or_below(offline):
+    exe = gemmspec.build(CAPACITY)
+    assert "ragged(T, offsets=offs, capacity)" in exe.explain()
+    messages = [c.message for c in exe._validation.checks]
+    assert "'offs' must start at 0 and end at or below T" in messages
+    gib = 1 << 30
+    args = {
+        "x": DeviceArray(gib, (500, 300), (300, 1), "e4m3", 0),
+        "x_scale": DeviceArray(2 * gib, (500, 3), (1, 500), "f32", 0),
+        "w": DeviceArray(3 * gib, (4, 72, 300), (72 * 300, 300, 1), "e4m3", 0),
+        "w_scale": DeviceArray(4 * gib, (4, 1, 3), (3, 3, 1), "f32", 0),
+        "y": DeviceArray(5 * gib, (500, 72), (72, 1), "bf16", 0),
+        "offs": DeviceArray(6 * gib, (5,), (1,), "i32", 0),
+    }
+    offline[6 * gib] = np.array([0, 10, 10, 200, 400], np.int32)  # ends below T = 500
+    exe.prepare(None, **args)
+    offline[6 * gib] = np.array([0, 10, 10, 200, 501], np.int32)
+    with pytest.raises(ArgumentError, match=r"end at or below T = 500, got 0..501"):
+        exe.prepare(None, **args)
