@@ -160,7 +160,6 @@ def test_function_gradients_match_float64(fp8, cpu_kernels):
     tol = 0.09 if fp8 else 0.01
     for got, want in ((y, ry), (xb.grad, rdx), (wf.grad, rdw)):
         err = (got.double() - want).norm() / want.norm()
-        print(f"rel err {err:.3e}")
         assert err < tol, err
     assert xb.grad.dtype == torch.bfloat16 and wf.grad.dtype == torch.float32
     # Expert 0 has no tokens: its weight gradient is exactly zero.
@@ -173,10 +172,12 @@ def test_function_refuses_what_it_cannot_differentiate():
 
 
 def test_quantize_recipe_blocks():
-    v = torch.randn(130, 300, dtype=torch.float64)
+    v = torch.randn(130, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     q, s = gt.quantize(v, "e4m3", (1, 128))
     assert q.dtype == torch.float8_e4m3fn and s.shape == (130, 3)
-    back = q.double() * s.double().repeat_interleave(128, dim=1)[:, :300]
-    assert ((back - v).abs() <= v.abs() * 2**-3 + 1e-12).all()
+    scale = s.double().repeat_interleave(128, dim=1)[:, :300]
+    back = q.double() * scale
+    # Round to nearest with 3 mantissa bits; below 2^-6 the subnormal step is 2^-9.
+    assert ((back - v).abs() <= v.abs() * 2**-4 + scale * 2**-10 + 1e-12).all()
     _, s = gt.quantize(v, "e4m3", (128, 128))
     assert s.shape == (2, 3)
