@@ -30,15 +30,13 @@ from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 # store_tma None: the default rule).
 VARIANTS = {
     "as compiled": {},
+    "192 wide, scales staged by the producer": {"tile_n": 192, "consumer_scales": False},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
     "192 wide, no CTA pairs": {"tile_n": 192, "cluster": 1},
-    "160 wide (registers epilogue)": {"tile_n": 160},
-    "128 wide, staged epilogue": {"tile_n": 128, "store_tma": True},
-    "128 wide, registers epilogue": {"tile_n": 128, "store_tma": False},
-    "192 wide, raster groups of 4 row blocks": {"tile_n": 192, "raster": 4},
     "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
-    "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False},
-    "128 wide, no promotion (wrong values)": {"tile_n": 128, "scaled": False},
+    "160 wide (registers epilogue)": {"tile_n": 160},
+    "128 wide, staged epilogue": {"tile_n": 128},
+    "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False, "consumer_scales": None},
 }
 
 
@@ -46,7 +44,8 @@ def variant(exe, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
     x = exe.program.launches[0]
     base = gemm_config(x.launch)
-    cfg = dataclasses.replace(base, **{"name": "", "stages": 0, "store_tma": None, **changes})
+    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None}
+    cfg = dataclasses.replace(base, **{**fresh, **changes})
     launch = emit_launch(exe.spec, x.launch, cfg)
     exe.program = dataclasses.replace(exe.program, launches=(launch,))
     return cfg

@@ -90,6 +90,9 @@ class GemmKernelConfig:
     ``stages`` 0 means as many ring stages as shared memory holds (at most MAX_STAGES);
     ``store_tma`` None means "stage the epilogue in shared memory and store it by TMA
     when the tile allows it and the ring keeps at least MIN_STAGES_WITH_STAGING stages";
+    ``consumer_scales`` None means "the consumers read SA and SB from global memory one K
+    block ahead whenever a tile needs at most two B scales" (else the producer stages the
+    scales of each stage in shared memory);
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
     """
@@ -110,6 +113,7 @@ class GemmKernelConfig:
     raster: int = 8
     cluster: int = 1
     store_tma: bool | None = None
+    consumer_scales: bool | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -120,6 +124,10 @@ class GemmKernelConfig:
         if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
             object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
         self._validate()
+        if self.consumer_scales is None:
+            object.__setattr__(self, "consumer_scales", self.scaled and self.sb_mode != 2)
+        elif self.consumer_scales and (not self.scaled or self.sb_mode == 2):
+            raise ValueError("consumers read scales only when a tile needs at most two B scales")
         if self.store_tma is None:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
         elif self.store_tma and not self.store_tma_possible:
@@ -233,7 +241,7 @@ class GemmKernelConfig:
     @property
     def scale_bytes(self) -> int:
         """Scales of one stage: a float per tile row, then the B scales (sb_mode)."""
-        if not self.scaled:
+        if not self.scaled or self.consumer_scales:
             return 0
         floats = self.tile_m + (1, 2, self.tile_n)[self.sb_mode]
         return 16 * _ceil_div(floats, 4)  # padded to 16 bytes
@@ -289,6 +297,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
     cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
     staged = "_tma" if cfg.store_tma else ""
+    if cfg.scaled and cfg.sb_mode != 2 and not cfg.consumer_scales:
+        staged += "_smemscales"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -364,6 +374,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         sb_mode=cfg.sb_mode,
         sb_splits=cfg.sb_splits,
         store_tma=cfg.store_tma,
+        consumer_scales=cfg.consumer_scales,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,

@@ -9,6 +9,7 @@ ptxas report).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -94,11 +95,9 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     realloc = set(re.findall(r"\bUSETMAXREG\.(\w+)", sass))
     assert realloc == ({"DEALLOC", "TRY_ALLOC"} if cfg.reallocates_registers else set()), realloc
     # No block-wide barrier inside the loops: the only one follows the mbarrier
-    # initialisation (a cluster barrier instead when CTAs pair up). A staged epilogue
-    # syncs each consumer warpgroup on its own named barrier and stores by TMA.
+    # initialisation (a cluster barrier instead when CTAs pair up). Named barriers only
+    # sync one warpgroup (a staged epilogue, the producer's copies by hand).
     assert len(re.findall(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)? 0x0\b", sass)) == (0 if cfg.cluster > 1 else 1)
-    named = re.findall(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)? (?!0x0\b)", sass)
-    assert bool(named) == cfg.store_tma
     tma_store = "UTMAREDG" if cfg.accumulate else "UTMASTG"
     assert bool(re.search(rf"\b{tma_store}\.2D\b", sass)) == cfg.store_tma, f"{tma_store} iff staged epilogue"
     if cfg.cluster > 1:
@@ -128,7 +127,7 @@ def test_names_are_procedural_and_distinct() -> None:
     names = {cfg.name for cfg in GEMM_CONFIGS.values()}
     assert len(names) == len(GEMM_CONFIGS)
     cfg = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s5_store_tma"
+    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store_tma"
     assert GEMM_CONFIGS["bf16_store"].tile_k == 64
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
 
@@ -147,13 +146,19 @@ def test_smem_bytes_matches_layout() -> None:
     # Alignment slack, the epilogue staging (a whole D tile), then per stage: A and B
     # tiles, a scale per row and the B scales (padded to 16 bytes), two mbarriers.
     fp8 = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert fp8.store_tma and fp8.sb_mode == 0 and fp8.stages == 5
-    assert fp8.smem_bytes == 1024 + 128 * 128 * 2 + 5 * (256 * 128 + 132 * 4 + 16)
+    # One or two B scales per tile: the consumers read the scales from global memory.
+    assert fp8.store_tma and fp8.sb_mode == 0 and fp8.consumer_scales and fp8.stages == 6
+    assert fp8.smem_bytes == 1024 + 128 * 128 * 2 + 6 * (256 * 128 + 16)
     wide = GEMM_CONFIGS["e4m3_n192"]
     assert wide.sb_mode == 1 and wide.sb_splits == (8, 16) and wide.stages == 4
-    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
+    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 16)
+    staged = dataclasses.replace(wide, name="", stages=0, consumer_scales=False)
+    assert staged.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
+    # Per-column B scales: staged per stage by the producer (a float per row and column).
     per_column = GEMM_CONFIGS["e4m3_1d1d_n144"]
-    assert per_column.sb_mode == 2 and not per_column.store_tma  # 144 f32 columns: not whole boxes
+    assert per_column.sb_mode == 2 and not per_column.consumer_scales
+    assert not per_column.store_tma  # 144 f32 columns are not whole 32-column boxes
+    assert per_column.scale_bytes == (128 + 144) * 4
     # Without staging: a BF16 128 x 256 ring would keep only 3 stages beside a 64 KB tile.
     bf = GEMM_CONFIGS["bf16_wide"]
     assert not bf.store_tma and bf.stages == 4 and bf.smem_bytes == 1024 + 4 * (384 * 64 * 2 + 16)
@@ -191,6 +196,9 @@ def test_sources_include_only_toolkit_headers() -> None:
         # A staged epilogue stores whole 128-byte boxes, and reduce-adds only f32.
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=96, store_tma=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", accumulate=True, store_tma=True),
+        # Consumers read one or two B scales per tile, never per-column ones.
+        dict(a_type="e4m3", b_type="e4m3", d_type="f32", scaled=True, sa_bm=1, sb_bn=1, consumer_scales=True),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", consumer_scales=True),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:
