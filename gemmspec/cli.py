@@ -73,13 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="emit CUDA: .cu files, a .h of their entry points and the schedule JSON",
         description=(
             "Compile FILE to standalone CUDA in DIR: one .cu per launch and pre-pass, "
-            "gemmspec_ptx.cuh, <spec>.h declaring the extern \"C\" kernels, and "
-            "<spec>.schedule.json. Each .cu builds with nvcc -gencode=arch=compute_90a,code=sm_90a -c."
+            "gemmspec_ptx.cuh, <spec>_host.cu (the host launcher gemmspec_<spec>_run), <spec>.h, "
+            "<spec>.manifest.json and <spec>.schedule.json. Each .cu builds with "
+            "nvcc -gencode=arch=compute_90a,code=sm_90a -c."
         ),
     )
     _add_common(p)
     p.add_argument("-o", "--output", metavar="DIR", type=Path, default=Path("out"), help="output directory (default: out)")
     p.add_argument("--cubin", action="store_true", help="also compile each .cu to an sm_90a cubin with NVRTC")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the paths compile would write, one per line, and write nothing (for build systems)",
+    )
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser(
@@ -126,12 +132,17 @@ def _check_output_dirs(args: argparse.Namespace) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from .codegen.emit import emit
-    from .codegen.header import write_programs
+    from .codegen.header import SHARED_HEADER, plan_programs, write_programs
     from .pipeline import lower_file
 
     _check_output_dirs(args)
     lowered = lower_file(args.file, args.dump_ir)
     programs = [(x.spec, x.schedule, emit(x.spec, x.schedule)) for x in lowered]
+    if args.list:
+        names = [SHARED_HEADER, *(n for sf in plan_programs(programs, args.cubin) for n in sf.files)]
+        for name in names:
+            print(args.output / name)
+        return 0
     for path in write_programs(programs, args.output, cubins=args.cubin):
         print(path)
     return 0

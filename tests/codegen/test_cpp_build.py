@@ -1,0 +1,83 @@
+"""The files `compile` writes build into other programs: with nvcc, the files of two
+specs compiled into one folder build with every warning an error, each header
+compiles alone in a C++ translation unit, and everything links with a C++ driver
+into one executable and one shared library. Skipped where nvcc is not installed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gemmspec.cli import main
+from gemmspec.codegen.emit import emit
+from gemmspec.codegen.manifest import launch_manifest
+from gemmspec.pipeline import lower_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = ("moe_fp8_forward", "linear_fp8_training")
+NVCC = shutil.which("nvcc")
+ARCH = "-gencode=arch=compute_90a,code=sm_90a"
+STRICT = ["-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror,-fPIC"]
+TOKENS = 1000
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+
+DRIVER = """\
+// Links both specs' host launchers into one program; needs no GPU to run.
+#include <cstdio>
+
+#include "linear_fp8_training.h"
+#include "moe_fp8_forward.h"
+
+int main() {
+  std::printf("%zu %zu\\n", gemmspec_moe_fp8_forward_workspace_bytes(TOKENS),
+              gemmspec_linear_fp8_training_workspace_bytes(TOKENS));
+  const bool refused = gemmspec_moe_fp8_forward_run(nullptr, nullptr, nullptr) == cudaErrorInvalidValue &&
+                       gemmspec_linear_fp8_training_run(nullptr, nullptr, nullptr) == cudaErrorInvalidValue;
+  return refused ? 0 : 1;
+}
+""".replace("TOKENS", str(TOKENS))
+
+
+def _nvcc(*args: str, cwd: Path) -> None:
+    done = subprocess.run([NVCC, *args], cwd=cwd, capture_output=True, text=True)
+    assert done.returncode == 0, f"nvcc {' '.join(args)}\n{done.stdout}\n{done.stderr}"
+
+
+def _workspace_bytes(name: str) -> int:
+    (x,) = lower_file(ROOT / "examples" / f"{name}.gspec")
+    m = launch_manifest(x.spec, emit(x.spec, x.schedule))
+    env = {d: TOKENS for d in m.runtime_dims}
+    align = 256
+    return sum(-(-max(w.bytes.evaluate(env), 0) // align) * align for w in m.workspaces)
+
+
+def test_two_specs_build_and_link_into_one_program(tmp_path):
+    out = tmp_path / "gen"
+    for name in SPECS:
+        assert main(["compile", str(ROOT / "examples" / f"{name}.gspec"), "-o", str(out)]) == 0
+    sources = sorted(p.name for p in out.glob("*.cu"))
+    assert sum(s.endswith("_host.cu") for s in sources) == len(SPECS)
+    (out / "driver.cpp").write_text(DRIVER)
+
+    jobs = [(ARCH, *STRICT, "-c", s, "-o", f"{s}.o") for s in sources]
+    jobs.append((*STRICT, "-I.", "-c", "driver.cpp", "-o", "driver.o"))
+    for header in sorted(p.name for p in out.glob("*.h")):
+        # Alone, in a plain C++ unit and in a CUDA unit.
+        (out / f"only_{header}.cpp").write_text(f'#include "{header}"\n')
+        (out / f"only_{header}.cu").write_text(f'#include "{header}"\n')
+        jobs.append((*STRICT, "-c", f"only_{header}.cpp", "-o", f"only_{header}.cpp.o"))
+        jobs.append((ARCH, *STRICT, "-c", f"only_{header}.cu", "-o", f"only_{header}.cu.o"))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
+
+    objects = [f"{s}.o" for s in sources]
+    _nvcc(ARCH, *objects, "driver.o", "-o", "app", cwd=out)
+    _nvcc(ARCH, "-shared", *objects, "-o", "libgemms.so", cwd=out)
+    ran = subprocess.run([str(out / "app")], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert [int(v) for v in ran.stdout.split()] == [_workspace_bytes(n) for n in SPECS]

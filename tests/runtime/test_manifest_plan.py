@@ -1,0 +1,40 @@
+"""The Python runtime launches what the manifest (and so the host launcher) says: the
+same kernels in the same order, with the grids and scalar arguments its formulas give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_executor_plan import _arrays
+
+import gemmspec
+from gemmspec.codegen.formula import NUM_SMS
+from gemmspec.codegen.manifest import KernelLaunch, Upload
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_runtime_follows_the_manifest(path, offline):
+    exe = gemmspec.build(path)
+    run = exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(1)))
+    launches = run.launches[exe.validation_source() is not None :]  # the offsets check comes first
+    env = {**run.dims, NUM_SMS: 132}
+    kernels = [s for s in exe.manifest.steps if isinstance(s, KernelLaunch)]
+    kernels = [k for k in kernels if min(g.evaluate(env) for g in k.grid) > 0]
+    assert [k.name for k, *_ in launches] == [k.symbol for k in kernels]
+    for (_kernel, grid, block, smem, args), step in zip(launches, kernels):
+        assert tuple(grid) == tuple(g.evaluate(env) for g in step.grid)
+        assert (block, smem) == (step.block, step.dynamic_smem)
+        assert len(args) == len(step.params)
+        for arg, p in zip(args, step.params):
+            if p.source.kind == "value":
+                assert int(arg) == p.source.value.evaluate(env), (step.symbol, p.name)
+            if p.source.kind == "null":
+                assert arg is None
+    # One buffer per workspace: allocated, or uploaded by its step.
+    uploads = sum(isinstance(s, Upload) for s in exe.manifest.steps)
+    assert len(exe.manifest.workspaces) <= len(run.workspace)
+    assert uploads >= len(exe.program.launches)
