@@ -21,6 +21,7 @@ from .kernels import (
     RequantKernelConfig,
     TransposeKernelConfig,
     gemm_kernel_name,
+    map_specs,
     render_gemm,
     render_requant,
     render_transpose,
@@ -214,9 +215,11 @@ def _mixed_radix(pg: ProblemGenerator) -> list[dict]:
     return axes[::-1]
 
 
-def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
+def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = None) -> EmittedLaunch:
+    """The launch's GEMM kernel and leaf-table builder; `config` overrides the kernel
+    configuration the signature implies (benchmark probes of kernel variants)."""
     pg = launch.problems
-    cfg = gemm_config(launch)
+    cfg = config or gemm_config(launch)
     # The symbol names the spec and launch, so that equal configurations in two launches
     # (or two specs) never define one symbol twice.
     cfg = replace(cfg, name=gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg)))
@@ -259,6 +262,9 @@ def emit_launch(spec: Spec, launch: Launch) -> EmittedLaunch:
         tile_n=cfg.tile_n * cfg.cluster,  # a cluster computes neighbouring column blocks
         a_bytes=ELEMENT_BYTES[cfg.a_type],
         b_bytes=ELEMENT_BYTES[cfg.b_type],
+        d_bytes=ELEMENT_BYTES[cfg.d_type],
+        store_tma=cfg.store_tma,
+        maps_per_leaf=len(map_specs(cfg)),
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)

@@ -91,6 +91,22 @@ def test_pipeline_row_edges(k, fp8):
     report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=3 * k + fp8, repeats=0))
 
 
+def with_tile(spec: str, tile_m: int, tile_n: int) -> str:
+    return spec.rstrip().rstrip("}") + f"  tile({tile_m}, {tile_n})\n}}\n"
+
+
+# Wide FP8 tiles straddle a 128-column B scale block boundary at a column that depends on
+# the tile (two scales per tile); N = 520 leaves a partial last column block, N = 100 a
+# D row stride TMA cannot describe (200 bytes: the epilogue stores from registers).
+@pytest.mark.parametrize("tile_n", [144, 160, 192])
+@pytest.mark.parametrize("n", [520, 100])
+def test_scaled_wide_tiles(tile_n, n):
+    exe = gemmspec.build(with_tile(moe(n, 576, len(PIPELINE_EDGE), True), 128, tile_n))
+    (launch,) = exe.program.launches
+    assert launch.gemm.tile_n == tile_n and launch.gemm.sb_mode == 1
+    report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=tile_n + n, repeats=0))
+
+
 def test_pipeline_64_row_tiles():
     # M of at most 64 per leaf picks 64-row tiles (one consumer warpgroup).
     spec = MASKED.format(m=64, n=200, k=576, e=5)
