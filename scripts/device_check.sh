@@ -37,6 +37,18 @@ if want sanitizer; then
     -k "bad_offsets or nested and 1-1 or single_expert or linear_fp8_training or wgrad_counts or pipeline_64 or row_edges and 576" 2>&1 | tail -5 | tee "$OUT/sanitizer.log" || status=1
   grep -v "Host Frame" "$OUT/sanitizer_full.log" | head -40
 fi
+if want racecheck; then
+  # Shared-memory races (the staged epilogue, the producer's copies by hand) on a few
+  # launches that take every path: ragged edges, f32 reduce-add, unaligned operands.
+  timeout 420 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 --log-file "$OUT/racecheck_full.log" \
+    python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+    -k "wgrad_counts or pipeline_row_edges and 576 and fp8 or scaled_wide_tiles and 192 and 100" 2>&1 | tail -5 | tee "$OUT/racecheck.log" || status=1
+  grep -v "Host Frame" "$OUT/racecheck_full.log" | tail -20
+fi
+if want cpp; then
+  # The emitted files built into a plain C++ program with nvcc, run and checked.
+  timeout 300 env OUT="$OUT/cpp_embed" PYTHON=python3 bash scripts/cpp_embed_check.sh 2>&1 | tail -20 | tee "$OUT/cpp_embed.log" || status=1
+fi
 if want bench; then
   timeout 540 python3 -m gemmspec bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
 fi

@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import MOE_FP8, _fp8, _offsets, _scales  # noqa: E402
+from gemmspec.bench import MOE_BF16, MOE_FP8, _fp8, _offsets, _scales  # noqa: E402
 from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -37,6 +37,15 @@ VARIANTS = {
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},
     "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False, "consumer_scales": None},
+}
+# The BF16 kernel: the widest tile keeps its epilogue in registers (staging it would leave a
+# 3-stage ring); narrower staged tiles keep 4 stages.
+BF16_VARIANTS = {
+    "as compiled": {},
+    "256 wide, staged epilogue, 3 stages": {"tile_n": 256, "store_tma": True},
+    "192 wide, staged epilogue": {"tile_n": 192, "store_tma": True},
+    "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
+    "128 wide, staged epilogue": {"tile_n": 128, "store_tma": True},
 }
 
 
@@ -55,29 +64,36 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8,4096,4096,7168", help="E,M,N,K (M rows per expert)")
     ap.add_argument("--only", default="", help="run the variants whose label contains this")
+    ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
     args = ap.parse_args()
     e, m, n, k = map(int, args.shape.split(","))
     t = e * m
-    x, w = _fp8((t, k)), _fp8((e, n, k))
-    xs, ws = _scales((k // 128, t)).t(), _scales((e, n // 128, k // 128))
+    if args.bf16:
+        x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+        w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
+        tensors, spec, variants = {"x": x, "w": w}, MOE_BF16, BF16_VARIANTS
+    else:
+        x, w = _fp8((t, k)), _fp8((e, n, k))
+        xs, ws = _scales((k // 128, t)).t(), _scales((e, n // 128, k // 128))
+        tensors, spec, variants = {"x": x, "x_scale": xs, "w": w, "w_scale": ws}, MOE_FP8, VARIANTS
     offs = _offsets([m] * e)
     flops = 2.0 * t * n * k
     reference = None
-    for label, changes in VARIANTS.items():
+    for label, changes in variants.items():
         if args.only not in label:
             continue
-        exe = gemmspec.build(MOE_FP8.format(n=n, k=k, e=e))
+        exe = gemmspec.build(spec.format(n=n, k=k, e=e))
         try:
             cfg = variant(exe, **changes)
         except ValueError as err:
             print(f"{label:40} skipped: {err}", flush=True)
             continue
         y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
+        run = exe.prepare(torch.cuda.current_stream(), y=y, offs=offs, **tensors)
         run.enqueue()
         torch.cuda.synchronize()
         check = ""
-        if cfg.scaled:
+        if cfg.scaled or args.bf16:
             if reference is None:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
