@@ -30,8 +30,6 @@ from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 # store_tma None: the default rule).
 VARIANTS = {
     "as compiled": {},
-    "192 wide, warpgroups take turns": {"tile_n": 192, "turns": True},
-    "192 wide, turns, raster groups of 16": {"tile_n": 192, "turns": True, "raster": 16},
     "192 wide, scales staged by the producer": {"tile_n": 192, "consumer_scales": False},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
     "192 wide, no CTA pairs": {"tile_n": 192, "cluster": 1},

@@ -93,8 +93,6 @@ class GemmKernelConfig:
     ``consumer_scales`` None means "the consumers read SA and SB from global memory one K
     block ahead whenever a tile needs at most two B scales" (else the producer stages the
     scales of each stage in shared memory);
-    ``turns`` (scaled, two consumer warpgroups) makes the warpgroups take turns on the
-    tensor cores, one K block each, so each one's promotion runs under the other's wgmma;
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
     """
@@ -116,7 +114,6 @@ class GemmKernelConfig:
     cluster: int = 1
     store_tma: bool | None = None
     consumer_scales: bool | None = None
-    turns: bool = False
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -167,8 +164,6 @@ class GemmKernelConfig:
             raise ValueError("tile_m must be 64 or 128 (one consumer warpgroup per 64 rows)")
         if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
             raise ValueError("tile_n must be a multiple of 8 in [8, 256] (a wgmma N)")
-        if self.turns and (not self.scaled or self.tile_m != 128):
-            raise ValueError("turns alternate the two consumer warpgroups of a scaled 128-row kernel")
         if self.scaled and self.tile_n > 192:
             raise ValueError("scaled kernels keep two accumulators: tile_n must be <= 192")
         if self.tile_k <= 0 or self.tile_k * ELEMENT_BYTES[a] != SWIZZLE_BYTES:
@@ -253,7 +248,7 @@ class GemmKernelConfig:
 
     def _max_stages(self) -> int:
         per_stage = self.stage_bytes + self.scale_bytes + 16
-        return min(MAX_STAGES, (SMEM_LIMIT - SMEM_ALIGN - self.staging_bytes - 16) // per_stage)
+        return min(MAX_STAGES, (SMEM_LIMIT - SMEM_ALIGN - self.staging_bytes) // per_stage)
 
     @property
     def smem_bytes(self) -> int:
@@ -261,11 +256,7 @@ class GemmKernelConfig:
         alignment slack, the ring's operands, the epilogue staging, the ring's scales and a
         full/empty mbarrier pair per stage."""
         return (
-            SMEM_ALIGN
-            + self.stages * (self.stage_bytes + self.scale_bytes)
-            + self.staging_bytes
-            + 16 * self.stages
-            + (16 if self.turns else 0)  # the two turn mbarriers
+            SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
         )
 
     def tiles(self, m: int, n: int) -> int:
@@ -308,8 +299,6 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     staged = "_tma" if cfg.store_tma else ""
     if cfg.scaled and cfg.sb_mode != 2 and not cfg.consumer_scales:
         staged += "_smemscales"
-    if cfg.turns:
-        staged += "_turns"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -386,7 +375,6 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         sb_splits=cfg.sb_splits,
         store_tma=cfg.store_tma,
         consumer_scales=cfg.consumer_scales,
-        turns=cfg.turns,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,

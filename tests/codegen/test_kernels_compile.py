@@ -53,9 +53,6 @@ GEMM_CONFIGS = {
     "bf16_wide": GemmKernelConfig("bf16", "bf16", "bf16", tile_n=256, cluster=2),
     "e4m3_pair": GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, cluster=2),
     "e4m3_n192": GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192),
-    "e4m3_n192_turns": GemmKernelConfig(
-        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192, cluster=2, turns=True
-    ),
     "e4m3_1d1d_n144": GemmKernelConfig(
         "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sb_bn=1, tile_n=144
     ),
@@ -202,9 +199,6 @@ def test_sources_include_only_toolkit_headers() -> None:
         # Consumers read one or two B scales per tile, never per-column ones.
         dict(a_type="e4m3", b_type="e4m3", d_type="f32", scaled=True, sa_bm=1, sb_bn=1, consumer_scales=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", consumer_scales=True),
-        # Turns alternate the two consumer warpgroups of a scaled kernel.
-        dict(a_type="bf16", b_type="bf16", d_type="bf16", turns=True),
-        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, tile_m=64, turns=True),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:

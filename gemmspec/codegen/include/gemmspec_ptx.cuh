@@ -133,14 +133,6 @@ __device__ __forceinline__ void gs_mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-// Arrives and returns the barrier's state token. Work that must follow the arrival (not
-// only in program order but in the assembler's schedule) can be made to depend on it.
-__device__ __forceinline__ unsigned long long gs_mbar_arrive_token(unsigned bar) {
-  unsigned long long state;
-  asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];\n" : "=l"(state) : "r"(bar) : "memory");
-  return state;
-}
-
 // Arrives and announces `bytes` more bytes that copies will complete on this phase.
 __device__ __forceinline__ void gs_mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
