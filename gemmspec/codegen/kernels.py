@@ -75,7 +75,7 @@ def _ceil_div(a: int, b: int) -> int:
 SMEM_LIMIT = 232448
 MAX_STAGES = 12
 # A staged epilogue is worth its shared memory only while the ring stays this deep.
-MIN_STAGES_WITH_STAGING = 4
+MIN_STAGES_WITH_STAGING = 3
 # Registers per thread after reallocation: the producer warpgroup gives its registers to
 # the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
 PRODUCER_REGS = 56

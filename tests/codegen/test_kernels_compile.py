@@ -159,9 +159,12 @@ def test_smem_bytes_matches_layout() -> None:
     assert per_column.sb_mode == 2 and not per_column.consumer_scales
     assert not per_column.store_tma  # 144 f32 columns are not whole 32-column boxes
     assert per_column.scale_bytes == (128 + 144) * 4
-    # Without staging: a BF16 128 x 256 ring would keep only 3 stages beside a 64 KB tile.
+    # BF16 128 x 256 keeps 3 stages beside its 64 KB staged tile; with an f32 output (128 KB)
+    # only 2 would remain, so that one stores from registers.
     bf = GEMM_CONFIGS["bf16_wide"]
-    assert not bf.store_tma and bf.stages == 4 and bf.smem_bytes == 1024 + 4 * (384 * 64 * 2 + 16)
+    assert bf.store_tma and bf.stages == 3 and bf.smem_bytes == 1024 + 128 * 256 * 2 + 3 * (384 * 64 * 2 + 16)
+    bf32 = GemmKernelConfig("bf16", "bf16", "f32", tile_n=256)
+    assert not bf32.store_tma and bf32.stages == 4
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
     assert GEMM_CONFIGS["bf16_skinny_m64"].stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())
