@@ -7,8 +7,10 @@ expert applies up-projection, GELU and down-projection, scaled by its router
 probability. The FP8 model runs both projections through gemmspec.torch.function:
 FP8 forward with 1x128 activation and 128x128 weight scales, and the derived DGRAD
 and K-grouped WGRAD (128x1 scales per expert segment) in backward. The BF16 model is
-the same block in plain torch, from the same initial weights, on the same data: a
-teacher MoE's outputs on random tokens (MSE loss, Adam).
+the same block with torch's BF16 grouped GEMM (`torch._grouped_mm`, forward and
+backward), from the same initial weights, on the same data: a teacher MoE's outputs on
+random tokens (MSE loss, Adam). Each model's steps are timed apart (CUDA events, after
+a warm-up) and both step times are printed at the end.
 
     python examples/train_moe_fp8.py --steps 300 --plot losses.png
 
@@ -66,19 +68,17 @@ class MoE(torch.nn.Module):
             h = torch.nn.functional.gelu(self.up(x=xs, w=self.w_up, offs=offs).float())
             ys = self.down(x=h.to(torch.bfloat16), w=self.w_down, offs=offs).float()
         else:
-            ys = self._bf16_experts(xs, counts.tolist())
+            ys = self._bf16_experts(xs, offs[1:])
         out = torch.empty_like(ys)
         out[order] = ys
         return out * gate[:, None]
 
-    def _bf16_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        parts, start = [], 0
-        for e, n in enumerate(counts):
-            rows = xs[start : start + n]
-            h = torch.nn.functional.gelu((rows @ self.w_up[e].to(torch.bfloat16).T).float())
-            parts.append((h.to(torch.bfloat16) @ self.w_down[e].to(torch.bfloat16).T).float())
-            start += n
-        return torch.cat(parts)
+    def _bf16_experts(self, xs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        # torch's grouped GEMM: 2-D tokens x 3-D expert weights, groups ending at `ends`.
+        w_up = self.w_up.to(torch.bfloat16).transpose(-2, -1)
+        w_down = self.w_down.to(torch.bfloat16).transpose(-2, -1)
+        h = torch.nn.functional.gelu(torch._grouped_mm(xs, w_up, offs=ends).float())
+        return torch._grouped_mm(h.to(torch.bfloat16), w_down, offs=ends).float()
 
 
 def progress(steps: int):
@@ -110,6 +110,10 @@ def main() -> None:
     fp8 = MoE(args.hidden, args.ffn, args.experts, fp8=True, init=bf16.state_dict()).to(dev)
     opts = [torch.optim.Adam(m.parameters(), lr=args.lr) for m in (bf16, fp8)]
     losses: dict[str, list[float]] = {"bf16": [], "fp8": []}
+    # Step time of each model (forward, backward, optimizer), from CUDA events, after a
+    # warm-up of a tenth of the steps (compilation, caches).
+    warmup = max(1, args.steps // 10)
+    step_ms: dict[str, list[float]] = {"bf16": [], "fp8": []}
     start = time.perf_counter()
     bar = progress(args.steps)
     for step in bar:
@@ -117,11 +121,16 @@ def main() -> None:
         with torch.no_grad():
             target = teacher(x)
         for (name, model), opt in zip((("bf16", bf16), ("fp8", fp8)), opts):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
             loss = torch.nn.functional.mse_loss(model(x), target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses[name].append(loss.item())
+            end.record()
+            losses[name].append(loss.item())  # synchronizes: the events are complete
+            if step >= warmup:
+                step_ms[name].append(begin.elapsed_time(end))
         line = f"step {step + 1}/{args.steps}  loss bf16 {losses['bf16'][-1]:.5f}  fp8 {losses['fp8'][-1]:.5f}"
         if hasattr(bar, "set_description"):
             bar.set_description(line)
@@ -135,6 +144,12 @@ def main() -> None:
         f"final loss (mean of the last {tail} steps): bf16 {mean['bf16']:.5f}, fp8 {mean['fp8']:.5f} "
         f"({100 * gap:.2f}% apart); {elapsed:.1f} s for {args.steps} steps of both models"
     )
+    if all(step_ms.values()):
+        median = {k: sorted(v)[len(v) // 2] for k, v in step_ms.items()}
+        print(
+            f"step time (median of {len(step_ms['fp8'])} steps after {warmup} warm-up): "
+            f"bf16 torch._grouped_mm {median['bf16']:.2f} ms, fp8 gemmspec {median['fp8']:.2f} ms"
+        )
     if args.plot:
         import matplotlib
 

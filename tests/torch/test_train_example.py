@@ -31,3 +31,21 @@ def test_projections_derive_their_backward():
         assert [d.kind for d in bw.statements] == ["dgrad", "wgrad"]
         assert "sum[t in expert(e)]" in bw.statements[1].text
         assert exe.program.prepasses  # the requantize passes of the WGRAD
+
+
+def test_bf16_model_uses_grouped_mm_like_a_loop_over_experts():
+    import torch
+
+    namespace: dict = {"__name__": "train_moe_fp8"}
+    exec(compile(SCRIPT.read_text(), str(SCRIPT), "exec"), namespace)
+    torch.manual_seed(0)
+    model = namespace["MoE"](64, 32, 4, fp8=False)
+    xs = torch.randn(50, 64).to(torch.bfloat16)
+    ends = torch.tensor([7, 7, 30, 50], dtype=torch.int32)  # an empty expert, ragged rest
+    got = model._bf16_experts(xs, ends)
+    parts, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        h = torch.nn.functional.gelu((xs[start:end] @ model.w_up[e].to(torch.bfloat16).T).float())
+        parts.append((h.to(torch.bfloat16) @ model.w_down[e].to(torch.bfloat16).T).float())
+        start = end
+    torch.testing.assert_close(got, torch.cat(parts), rtol=2e-2, atol=2e-2)
