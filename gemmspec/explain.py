@@ -106,6 +106,24 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
     return doc
 
 
+def _kernel_line(spec: Spec, launch) -> str:
+    """The launch's kernel symbol and what its configuration chose."""
+    from .codegen.emit import gemm_config  # the back end decides stages and epilogue
+    from .codegen.kernels import gemm_kernel_name
+    from .codegen.names import gemm_symbol
+
+    cfg = gemm_config(launch)
+    parts = [f"{cfg.tile_m}x{cfg.tile_n} tiles", f"{cfg.stages} stages"]
+    if cfg.cluster > 1:
+        parts.append("CTA pairs")
+    parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
+    if cfg.scaled:
+        count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]
+        where = "read by the consumers" if cfg.consumer_scales else "staged by the producer"
+        parts.append(f"{count} and K block, {where}")
+    return f"{gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg))} ({', '.join(parts)})"
+
+
 def explain_text(spec: Spec, schedule: Schedule) -> str:
     lines = [f"spec {spec.name} ({spec.path}:{spec.line})"]
     lines.append("nest:")
@@ -122,7 +140,9 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
             lines.append(f"  [{i}] {p.describe()} (before launch {before})")
     lines.append(f"launches: {len(schedule.launches)}")
     for launch in schedule.launches:
-        lines += ["  " + ln for ln in str(launch).splitlines()]
+        body = str(launch).splitlines()
+        body[1] = f"  kernel {_kernel_line(spec, launch)}"
+        lines += ["  " + ln for ln in body]
     from .backward import derive_backward  # the gradients a training step would run
 
     lines += derive_backward(spec).text().splitlines()

@@ -57,6 +57,16 @@ def test_explain_states_the_tile_choice_and_loader():
     assert "segments whose length is not a multiple of 16 bytes take that path" in wgrad
 
 
+def test_explain_names_the_emitted_kernel_and_its_configuration():
+    exe = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")
+    (launch,) = exe.program.launches
+    text = exe.explain()
+    assert f"kernel {launch.gemm.name} (128x192 tiles, {launch.gemm.stages} stages, CTA pairs" in text
+    assert "output staged and stored by TMA, two B scales per tile and K block, read by the consumers)" in text
+    wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
+    assert "a B scale per column and K block, staged by the producer)" in wgrad
+
+
 def test_tile_directive_pins_the_tile_without_pairs():
     spec = (EXAMPLES / "moe_fp8_forward.gspec").read_text().rstrip().rstrip("}") + "  tile(64, 64)\n}\n"
     exe = gemmspec.build(spec)
