@@ -12,9 +12,8 @@ spec, or bounded by one of those limits.
 
 from __future__ import annotations
 
-import itertools
-
 from . import ast
+from .aliasing import ENUMERATE_LIMIT, UNDECIDED, element_collision
 from .errors import SourceLocation, SpecError, locate, source_lines
 from .expr import ONE, Poly
 from .spec import (
@@ -1222,7 +1221,15 @@ class _Checker:
             by_stride[stride] = i
         if any(sizes[i] is None or not layout.strides[i].is_const for i in wide):
             return  # depends on run-time sizes: not decidable here
-        clash = _collision([(sizes[i], layout.strides[i].value) for i in wide])
+        clash = element_collision([(sizes[i], layout.strides[i].value) for i in wide])
+        if clash is UNDECIDED:
+            raise self.error(
+                f"'{owner}' is written, and its strides interleave in a way that cannot be "
+                f"checked for two elements at one address (more than {ENUMERATE_LIMIT} "
+                "elements, three or more interleaved dims)",
+                pos,
+                "use strides where each one passes the farthest offset the smaller ones reach",
+            )
         if clash is not None:
             first, second, offset = clash
             names = [dims[i] for i in wide]
@@ -1415,38 +1422,6 @@ def _row_major(sizes: list[Poly], pad: int | None) -> list[Poly]:
             size = Poly.const(-(-size.value // pad) * pad)
         acc = acc * size
     return strides
-
-
-# Constant layouts of at most this many elements are checked element by element.
-_ENUMERATE_LIMIT = 1 << 16
-
-
-def _collision(axes: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
-    """Two index tuples with one offset under (size, stride) axes, or None if none.
-
-    Strides that each pass the farthest offset the smaller ones reach cannot collide
-    (any row-major layout, padded or permuted); otherwise the offsets are enumerated,
-    up to _ENUMERATE_LIMIT elements (beyond that the layout is accepted as written).
-    """
-    reach = 0
-    for size, stride in sorted(axes, key=lambda a: a[1]):
-        if stride <= reach:
-            break
-        reach += (size - 1) * stride
-    else:
-        return None
-    count = 1
-    for size, _ in axes:
-        count *= size
-        if count > _ENUMERATE_LIMIT:
-            return None
-    seen: dict[int, tuple[int, ...]] = {}
-    for idx in itertools.product(*(range(size) for size, _ in axes)):
-        offset = sum(v * stride for v, (_, stride) in zip(idx, axes))
-        if offset in seen:
-            return seen[offset], idx, offset
-        seen[offset] = idx
-    return None
 
 
 def check(file: ast.FileAst) -> tuple[Spec, ...]:
