@@ -268,28 +268,32 @@ def _check_launches(
         )
 
 
-def _extent_bound(spec: Spec, g: Gemm, role: str) -> int | None:
-    """The most elements one leaf can have along `role`; None when only run time knows."""
+def _extent_bound(spec: Spec, g: Gemm, role: str, sizes: dict[str, int]) -> int | None:
+    """The most elements one leaf can have along `role`; None when only run time knows
+    (`sizes`: the run-time dims known so far)."""
     rd = g.role(role)
     if rd.group is not None:
         grp = spec.group(rd.group)
         if grp.kind in ("split", "uniform"):
             return max(grp.sizes)
-    return spec.dim(rd.dim).size  # a fixed dim, a masked padded size, or a ragged dim's whole
+    size = spec.dim(rd.dim).size  # a fixed dim, a masked padded size, or a ragged dim's whole
+    return sizes.get(rd.dim) if size is None else size
 
 
-def _check_tiles(spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int) -> None:
-    """A launch counts its output tiles in an int32 (the leaf table's prefix sum). Checked
-    where the extents are known at compile time; run-time sizes are the caller's to keep
-    within it."""
-    m = _extent_bound(spec, g, "m")
+def tile_bound(
+    spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int, sizes: dict[str, int] | None = None
+) -> int | None:
+    """The most output tiles one launch of `g` under `plan` can have, with `sizes` for
+    the run-time dims; None when a run-time dim it depends on is not given."""
+    sizes = sizes or {}
+    m = _extent_bound(spec, g, "m", sizes)
     pinned = dict(plan.pinned)
     if g.n.group is not None and g.n.group in pinned:
         n: int | None = spec.group(g.n.group).sizes[pinned[g.n.group]]
     else:
-        n = _extent_bound(spec, g, "n")
+        n = _extent_bound(spec, g, "n", sizes)
     if m is None or n is None:
-        return
+        return None
     rows = leaves_each * -(-m // plan.tile_m)
     if g.m.group is not None and spec.group(g.m.group).kind == "ragged":
         # Ragged leaves share their dim: their rows add up to it once per other leaf axis.
@@ -301,8 +305,15 @@ def _check_tiles(spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int) -> Non
                 break
             grp = spec.group(grp.within)
         rows = min(rows, -(-m * max(g.leaf_count // chain, 1) // plan.tile_m) + leaves_each)
-    tiles = rows * -(-n // (plan.tile_n * plan.cluster))
-    if tiles > MAX_TILES_PER_LAUNCH:
+    return rows * -(-n // (plan.tile_n * plan.cluster))
+
+
+def _check_tiles(spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int) -> None:
+    """A launch counts its output tiles in an int32 (the leaf table's prefix sum). Checked
+    here where the extents are known at compile time; the executor checks the run-time
+    sizes of each call the same way."""
+    tiles = tile_bound(spec, g, plan, leaves_each)
+    if tiles is not None and tiles > MAX_TILES_PER_LAUNCH:
         raise SpecError(
             f"a launch of statement #{g.index} can have up to {tiles} output tiles of "
             f"{plan.tile_m}x{plan.tile_n * plan.cluster}, more than 2^31 - 1: the kernels "
