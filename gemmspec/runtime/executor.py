@@ -34,6 +34,7 @@ from ..explain import explain_text
 from ..lower.schedule import Schedule
 from ..spec import Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
+from .checks import check_outputs, check_sizes, check_written_layouts
 from .launch import LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
 from .plan import plan_steps
@@ -158,6 +159,8 @@ class Executable:
                 self._check_tensor(t, arrays, dims)
                 if t.scale is not None:
                     self._check_scale_bounds(t, arrays, dims)
+        check_sizes(self.spec, self.schedule, self.manifest, dims)
+        check_written_layouts(self.spec, dims)
         return dims
 
     def _check_pointers(self, arrays: dict[str, DeviceArray]) -> None:
@@ -324,33 +327,9 @@ class Executable:
         return roles
 
     def _check_outputs(self, arrays: dict[str, DeviceArray]) -> None:
-        """Outputs are writable and share no byte with any other argument.
-
-        Extents are byte ranges from shape and strides, so two views interleaved in one
-        buffer count as overlapping. A tensor one statement writes and a later one
-        reads is one argument, so it never overlaps itself.
-        """
-        roles = self._argument_roles()
-        names = list(roles)
-        for name in names:
-            if roles[name] == "output" and arrays[name].readonly:
-                raise ArgumentError(f"output '{name}' is read-only; pass a writable tensor")
-        extents = {n: arrays[n].byte_extent() for n in names}
-        for i, first in enumerate(names):
-            for second in names[i + 1 :]:
-                if "output" not in (roles[first], roles[second]):
-                    continue
-                a, b = extents[first], extents[second]
-                if a is None or b is None or a[1] <= b[0] or b[1] <= a[0]:
-                    continue
-                out, other = (first, second) if roles[first] == "output" else (second, first)
-                how = "is the same memory as" if a == b else "overlaps"
-                raise ArgumentError(
-                    f"output '{out}' {how} {roles[other]} '{other}' "
-                    f"(bytes [{extents[out][0]:#x}, {extents[out][1]:#x}) and "
-                    f"[{extents[other][0]:#x}, {extents[other][1]:#x})); "
-                    "an output must not share memory with any other argument"
-                )
+        """Outputs are writable and share no byte with any other argument (checks.py).
+        A tensor one statement writes and a later one reads is one argument."""
+        check_outputs(arrays, self._argument_roles())
 
     def _check_scale(self, t: Tensor, arrays, dims, offsets) -> None:
         from ..reference.data import Runtime, scale_grid_shape
