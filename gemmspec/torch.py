@@ -68,10 +68,6 @@ class GemmOp:
         self.outputs = tuple(written)
         self.inputs = tuple(n for n in exe.argument_names() if n not in written)
         self.shapes = tuple(self._output_shape(name) for name in self.outputs)
-        # Where each of the executable's arguments is among the op's (inputs, then outputs).
-        names = self.inputs + self.outputs
-        self._order = tuple(names.index(n) for n in exe.argument_names())
-        self._names = frozenset(names)
         self._define()
 
     # ---- shapes -------------------------------------------------------------------------
@@ -125,16 +121,11 @@ class GemmOp:
     def _run(self, *args: torch.Tensor):
         inputs = dict(zip(self.inputs, args))
         outs = self._allocate(inputs, args[0].device)
-        self._launch((*args, *outs))
+        self.exe(**inputs, **dict(zip(self.outputs, outs)))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _run_out(self, *args: torch.Tensor) -> None:
-        self._launch(args)
-
-    def _launch(self, args: tuple) -> None:
-        """A call of the spec on the op's arguments (inputs, then outputs), on torch's
-        current stream: the executable's own call, without building keywords."""
-        self.exe._call(tuple([args[i] for i in self._order]), None, None)
+        self.exe(**dict(zip(self.inputs + self.outputs, args)))
 
     def _fake(self, *args: torch.Tensor):
         inputs = dict(zip(self.inputs, args))
@@ -151,10 +142,6 @@ class GemmOp:
     def __call__(self, **tensors: torch.Tensor):
         """Without the outputs: returns them (one tensor, or a tuple in statement order).
         With every output: writes them in place and returns them."""
-        if len(tensors) == len(self._names) and self._names.issuperset(tensors):
-            outs = [tensors[n] for n in self.outputs]
-            self.in_place(*[tensors[n] for n in self.inputs], *outs)
-            return outs[0] if len(outs) == 1 else tuple(outs)
         missing = [n for n in self.inputs if n not in tensors]
         if missing:
             raise ArgumentError(f"{self.exe.spec.name}: missing tensor(s): {', '.join(missing)}")

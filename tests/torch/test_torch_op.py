@@ -92,34 +92,6 @@ def test_outputs_all_or_none():
         op(**{k: v for k, v in inputs.items() if k != "x"})
 
 
-def test_the_op_calls_the_executable_in_its_argument_order(monkeypatch):
-    """The CUDA implementations hand the executable its arguments positionally, in
-    `argument_names()` order, on torch's current stream."""
-    op = gt.op(EXAMPLES[0].parent / "linear_fp8_training.gspec")
-    names = op.inputs + op.outputs
-    assert [names[i] for i in op._order] == op.exe.argument_names()
-    calls = []
-    monkeypatch.setattr(op.exe, "_call", lambda objects, stream, check: calls.append((objects, stream, check)))
-    values = tuple(object() for _ in names)
-    op._run_out(*values)
-    (objects, stream, check), = calls
-    assert objects == tuple(values[names.index(n)] for n in op.exe.argument_names())
-    assert stream is None and check is None
-
-
-def test_every_output_given_runs_in_place():
-    op = gt.op(EXAMPLES[0].parent / "linear_fp8_training.gspec")
-    inputs, _ = meta_inputs(op)
-    outs = {
-        n: torch.empty(size, dtype=gt.torch_dtype(s.dtype), device="meta")
-        for n, s, size in zip(op.outputs, op.shapes, op.output_sizes(inputs))
-    }
-    result = op(**inputs, **outs)
-    assert all(r is outs[n] for r, n in zip(result, op.outputs))
-    with pytest.raises(ArgumentError, match="unknown argument"):
-        op(**inputs, **{**outs, "zz": outs["y"]})
-
-
 def compiled(fn):
     graphs = []
 
