@@ -53,9 +53,13 @@ if want bench; then
   timeout 540 python3 -m gemmspec bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 if want ncu; then
-  # One profiled launch of the headline GEMM: where the time goes (clocks left as they are).
-  timeout 300 ncu --clock-control none --kernel-name 'regex:^gs_sm90a_e4m3e4m3_bf16.*_store$' --launch-skip 2 --launch-count 1 \
+  # One profiled launch of the headline GEMM (clocks left as they are): speed of light,
+  # warp states, and per-instruction stall samples written out as SASS-level CSV.
+  timeout 300 ncu --clock-control none --kernel-name 'regex:^gs_.*_sm90a_e4m3e4m3_bf16_.*_store' --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
-    python3 -m gemmspec bench --only fp8_fwd_G8x4096_N4096 2>&1 | tee "$OUT/ncu.log" | tail -120 || status=1
+    --section SourceCounters --import-source no -o "$OUT/headline" -f \
+    python3 -m gemmspec bench --only fp8_fwd_G8x4096_N4096 2>&1 | tail -40 | tee "$OUT/ncu.log" || status=1
+  ncu -i "$OUT/headline.ncu-rep" --page details 2>&1 | tail -120 | tee -a "$OUT/ncu.log"
+  ncu -i "$OUT/headline.ncu-rep" --page source --print-source sass --csv > "$OUT/headline_sass.csv" 2>&1 || true
 fi
 exit $status
