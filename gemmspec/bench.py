@@ -129,29 +129,37 @@ def _checked(err: float, limit: float, against: str) -> str:
 
 
 # ---------------------------------------------------------------------------- specs
-MOE_FP8 = """
-gemm moe_fp8 {{
+def moe_spec(
+    name: str = "moe",
+    *,
+    n: int,
+    k: int,
+    e: int,
+    fp8: bool = False,
+    out: str = "bf16",
+    scales_major_t: bool = False,
+    capacity: bool = False,
+) -> str:
+    """An M-grouped MoE GEMM: tokens in ragged expert segments, y = x * w[expert]^T.
+    FP8 operands carry DeepSeek-V3 scales (1x128 activations, 128x128 weights), the
+    activation scales token-contiguous with `scales_major_t`; `capacity` lets the
+    offsets end below T."""
+    t = "e4m3" if fp8 else "bf16"
+    xs = " scale f32 [1, 128]" + (" layout major(T)" if scales_major_t else "") if fp8 else ""
+    ws = " scale f32 [1, 128, 128]" if fp8 else ""
+    ragged = "ragged(T, offsets = offs, capacity)" if capacity else "ragged(T, offsets = offs)"
+    return f"""
+gemm {name} {{
   dim T
   dim N = {n}, K = {k}
-  group expert[E = {e}] = ragged(T, offsets = offs)
-  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
-  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor y : bf16 [T, N]
+  group expert[E = {e}] = {ragged}
+  tensor x : {t} [T, K]{xs}
+  tensor w : {t} [E, N, K]{ws}
+  tensor y : {out} [T, N]
   y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
 }}
 """
 
-MOE_BF16 = """
-gemm moe_bf16 {{
-  dim T
-  dim N = {n}, K = {k}
-  group expert[E = {e}] = ragged(T, offsets = offs)
-  tensor x : bf16 [T, K]
-  tensor w : bf16 [E, N, K]
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}}
-"""
 
 WGRAD = """
 gemm wgrad {{
@@ -227,7 +235,7 @@ def _build(text: str):
 def _fp8_grouped(name: str, lengths: list[int], n: int, k: int, repeat: int) -> list[Result]:
     torch = _torch()
     e, t = len(lengths), sum(lengths)
-    exe = _build(MOE_FP8.format(n=n, k=k, e=e))
+    exe = _build(moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True))
     x, w = _fp8((t, k)), _fp8((e, n, k))
     xs = _scales((k // 128, t)).t()  # 1x128 per token, MN-major as declared
     ws = _scales((e, n // 128, k // 128))
@@ -284,7 +292,7 @@ def case_bf16(repeat):
     torch = _torch()
     name, e, m, n, k = "bf16_fwd_G8x4096_N4096_K7168", 8, 4096, 4096, 7168
     t = e * m
-    exe = _build(MOE_BF16.format(n=n, k=k, e=e))
+    exe = _build(moe_spec("moe_bf16", n=n, k=k, e=e))
     x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
     w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
     y = torch.empty((t, n), dtype=torch.bfloat16, device="cuda")

@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import MOE_BF16, MOE_FP8, _fp8, _offsets, _scales  # noqa: E402
+from gemmspec.bench import _fp8, _offsets, _scales, moe_spec  # noqa: E402
 from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -71,18 +71,20 @@ def main() -> int:
     if args.bf16:
         x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
         w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
-        tensors, spec, variants = {"x": x, "w": w}, MOE_BF16, BF16_VARIANTS
+        tensors, variants = {"x": x, "w": w}, BF16_VARIANTS
+        spec = moe_spec("moe_bf16", n=n, k=k, e=e)
     else:
         x, w = _fp8((t, k)), _fp8((e, n, k))
         xs, ws = _scales((k // 128, t)).t(), _scales((e, n // 128, k // 128))
-        tensors, spec, variants = {"x": x, "x_scale": xs, "w": w, "w_scale": ws}, MOE_FP8, VARIANTS
+        tensors, variants = {"x": x, "x_scale": xs, "w": w, "w_scale": ws}, VARIANTS
+        spec = moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True)
     offs = _offsets([m] * e)
     flops = 2.0 * t * n * k
     reference = None
     for label, changes in variants.items():
         if args.only not in label:
             continue
-        exe = gemmspec.build(spec.format(n=n, k=k, e=e))
+        exe = gemmspec.build(spec)
         try:
             cfg = variant(exe, **changes)
         except ValueError as err:

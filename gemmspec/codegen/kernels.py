@@ -225,14 +225,19 @@ class GemmKernelConfig:
     @property
     def staging_bytes(self) -> int:
         """Shared memory of the staged epilogue: the whole tile of D."""
-        return self.tile_m * self.tile_n * ELEMENT_BYTES[self.d_type] if self.store_tma else 0
+        return self._tile_d_bytes if self.store_tma else 0
+
+    @property
+    def _tile_d_bytes(self) -> int:
+        return self.tile_m * self.tile_n * ELEMENT_BYTES[self.d_type]
+
+    def _stages_beside(self, staging: int) -> int:
+        """Ring stages (operands, scales, an mbarrier pair) that fit beside `staging` bytes."""
+        per_stage = self.stage_bytes + self.scale_bytes + 16
+        return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage
 
     def _store_tma_pays(self) -> bool:
-        if not self.store_tma_possible:
-            return False
-        staging = self.tile_m * self.tile_n * ELEMENT_BYTES[self.d_type]
-        per_stage = self.stage_bytes + self.scale_bytes + 16
-        return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage >= MIN_STAGES_WITH_STAGING
+        return self.store_tma_possible and self._stages_beside(self._tile_d_bytes) >= MIN_STAGES_WITH_STAGING
 
     @property
     def stage_bytes(self) -> int:
@@ -247,8 +252,7 @@ class GemmKernelConfig:
         return 16 * _ceil_div(floats, 4)  # padded to 16 bytes
 
     def _max_stages(self) -> int:
-        per_stage = self.stage_bytes + self.scale_bytes + 16
-        return min(MAX_STAGES, (SMEM_LIMIT - SMEM_ALIGN - self.staging_bytes) // per_stage)
+        return min(MAX_STAGES, self._stages_beside(self.staging_bytes))
 
     @property
     def smem_bytes(self) -> int:

@@ -46,18 +46,6 @@ def test_example_matches_reference(name):
     report_ok(run_random(exe, dims=dims, lengths=lengths, seed=1, repeats=0))
 
 
-MOE = """
-gemm moe {{
-  dim T
-  dim N = {n}, K = {k}
-  group expert[E = {e}] = ragged(T, offsets = offs)
-  tensor x : {t} [T, K]{xs}
-  tensor w : {t} [E, N, K]{ws}
-  tensor y : {o} [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}}
-"""
-
 # The benchmark's spec templates: the GPU tests run the same specs on edge cases.
 WGRAD = bench.WGRAD
 MASKED = bench.MASKED_SPEC
@@ -68,8 +56,7 @@ def nested(k, loras, experts):
 
 
 def moe(n, k, e, fp8, out="bf16"):
-    scales = (" scale f32 [1, 128]", " scale f32 [1, 128, 128]") if fp8 else ("", "")
-    return MOE.format(n=n, k=k, e=e, t="e4m3" if fp8 else "bf16", xs=scales[0], ws=scales[1], o=out)
+    return bench.moe_spec(n=n, k=k, e=e, fp8=fp8, out=out)
 
 
 @pytest.mark.parametrize("k", [576, 7168])

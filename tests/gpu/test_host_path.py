@@ -10,22 +10,13 @@ import numpy as np
 import pytest
 
 import gemmspec
+from gemmspec.bench import moe_spec
 from gemmspec.errors import ArgumentError
 from gemmspec.runtime.arrays import DeviceBuffer
 
 pytestmark = pytest.mark.gpu
 
-BF16_MOE = """
-gemm moe {
-  dim T
-  dim N = 256, K = 256
-  group expert[E = 4] = ragged(T, offsets = offs)
-  tensor x : bf16 [T, K]
-  tensor w : bf16 [E, N, K]
-  tensor y : f32  [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}
-"""
+BF16_MOE = moe_spec(n=256, k=256, e=4, out="f32")
 
 
 def _bf16(values: np.ndarray) -> np.ndarray:
@@ -150,7 +141,7 @@ def test_runs_on_the_device_of_its_arrays():
         exe(x=x0, w=w, y=y, offs=offs)
 
 
-CAPACITY_MOE = BF16_MOE.replace("offsets = offs)", "offsets = offs, capacity)").replace("gemm moe ", "gemm moe_capacity ")
+CAPACITY_MOE = moe_spec("moe_capacity", n=256, k=256, e=4, out="f32", capacity=True)
 
 
 def test_capacity_buffer_one_graph_for_every_batch():

@@ -9,18 +9,9 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 import gemmspec.torch as gt  # noqa: E402
+from gemmspec.bench import moe_spec  # noqa: E402
 
-MOE = """
-gemm moe_torch_op {
-  dim T
-  dim N = 384, K = 512
-  group expert[E = 4] = ragged(T, offsets = offs)
-  tensor x : bf16 [T, K]
-  tensor w : bf16 [E, N, K]
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}
-"""
+MOE = moe_spec("moe_torch_op", n=384, k=512, e=4)
 COUNTS = [0, 1, 127, 129]
 
 

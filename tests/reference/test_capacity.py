@@ -8,23 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gemmspec.bench import moe_spec
 from gemmspec.errors import SpecError
 from gemmspec.pipeline import lower_file
 from gemmspec.reference.data import Runtime, random_inputs
 from gemmspec.reference.direct import run_direct
 from gemmspec.reference.schedule_exec import run_schedule
 
-CAPACITY = """
-gemm capacity_moe {
-  dim T
-  dim N = 72, K = 300
-  group expert[E = 4] = ragged(T, offsets = offs, capacity)
-  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
-  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}
-"""
+CAPACITY = moe_spec("capacity_moe", n=72, k=300, e=4, fp8=True, scales_major_t=True, capacity=True)
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 127, 129], [0, 0, 0, 0], [5, 0, 0, 300]])

@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gemmspec.bench import moe_spec
 from gemmspec.pipeline import lower_file
 from gemmspec.reference.data import dim_size, random_inputs, random_runtime
 from gemmspec.reference.direct import run_direct
@@ -16,17 +17,10 @@ from gemmspec.reference.schedule_exec import run_schedule
 EDGE_LENGTHS = st.sampled_from([0, 1, 2, 127, 128, 129, 200])
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-MOE_FP8 = """
-gemm moe {
-  dim T
-  dim N = 72, K = %(K)d
-  group expert[E = 4] = ragged(T, offsets = offs)
-  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
-  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}
-"""
+
+def moe_fp8(k: int) -> str:
+    return moe_spec(n=72, k=k, e=4, fp8=True, scales_major_t=True)
+
 
 WGRAD = """
 gemm wgrad {
@@ -127,7 +121,7 @@ def assert_same(direct, flat):
 @SETTINGS
 @given(lengths=st.lists(EDGE_LENGTHS, min_size=4, max_size=4), k=st.sampled_from([128, 200, 300]), seed=st.integers(0, 2**16))
 def test_moe_fp8_forward(lengths, k, seed):
-    assert_same(*both_executors(MOE_FP8 % {"K": k}, seed, {"expert": lengths}))
+    assert_same(*both_executors(moe_fp8(k), seed, {"expert": lengths}))
 
 
 @SETTINGS
@@ -166,7 +160,7 @@ def test_forward_dgrad_wgrad_with_planned_passes(t, seed):
 
 
 def test_zero_tokens_everywhere():
-    direct, flat = both_executors(MOE_FP8 % {"K": 200}, 0, {"expert": [0, 0, 0, 0]})
+    direct, flat = both_executors(moe_fp8(200), 0, {"expert": [0, 0, 0, 0]})
     assert direct["y"].shape == (0, 72)
     assert_same(direct, flat)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gemmspec
+from gemmspec.bench import moe_spec
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.codegen.validate import validation_kernel
 from gemmspec.errors import ArgumentError, GemmspecError
@@ -227,17 +228,7 @@ def test_offsets_check_compiles(path):
     assert compile_cubin(v.source, name=v.name, include_dirs=[include_dir()]).cubin
 
 
-CAPACITY = """
-gemm capacity_moe {
-  dim T
-  dim N = 72, K = 300
-  group expert[E = 4] = ragged(T, offsets = offs, capacity)
-  tensor x : e4m3 [T, K] scale f32 [1, 128] layout major(T)
-  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}
-"""
+CAPACITY = moe_spec("capacity_moe", n=72, k=300, e=4, fp8=True, scales_major_t=True, capacity=True)
 
 
 def test_capacity_offsets_end_at_or_below(offline):

@@ -14,6 +14,7 @@ import pytest
 
 import gemmspec
 from gemmspec.backward import build_backward, derive_backward
+from gemmspec.bench import moe_spec
 from gemmspec.reference.data import Runtime, TensorData
 from gemmspec.reference.direct import run_direct
 
@@ -63,23 +64,11 @@ torch = pytest.importorskip("torch")
 import gemmspec.torch as gt  # noqa: E402
 
 COUNTS = [0, 1, 127, 129]
-MOE = """
-gemm moe_grad_{kind} {{
-  dim T
-  dim N = 256, K = 384
-  group expert[E = 4] = ragged(T, offsets = offs)
-  tensor x : {t} [T, K]{xs}
-  tensor w : {t} [E, N, K]{ws}
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}}
-"""
 
 
 def moe(fp8: bool) -> str:
-    if fp8:
-        return MOE.format(kind="fp8", t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]")
-    return MOE.format(kind="bf16", t="bf16", xs="", ws="")
+    kind = "fp8" if fp8 else "bf16"
+    return moe_spec(f"moe_grad_{kind}", n=256, k=384, e=4, fp8=fp8)
 
 
 def _reference_kernel(gemm_op):
