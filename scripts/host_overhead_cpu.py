@@ -66,6 +66,7 @@ class FakeLoadedKernel(launch.LoadedKernel):
         self.name, self.device = name, device
         self._kernel = None
         self._cu_kernel = None
+        self._cu_function = launch.driver.CUfunction(0)
         self._smem_limit = 1 << 30
         self._param_sizes = None
 
@@ -76,6 +77,11 @@ class FakeLoadedKernel(launch.LoadedKernel):
         if self._param_sizes is None:
             self._param_sizes = self._sizes(args)
         super().launch(grid, block, smem, stream, *args)
+
+    def bind(self, grid, block, smem, stream, args, slots):
+        if self._param_sizes is None:
+            self._param_sizes = self._sizes(args)
+        return super().bind(grid, block, smem, stream, args, slots)
 
 
 def install_fakes() -> None:

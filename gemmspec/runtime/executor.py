@@ -12,7 +12,11 @@ whose run-time dims leave nothing to write (no tokens at all, say) launches noth
 
 A call plans its launches once per argument signature (dtypes, shapes, strides,
 device) and stream, and reuses that plan, with its workspaces, for every later
-call of the same shapes: only the pointers change.
+call of the same shapes: only the pointers change. Such a call reads each tensor's
+metadata (torch tensors and DeviceArrays directly, without converting them), finds
+the plan by it, checks what depends on the pointers (alignment, null pointers,
+outputs overlapping other arguments) against ranges the plan computed once, and
+launches kernels whose parameters were packed when the plan was first launched.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -38,7 +43,7 @@ from .checks import check_outputs, check_sizes, check_written_layouts
 from .launch import LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
 from .plan import plan_steps
-from .streams import caller_stream, is_capturing, on_device, stream_key
+from .streams import caller_stream, is_capturing, on_device, stream_key, torch_stream
 
 GS_LEAF_BYTES = 144
 ALIGN = 16
@@ -69,6 +74,66 @@ class _Arg:
     """A user array in a planned launch, filled in with the pointer of each call."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class _PointerGuard:
+    """The pointer checks of a call of one signature, as plain arithmetic.
+
+    The plan's arrays fix each argument's byte range relative to its pointer, so a
+    later call of the same signature only needs its pointers: each aligned, none null
+    where there are elements, no output's range meeting another argument's. False sends
+    the call through the full checks, which say what is wrong.
+    """
+
+    aligned: tuple[tuple[int, int], ...]  # (argument index, alignment in bytes)
+    present: tuple[int, ...]  # arguments with elements: a null pointer is an error
+    apart: tuple[tuple[int, int, int, int, int, int], ...]  # (i, lo, hi, j, lo, hi)
+
+    def __call__(self, p) -> bool:
+        for i, alignment in self.aligned:
+            if p[i] % alignment:
+                return False
+        for i in self.present:
+            if not p[i]:
+                return False
+        for i, lo, hi, j, lo2, hi2 in self.apart:
+            if p[i] + lo < p[j] + hi2 and p[j] + lo2 < p[i] + hi:
+                return False
+        return True
+
+
+_TORCH_TENSORS: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter once torch is loaded
+
+
+def _torch_tensor_types() -> tuple[type, ...]:
+    global _TORCH_TENSORS
+    if not _TORCH_TENSORS and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        _TORCH_TENSORS = (torch.Tensor, torch.nn.Parameter)
+    return _TORCH_TENSORS
+
+
+def _read(objects: tuple) -> tuple[tuple, tuple[int, ...], bool] | None:
+    """(signature, pointers, whether any is a torch tensor) of a call's arguments, read
+    without converting them; None when one is neither a torch CUDA tensor nor a
+    DeviceArray (the call then converts every argument). A signature holds what a
+    plan depends on: dtype as the object names it, shape, strides, device (and the
+    read-only flag a DeviceArray carries); the device is each entry's fourth item."""
+    torch_types = _torch_tensor_types()
+    signature, pointers, from_torch = [], [], False
+    for o in objects:
+        kind = type(o)
+        if kind is DeviceArray:
+            signature.append((o.dtype, o.shape, o.strides, o.device, o.readonly))
+            pointers.append(o.ptr)
+        elif kind in torch_types and o.is_cuda:
+            signature.append((o.dtype, o.shape, o.stride(), o.get_device()))
+            pointers.append(o.data_ptr())
+            from_torch = True
+        else:
+            return None
+    return tuple(signature), tuple(pointers), from_torch
 
 
 class Executable:
@@ -103,6 +168,33 @@ class Executable:
                 names.append(g.tensor)
         return names
 
+    @functools.cached_property
+    def _names(self) -> tuple[str, ...]:
+        return tuple(self.argument_names())
+
+    def _ordered(self, tensors: dict[str, object]) -> tuple:
+        """The arguments in `argument_names()` order; ArgumentError for a name missing
+        or unknown."""
+        names = self._names
+        if len(tensors) == len(names):
+            try:
+                return tuple([tensors[n] for n in names])
+            except KeyError:
+                pass
+        self._check_names(tensors)
+        raise AssertionError("unreachable: the names differ")
+
+    def _check_names(self, tensors: dict[str, object]) -> None:
+        expected = self._names
+        if len(tensors) != len(expected) or any(n not in tensors for n in expected):
+            missing = [n for n in expected if n not in tensors]
+            if missing:
+                raise ArgumentError(f"{self.spec.name}: missing tensor(s): {', '.join(missing)}")
+            unknown = [n for n in tensors if n not in expected]
+            raise ArgumentError(
+                f"{self.spec.name}: unknown argument(s) {', '.join(unknown)}; expected {', '.join(expected)}"
+            )
+
     def _bind(self, tensors: dict[str, object], *, read_offsets: bool = True) -> _Bound:
         """Every check; with `read_offsets`, the offsets values too (a host wait)."""
         arrays = self._arrays(tensors)
@@ -117,15 +209,8 @@ class Executable:
         return _Bound(arrays, dims, offsets)
 
     def _arrays(self, tensors: dict[str, object]) -> dict[str, DeviceArray]:
-        expected = self.argument_names()
-        if len(tensors) != len(expected) or any(n not in tensors for n in expected):
-            missing = [n for n in expected if n not in tensors]
-            if missing:
-                raise ArgumentError(f"{self.spec.name}: missing tensor(s): {', '.join(missing)}")
-            unknown = [n for n in tensors if n not in expected]
-            raise ArgumentError(
-                f"{self.spec.name}: unknown argument(s) {', '.join(unknown)}; expected {', '.join(expected)}"
-            )
+        self._check_names(tensors)
+        expected = self._names
         arrays: dict[str, DeviceArray] = {}
         for name in expected:
             arrays[name] = as_device_array(tensors[name], name=name, dtype_hint=self._hints.get(name))
@@ -331,6 +416,36 @@ class Executable:
         A tensor one statement writes and a later one reads is one argument."""
         check_outputs(arrays, self._argument_roles())
 
+    def _pointer_guard(self, arrays: dict[str, DeviceArray]) -> _PointerGuard:
+        """`_check_pointers` (and the null-pointer check of `as_device_array`) for later
+        calls of the signature of `arrays`, which passed them."""
+        index = {n: i for i, n in enumerate(self._names)}
+        aligned = []
+        for t in self.spec.tensors:
+            if t.derived is None:
+                aligned.append((index[t.name], ALIGN))
+                if t.scale is not None:
+                    aligned.append((index[t.scale.name], ALIGN))
+        for g in self.spec.groups:
+            if g.tensor:
+                aligned.append((index[g.tensor], arrays[g.tensor].itemsize))
+        present = tuple(i for n, i in index.items() if arrays[n].size)
+        roles = self._argument_roles()
+        names = list(roles)
+        extents = {}
+        for n in names:
+            e = arrays[n].byte_extent()
+            extents[n] = None if e is None else (e[0] - arrays[n].ptr, e[1] - arrays[n].ptr)
+        apart = []  # an output and any other argument, both with elements
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                if "output" not in (roles[first], roles[second]):
+                    continue
+                a, b = extents[first], extents[second]
+                if a is not None and b is not None:
+                    apart.append((index[first], *a, index[second], *b))
+        return _PointerGuard(tuple(aligned), present, tuple(apart))
+
     def _check_scale(self, t: Tensor, arrays, dims, offsets) -> None:
         from ..reference.data import Runtime, scale_grid_shape
 
@@ -417,12 +532,35 @@ class Executable:
         `check=True` (or GEMMSPEC_CHECK=1) it waits and raises `ArgumentError` for what
         the device found.
         """
-        arrays = self._arrays(tensors)
+        self._call(self._ordered(tensors), stream, check)
+
+    def _call(self, objects: tuple, stream: object, check: bool | None) -> None:
+        """A call on `objects`, the arguments in `argument_names()` order."""
+        read = _read(objects)
+        if read is not None:
+            signature, pointers, from_torch = read
+            device = signature[0][3]
+            if stream is None:
+                handle = torch_stream(device) if from_torch else 0
+            else:
+                handle = stream_key(stream, objects, device)
+            key = (signature, device, handle)
+            run = self._plans.get(key)
+            if run is not None and run.guard is not None and run.guard(pointers):
+                # Same signature and stream: every check but the pointers' holds.
+                self._plans.move_to_end(key)
+                if run.launches:
+                    run.launch(pointers)
+                    if check or (check is None and debug_checks()):
+                        run.check(self._arrays(dict(zip(self._names, objects))))
+                return
+        arrays = self._arrays(dict(zip(self._names, objects)))
         device = next(iter(arrays.values())).device
-        key = (_signature(arrays), device, stream_key(stream, tensors.values(), device))
+        if read is None:
+            key = (_signature(arrays), device, stream_key(stream, objects, device))
         run = self._plans.get(key)
         if run is None:
-            run = self._plan_call(key, arrays, stream, tensors.values())
+            run = self._plan_call(key, arrays, stream, objects)
         else:
             self._plans.move_to_end(key)
             self._check_pointers(arrays)
@@ -452,6 +590,7 @@ class Executable:
                 "capture; call it once before capturing (a warm-up), so its workspaces exist"
             )
         run = self._plan(_Bound(arrays, dims, None), stream, keep=False)
+        run.guard = self._pointer_guard(arrays)
         self._plans[key] = run
         while len(self._plans) > PLAN_CACHE:
             old = next((k for k, r in self._plans.items() if not r.pinned), None)
@@ -477,6 +616,7 @@ class Executable:
         # tensor would keep its memory alive (and out of a CUDA-graph pool's books).
         arrays = dict(bound.arrays) if keep else {}
         run = PreparedRun(stream, workspace=[], device=device, arrays=arrays)
+        run.names = tuple(bound.arrays)
         run.executable, run.dims = self, dict(bound.dims)
         if self._writes_nothing(bound.dims):
             return run
@@ -529,6 +669,11 @@ class PreparedRun:
     pinned: bool = False  # captured in a CUDA graph: never dropped from the plan cache
     executable: object = None
     dims: dict = field(default_factory=dict)
+    names: tuple = ()  # the arguments, in the order of the pointers `launch` takes
+    guard: _PointerGuard | None = None  # the pointer checks of a cached plan
+    # The launches with their parameters packed, for this run's stream (made when first
+    # launched; a plan taken over by a capture packs its own).
+    _bound: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN, device=self.device, stream=self.stream)
@@ -547,10 +692,26 @@ class PreparedRun:
         """Issue every kernel on the stream, on the bound arrays or on `arrays` (same
         signature; not kept)."""
         bound = self.arrays if arrays is None else arrays
+        self.launch(tuple([bound[n].ptr for n in self.names]))
+
+    def launch(self, pointers: tuple[int, ...]) -> None:
+        """Issue every kernel with `pointers` for the arguments (in `names` order)."""
         with on_device(self.device):
-            for kernel, grid, block, smem, args in self.launches:
-                args = [bound[a.name] if type(a) is _Arg else a for a in args]
-                kernel.launch(grid, block, smem, self.stream, *args)
+            launches = self._bound
+            if launches is None:
+                launches = self._bound = self._pack()
+            for launch in launches:
+                launch.launch(pointers)
+
+    def _pack(self) -> list:
+        """Each launch's arguments checked and packed once; user arrays become slots."""
+        index = {n: i for i, n in enumerate(self.names)}
+        packed = []
+        for kernel, grid, block, smem, args in self.launches:
+            slots = {p: index[a.name] for p, a in enumerate(args) if type(a) is _Arg}
+            values = [None if p in slots else a for p, a in enumerate(args)]
+            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots))
+        return packed
 
     def synchronize(self) -> None:
         self.stream.sync()

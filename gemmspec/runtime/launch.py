@@ -4,10 +4,16 @@ cuda.core passes a Python int as a pointer and cannot tell an int32 from an int6
 `LoadedKernel.launch` accepts only unambiguous arguments: device arrays and buffers
 (their pointer), None (a null pointer) and numpy scalars (by value), and checks each
 one's size against the kernel's parameter table before launching.
+
+`LoadedKernel.bind` does those checks once for a launch that is repeated with new
+pointers: its arguments are packed into a parameter block when bound, and each
+launch writes the new pointers into their slots and calls the driver directly.
 """
 
 from __future__ import annotations
 
+import threading
+from array import array
 from typing import Any
 
 import numpy as np
@@ -20,11 +26,12 @@ from gemmspec.errors import ArgumentError, GemmspecError
 from gemmspec.runtime.arrays import DeviceArray, DeviceBuffer, get_device
 from gemmspec.runtime.nvrtc import CompiledCubin
 
-__all__ = ["LoadedKernel", "current_stream", "num_sms"]
+__all__ = ["BoundLaunch", "LoadedKernel", "current_stream", "num_sms"]
 
 _MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _STATIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
 _POINTER_SIZE = 8
+_launch_kernel = driver.cuLaunchKernel
 
 
 def num_sms(device: int = 0) -> int:
@@ -87,6 +94,8 @@ class LoadedKernel:
                 f"(sm_{cc.major}{cc.minor}): {e}"
             ) from e
         self._cu_kernel = driver.CUkernel(int(self._kernel.handle))
+        # cuLaunchKernel takes a library kernel where it takes a function.
+        self._cu_function = driver.CUfunction(int(self._kernel.handle))
         self._cu_device = driver.CUdevice(self.device)
         self._smem_limit = self._attribute(_MAX_DYNAMIC_SMEM)
         self._param_sizes = self._parameter_sizes()
@@ -174,3 +183,98 @@ class LoadedKernel:
                 f"parameter; got {size} bytes ({type(arg).__qualname__})"
             )
         return value
+
+    def bind(
+        self,
+        grid: int | tuple[int, ...],
+        block: int | tuple[int, ...],
+        smem_bytes: int,
+        stream: object,
+        args: tuple | list,
+        slots: dict[int, int],
+    ) -> BoundLaunch:
+        """A launch whose arguments are checked and packed now, for launching many times.
+
+        `slots` maps a parameter index to an index into the pointer sequence each launch
+        gets; those parameters are pointers, and what `args` holds for them (None) is a
+        placeholder. Everything `launch` checks is checked here, once.
+        """
+        if self._param_sizes is not None and len(args) != len(self._param_sizes):
+            raise ArgumentError(
+                f"kernel {self.name!r} takes {len(self._param_sizes)} arguments, got {len(args)}"
+            )
+        for index in slots:
+            if args[index] is not None:
+                raise ArgumentError(f"argument {index} of {self.name!r} is a slot; pass None there")
+        values = [_cell(self._kernel_arg(i, a)) for i, a in enumerate(args)]
+        if smem_bytes > self._smem_limit:
+            self.set_max_dynamic_smem(smem_bytes)
+        try:
+            LaunchConfig(grid=grid, block=block, shmem_size=smem_bytes)  # checks the shape
+        except ValueError as e:
+            raise ArgumentError(f"bad launch configuration for {self.name}: {e}") from e
+        handle = int(current_stream(stream, device=self.device).handle)
+        return BoundLaunch(self, _dim3(grid), _dim3(block), smem_bytes, handle, values, slots)
+
+
+def _dim3(dims: int | tuple[int, ...]) -> tuple[int, int, int]:
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return (*(int(d) for d in dims), *(1,) * (3 - len(dims)))  # type: ignore[return-value]
+
+
+def _cell(value: object) -> int:
+    """A parameter's bytes as one little-endian 8-byte cell (the driver copies only the
+    parameter's own size from its start)."""
+    if isinstance(value, np.generic):
+        return int.from_bytes(value.tobytes().ljust(8, b"\0"), "little")
+    return int(value)  # a pointer
+
+
+class BoundLaunch:
+    """One kernel launch with its parameters packed: `launch(pointers)` writes the
+    pointers of this call into their slots and launches, with no other work.
+
+    The driver copies the parameters when the launch is issued (or captured), so the
+    block is reused at once; a lock keeps two threads from interleaving their pointers.
+    """
+
+    __slots__ = (
+        "kernel",
+        "grid",
+        "block",
+        "smem",
+        "stream",
+        "_values",
+        "_params",
+        "_slots",
+        "_call",
+        "_lock",
+    )
+
+    def __init__(self, kernel, grid, block, smem: int, stream: int, values: list[int], slots):
+        self.kernel, self.grid, self.block, self.smem, self.stream = (
+            kernel,
+            grid,
+            block,
+            smem,
+            stream,
+        )
+        self._values = array("Q", values)  # one 8-byte cell per parameter
+        base = self._values.buffer_info()[0]
+        self._params = array("Q", (base + 8 * i for i in range(len(values))))  # void*[]
+        self._slots = tuple(slots.items())
+        address = self._params.buffer_info()[0] if values else 0
+        self._call = (kernel._cu_function, *grid, *block, smem, driver.CUstream(stream), address, 0)
+        self._lock = threading.Lock()
+
+    def launch(self, pointers) -> None:
+        values, call = self._values, self._call
+        with self._lock:
+            for param, arg in self._slots:
+                values[param] = pointers[arg]
+            (err,) = _launch_kernel(*call)
+        if err:
+            raise GemmspecError(
+                f"launching {self.kernel.name} (grid={self.grid}, block={self.block}, "
+                f"smem={self.smem} B) failed: {err.name}"
+            )

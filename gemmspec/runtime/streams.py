@@ -9,9 +9,8 @@ changes under it.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from cuda.bindings import driver
 from cuda.core import Stream
@@ -19,23 +18,38 @@ from cuda.core import Stream
 from .arrays import get_device
 from .launch import _stream_handle, current_stream
 
-__all__ = ["caller_stream", "is_capturing", "on_device", "stream_handle", "stream_key"]
+__all__ = [
+    "caller_stream",
+    "is_capturing",
+    "on_device",
+    "stream_handle",
+    "stream_key",
+    "torch_stream",
+]
 
 _STREAMS: dict[tuple[int, int], Stream] = {}  # (device, handle) -> wrapper, built once
-_CONTEXTS: dict[int, driver.CUcontext] = {}
+_CONTEXTS: dict[int, tuple[driver.CUcontext, int]] = {}
 
 
 def _framework_stream(objects: Iterable[object], device: int) -> int | None:
     """The current stream of the framework the arguments come from, if any."""
     modules = {type(o).__module__.split(".", 1)[0] for o in objects}
     if "torch" in modules:
-        torch = sys.modules["torch"]
-        return int(torch.cuda.current_stream(device).cuda_stream)
+        return torch_stream(device)
     if "cupy" in modules:
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(device):
             return int(cupy.cuda.get_current_stream().ptr)
     return None
+
+
+def torch_stream(device: int) -> int:
+    """Torch's current stream on `device`, as a handle (0: the default stream)."""
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object made
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 def stream_key(stream: object, objects: Iterable[object], device: int) -> int:
@@ -76,29 +90,40 @@ def is_capturing(stream: Stream) -> bool:
     return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
-def _primary(device: int) -> driver.CUcontext:
-    ctx = _CONTEXTS.get(device)
-    if ctx is None:
+def _primary(device: int) -> tuple[driver.CUcontext, int]:
+    """`device`'s primary context and its handle as an int."""
+    cached = _CONTEXTS.get(device)
+    if cached is None:
         _, before = driver.cuCtxGetCurrent()
         get_device(device)  # retains the primary context and makes it current
         _, ctx = driver.cuCtxGetCurrent()
         if before is not None and int(before):
             driver.cuCtxSetCurrent(before)
-        _CONTEXTS[device] = ctx
-    return ctx
+        cached = _CONTEXTS[device] = (ctx, int(ctx))
+    return cached
 
 
-@contextlib.contextmanager
-def on_device(device: int) -> Iterator[None]:
-    """Run the body with `device`'s primary context current, then restore the caller's."""
-    target = _primary(device)
-    _, before = driver.cuCtxGetCurrent()
-    if before is not None and int(before) == int(target):
-        yield
-        return
-    driver.cuCtxSetCurrent(target)
-    try:
-        yield
-    finally:
-        if before is not None and int(before):
-            driver.cuCtxSetCurrent(before)
+class on_device:  # lower case: used like a function, `with on_device(d):`
+    """Run the body with `device`'s primary context current, then restore the caller's.
+
+    A class rather than a generator: it is entered on every call of a spec."""
+
+    __slots__ = ("_target", "_handle", "_before")
+
+    def __init__(self, device: int):
+        self._target, self._handle = _primary(device)
+        self._before = None
+
+    def __enter__(self) -> None:
+        _, before = driver.cuCtxGetCurrent()
+        handle = 0 if before is None else int(before)
+        if handle == self._handle:
+            return
+        driver.cuCtxSetCurrent(self._target)
+        if handle:
+            self._before = before
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before is not None:
+            driver.cuCtxSetCurrent(self._before)
+            self._before = None

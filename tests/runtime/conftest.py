@@ -34,6 +34,24 @@ class FakeKernel:
     def launch(self, grid, block, smem, stream, *args):
         FakeKernel.launched.append((self.name, stream, args))
 
+    def bind(self, grid, block, smem, stream, args, slots):
+        return FakeLaunch(self.name, stream, args, slots)
+
+
+class FakeLaunch:
+    """A bound launch: each launch records the arguments with this call's pointers (ints)
+    in the slots."""
+
+    def __init__(self, name, stream, args, slots):
+        assert all(args[p] is None for p in slots)
+        self.name, self.stream, self.args, self.slots = name, stream, tuple(args), dict(slots)
+
+    def launch(self, pointers):
+        args = list(self.args)
+        for param, arg in self.slots.items():
+            args[param] = pointers[arg]
+        FakeKernel.launched.append((self.name, self.stream, tuple(args)))
+
 
 class NoStream:
     """A stream that must not be used: planning never waits, an empty call neither

@@ -1,0 +1,272 @@
+"""The planned call's fast path with no GPU: a call of a known signature finds its plan
+from the arguments' metadata, checks only the pointers (against ranges the plan
+computed once) and launches with parameters packed once. Whatever changes between
+calls is still checked: pointers, shapes, strides, dtypes, devices, streams, the
+read-only flag. Kernels, buffers and streams are the fakes of conftest; torch CPU
+tensors stand in for CUDA tensors where torch is installed."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gemmspec
+from gemmspec.errors import ArgumentError, GemmspecError
+from gemmspec.runtime import executor, launch
+from gemmspec.runtime.arrays import DeviceArray
+
+FORWARD = Path(__file__).resolve().parents[2] / "examples" / "moe_fp8_forward.gspec"
+GIB = 1 << 30
+T, N, K, E = 300, 4096, 7168, 8
+
+
+def forward_args(base=GIB, t=T, device=0, **replace):
+    args = {
+        "x": DeviceArray(base, (t, K), (K, 1), "e4m3", device),
+        "x_scale": DeviceArray(base + GIB, (t, K // 128), (1, t), "f32", device),
+        "w": DeviceArray(base + 2 * GIB, (E, N, K), (N * K, K, 1), "e4m3", device),
+        "w_scale": DeviceArray(
+            base + 3 * GIB, (E, N // 128, K // 128), (N * K // 128**2, K // 128, 1), "f32", device
+        ),
+        "y": DeviceArray(base + 4 * GIB, (t, N), (N, 1), "bf16", device),
+        "expert_offsets": DeviceArray(base + 5 * GIB, (E + 1,), (1,), "i32", device),
+    }
+    args.update(replace)
+    return args
+
+
+@pytest.fixture
+def exe():
+    return gemmspec.build(FORWARD)
+
+
+def launches():
+    out = executor.LoadedKernel.launched[:]
+    executor.LoadedKernel.launched.clear()
+    return out
+
+
+def test_a_planned_call_takes_the_fast_path(exe, offline, monkeypatch):
+    exe(**forward_args())
+    launches()
+    # From here on nothing may convert an argument or re-check its metadata.
+    monkeypatch.setattr(executor, "as_device_array", None)
+    monkeypatch.setattr(exe, "_check_metadata", None)
+    monkeypatch.setattr(exe, "_plan_call", None)
+    moved = forward_args(base=64 * GIB)
+    exe(**moved)
+    (_, _, check), (_, _, table), (_, _, gemm) = launches()
+    assert check[1] == moved["expert_offsets"].ptr
+    assert moved["x"].ptr in table and moved["y"].ptr in table
+    assert not {a.ptr for a in forward_args().values()} & set(table)
+
+
+def test_pointer_checks_still_run_on_a_planned_signature(exe, offline):
+    exe(**forward_args())
+    cases = [
+        (forward_args(base=GIB + 8), "must be 16-byte aligned"),  # every pointer moved by 8
+        (forward_args(y=DeviceArray(0, (T, N), (N, 1), "bf16", 0)), "null data pointer"),
+        (forward_args(expert_offsets=DeviceArray(7 * GIB + 2, (E + 1,), (1,), "i32", 0)), "4-byte aligned"),
+        (forward_args(y=DeviceArray(GIB + 16, (T, N), (N, 1), "bf16", 0)), "output 'y' overlaps input 'x'"),
+        (forward_args(y=DeviceArray(2 * GIB, (T, N), (N, 1), "bf16", 0)), "output 'y' overlaps scale 'x_scale'"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ArgumentError, match=message):
+            exe(**args)
+    assert len(exe._plans) == 1
+    # Adjacent ranges are fine: y ends where the offsets begin.
+    y_end = 5 * GIB + T * N * 2
+    exe(**forward_args(expert_offsets=DeviceArray(y_end, (E + 1,), (1,), "i32", 0)))
+    with pytest.raises(ArgumentError, match="overlaps offsets"):
+        exe(**forward_args(expert_offsets=DeviceArray(y_end - 16, (E + 1,), (1,), "i32", 0)))
+
+
+def test_changed_metadata_is_checked_again_or_planned_anew(exe, offline):
+    exe(**forward_args())
+    bad = [
+        (forward_args(y=DeviceArray(5 * GIB, (T, N), (N, 1), "f32", 0)), "'y', which holds f32 data"),
+        (forward_args(x=DeviceArray(GIB, (T, K), (1, T), "e4m3", 0)), "element strides"),
+        (forward_args(y=DeviceArray(5 * GIB, (T + 1, N), (N, 1), "bf16", 0)), "dim T is 300"),
+        (forward_args(y=DeviceArray(5 * GIB, (T, N), (N, 1), "bf16", 0, readonly=True)), "read-only"),
+        (forward_args(w=DeviceArray(3 * GIB, (E, N, K), (N * K, K, 1), "e4m3", 1)), "different devices"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ArgumentError, match=message):
+            exe(**args)
+    assert len(exe._plans) == 1
+    exe(**forward_args(t=T + 8))  # other shapes: a plan of their own
+    assert len(exe._plans) == 2
+
+
+def test_unknown_and_missing_names_say_so(exe, offline):
+    exe(**forward_args())
+    args = forward_args()
+    args["z"] = args.pop("y")
+    with pytest.raises(ArgumentError, match="missing tensor"):
+        exe(**args)
+    with pytest.raises(ArgumentError, match="unknown argument"):
+        exe(**forward_args(), z=1)
+
+
+def test_a_capture_launches_on_its_own_stream(exe, offline, monkeypatch):
+    class Stream:
+        def __init__(self, handle):
+            self.handle = handle
+
+    monkeypatch.setattr(executor, "stream_key", lambda stream, objects, device: stream or 0)
+    monkeypatch.setattr(executor, "caller_stream", lambda stream, objects, device: Stream(stream))
+    exe(stream=5, **forward_args())
+    monkeypatch.setattr(executor, "is_capturing", lambda s: True)
+    exe(stream=6, **forward_args())
+    exe(stream=5, **forward_args())
+    handles = [stream.handle for _, stream, _ in launches()]
+    assert handles == [5] * 3 + [6] * 3 + [5] * 3
+
+
+def test_prepared_enqueue_launches_on_its_arrays_or_others(exe, offline):
+    offline[6 * GIB] = np.array([0, 10, 20, 30, 40, 50, 60, 70, 300], np.int32)
+    args = forward_args(expert_offsets=DeviceArray(6 * GIB, (E + 1,), (1,), "i32", 0))
+    run = exe.prepare(None, **args)
+    run.enqueue()
+    run.enqueue(forward_args(base=64 * GIB))
+    done = launches()
+    first, second = done[:3], done[3:]
+    assert first[0][2][1] == 6 * GIB  # the offsets check reads the prepared offsets
+    assert second[0][2][1] == 69 * GIB  # then those passed to enqueue
+    assert [name for name, _, _ in first] == [name for name, _, _ in second]
+
+
+# ---- torch tensors -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_cuda(monkeypatch):
+    """torch CPU tensors that pass for tensors on cuda:0 (stream: torch's default)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(executor, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(executor, "_TORCH_TENSORS", ())
+    return torch
+
+
+def torch_args(torch, t=64):
+    f8 = torch.float8_e4m3fn
+    return {
+        "x": torch.empty(t, K, dtype=f8),
+        "x_scale": torch.empty(K // 128, t).t(),
+        "w": torch.empty(E, N, K, dtype=f8),
+        "w_scale": torch.empty(E, N // 128, K // 128),
+        "y": torch.empty(t, N, dtype=torch.bfloat16),
+        "expert_offsets": torch.zeros(E + 1, dtype=torch.int32),
+    }
+
+
+def test_torch_tensors_reuse_the_plan_and_are_checked_each_call(exe, offline, torch_cuda):
+    torch = torch_cuda
+    args = torch_args(torch)
+    exe(**args)
+    exe(**args)
+    assert len(exe._plans) == 1
+    (_, _, check) = launches()[3]
+    assert check[1] == args["expert_offsets"].data_ptr()
+    # The same tensor object, changed in place: new pointer, new shape, new dtype.
+    storage = torch.empty(64 * N + 8, dtype=torch.bfloat16)
+    args["y"] = storage[1:].as_strided((64, N), (N, 1))  # 2 bytes past an aligned start
+    with pytest.raises(ArgumentError, match="'y' must be 16-byte aligned"):
+        exe(**args)
+    args["y"] = torch.empty(64, N, dtype=torch.float32)
+    with pytest.raises(ArgumentError, match="'y', which holds f32 data"):
+        exe(**args)
+    args["y"] = torch.empty(64, N, dtype=torch.bfloat16)
+    args["y"].resize_(65, N)
+    with pytest.raises(ArgumentError, match="dim T is 64"):
+        exe(**args)
+    args["y"] = args["x"].view(torch.bfloat16)[:, : N]  # the same memory as x
+    with pytest.raises(ArgumentError, match="output 'y' overlaps input 'x'|'y' must have"):
+        exe(**args)
+    assert len(exe._plans) == 1
+
+
+def test_torch_tensor_not_on_cuda_is_rejected_after_a_plan(exe, offline, torch_cuda, monkeypatch):
+    torch = torch_cuda
+    args = torch_args(torch)
+    exe(**args)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cpu")))
+    with pytest.raises(ArgumentError, match="not a CUDA device"):
+        exe(**args)
+
+
+def test_torch_stream_is_part_of_the_key(exe, offline, torch_cuda, monkeypatch):
+    current = [0]
+    monkeypatch.setattr(executor, "torch_stream", lambda device: current[0])
+    args = torch_args(torch_cuda)
+    exe(**args)
+    current[0] = 77
+    exe(**args)
+    assert sorted(key[2] for key in exe._plans) == [0, 77]
+
+
+# ---- packed launches ---------------------------------------------------------------------
+
+
+def bare_kernel(sizes):
+    k = object.__new__(launch.LoadedKernel)
+    k.name, k.device = "k", 0
+    k._param_sizes, k._smem_limit = sizes, 48 * 1024
+    k._cu_function = launch.driver.CUfunction(0)
+    return k
+
+
+class HandleStream:
+    handle = 1234
+
+
+def test_bound_launch_packs_once_and_patches_pointers(monkeypatch):
+    seen = []
+
+    def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        cells = [ctypes.c_uint64.from_address(params + 8 * i).value for i in range(4)]
+        values = [ctypes.c_uint64.from_address(c).value for c in cells]
+        seen.append(((gx, gy, gz), (bx, by, bz), smem, int(stream), values))
+        return (launch.driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(launch, "_launch_kernel", fake_launch)
+    monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
+    k = bare_kernel([8, 4, 8, 8])
+    buf = DeviceArray(0x7000, (4,), (1,), "f32", 0)
+    bound = k.bind((3, 2), 128, 0, HandleStream(), [None, np.int32(-2), np.int64(5), buf], {0: 1})
+    bound.launch((0x1000, 0x2000))
+    bound.launch((0x1000, 0x3000))
+    assert seen[0][:4] == ((3, 2, 1), (128, 1, 1), 0, 1234)
+    assert seen[0][4] == [0x2000, 0xFFFFFFFE, 5, 0x7000]
+    assert seen[1][4] == [0x3000, 0xFFFFFFFE, 5, 0x7000]
+
+
+def test_bind_checks_what_launch_checks(monkeypatch):
+    monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
+    k = bare_kernel([8, 4])
+    with pytest.raises(ArgumentError, match="takes 2 arguments, got 3"):
+        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1), np.int32(2)], {0: 0})
+    with pytest.raises(ArgumentError, match="argument 1 of 'k' is a 4-byte parameter; got 8"):
+        k.bind(1, 32, 0, HandleStream(), [None, np.int64(1)], {0: 0})
+    with pytest.raises(ArgumentError, match="python int|Python int"):
+        k.bind(1, 32, 0, HandleStream(), [None, 3], {0: 0})
+    with pytest.raises(ArgumentError, match="slot"):
+        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 0), np.int32(1)], {0: 0})
+    with pytest.raises(ArgumentError, match="lives on device 1"):
+        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 1), np.int32(1)], {})
+
+
+def test_a_failed_launch_raises(monkeypatch):
+    monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
+    failed = launch.driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(launch, "_launch_kernel", lambda *a: (failed,))
+    bound = bare_kernel([8]).bind(1, 32, 0, HandleStream(), [None], {0: 0})
+    with pytest.raises(GemmspecError, match="launching k .* failed: CUDA_ERROR_INVALID_VALUE"):
+        bound.launch((16,))
