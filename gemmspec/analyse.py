@@ -108,7 +108,8 @@ def b_scale_block_n(spec: Spec, g: Gemm) -> int:
 
 def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     scaled = spec.tensor(g.a.tensor).scale is not None
-    return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g))
+    bias = g.epilogue_of("bias") is not None
+    return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias)
 
 
 def _where(spec: Spec, at: SourceLocation | None) -> SourceLocation:
@@ -129,7 +130,7 @@ def dependency_order(spec: Spec) -> list[int]:
     readers: dict[str, list[int]] = {}
     waiting = [0] * len(spec.gemms)  # tensors a statement reads that are not final yet
     for g in spec.gemms:
-        for t in {g.a.tensor, g.b.tensor}:
+        for t in set(g.reads):
             # A statement's own output is no dependency (the checker forbids reading it).
             if t in writers and t != g.out.tensor:
                 readers.setdefault(t, []).append(g.index)
@@ -165,14 +166,14 @@ def _raise_cycle(
         on_path[i] = len(path)
         path.append(i)
         g = spec.gemms[i]
-        t = next(t for t in (g.a.tensor, g.b.tensor) if t in pending and t != g.out.tensor)
+        t = next(t for t in g.reads if t in pending and t != g.out.tensor)
         i = pending[t]
     cycle = path[on_path[i]:]
     steps = []
     for j, s in enumerate(cycle):
         w = cycle[(j + 1) % len(cycle)]
         g = spec.gemms[s]
-        t = next(t for t in (g.a.tensor, g.b.tensor) if t == spec.gemms[w].out.tensor)
+        t = next(t for t in g.reads if t == spec.gemms[w].out.tensor)
         steps.append(f"#{s} reads '{t}', written by #{w}")
     first = min(cycle)
     if len(steps) > 6:

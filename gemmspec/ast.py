@@ -206,11 +206,15 @@ class Statement:
     lhs: Ref
     rhs: Ref
     pos: Pos
+    factors: tuple[Ref, ...] = ()  # `f[...] * ... * sum[...]`: epilogue factors
+    bias: Ref | None = None  # `sum[...] A * B + bias[...]`: epilogue term
 
     def __str__(self) -> str:
         op = "+=" if self.accumulate else "="
         sums = ", ".join(str(s) for s in self.sums)
-        return f"{self.out} {op} sum[{sums}] {self.lhs} * {self.rhs}"
+        pre = "".join(f"{f} * " for f in self.factors)
+        post = f" + {self.bias}" if self.bias is not None else ""
+        return f"{self.out} {op} {pre}sum[{sums}] {self.lhs} * {self.rhs}{post}"
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,16 @@ spec, or bounded by one of those limits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import ast
 from .aliasing import ENUMERATE_LIMIT, UNDECIDED, element_collision
 from .errors import SourceLocation, SpecError, locate, source_lines
 from .expr import ONE, Poly
 from .spec import (
     ELEMENT_BYTES,
+    EPILOGUE_KINDS,
+    EPILOGUE_TYPES,
     FP8_TYPES,
     KERNEL_K_BLOCK,
     MAX_EXTENT,
@@ -34,6 +38,7 @@ from .spec import (
     Derivation,
     Dim,
     Directives,
+    EpilogueOperand,
     Gemm,
     Group,
     Layout,
@@ -43,6 +48,7 @@ from .spec import (
     Spec,
     Tensor,
 )
+from .tiling import MAX_BIAS_WIDTH
 
 # Names a spec may not use: they reach emitted C++ as parameter and symbol names.
 CXX_RESERVED = frozenset(
@@ -703,7 +709,8 @@ class _Checker:
 
     # ---- statements -----------------------------------------------------------------
     def check_statement(self, index: int, s: ast.Statement) -> Gemm:
-        refs = (s.out, s.lhs, s.rhs)
+        # The GEMM's three references, then the epilogue operands (bound and checked alike).
+        refs = (s.out, s.lhs, s.rhs, *s.factors, *((s.bias,) if s.bias is not None else ()))
         binding: dict[str, tuple[str, ast.Pos]] = {}  # index var -> (dim, where bound)
 
         def bind(var: ast.Name, dim: str, where: str) -> None:
@@ -763,7 +770,7 @@ class _Checker:
                     self.check_group_ref(idx, dim, t, binding)
                     group_refs.append((t.name, idx, dim))
         # Pass 3: classify indices.
-        out_t, a_t, b_t = (self.tensors[r.tensor.text] for r in refs)
+        out_t = self.tensors[s.out.tensor.text]
         if out_t.derived is not None:
             raise self.error(
                 f"'{out_t.name}' is derived by {out_t.derived.op}({out_t.derived.source}) and "
@@ -911,7 +918,94 @@ class _Checker:
             where=self.where(s.pos),
         )
         self.check_types(gemm, s)
-        return gemm
+        epilogue = self.check_epilogue(s, k_var, role_of, batch_use, k_group_axis, access)
+        return replace(gemm, epilogue=epilogue) if epilogue else gemm
+
+    # ---- epilogue operands -----------------------------------------------------------------
+    def check_epilogue(self, s: ast.Statement, k_var: str, role_of, batch_use, k_group_axis, access) -> tuple[EpilogueOperand, ...]:
+        """Classify each epilogue operand by the indices it takes: leaf axes only (a
+        per-leaf scalar), the row index (a per-row weight) or, for the added term, the
+        column index (a per-column bias). Everything else cannot be applied to a finished
+        accumulator tile and is refused here."""
+        found: dict[str, tuple[EpilogueOperand, ast.Ref]] = {}
+        terms = [(f, False) for f in s.factors] + ([(s.bias, True)] if s.bias is not None else [])
+        m_var = next(v for v, r in role_of.items() if r == "m")
+        n_var = next(v for v, r in role_of.items() if r == "n")
+        for ref, added in terms:
+            t = self.tensors[ref.tensor.text]
+            what = "added term" if added else "factor"
+            for idx in ref.indices:
+                v = idx.var.text
+                if v == k_var:
+                    via = f"{idx.group}({v})" if idx.group else f"'{v}'"
+                    raise self.error(
+                        f"epilogue {what} '{t.name}' is indexed by {via}, the contracted index: "
+                        "an epilogue applies to the finished sum, which no longer has a "
+                        f"'{v}'",
+                        idx.pos,
+                        f"scale the factor that '{v}' indexes instead (a separate pass), or "
+                        f"index '{t.name}' by the output's indices only",
+                    )
+                if idx.group is None and v not in role_of and v not in batch_use and not (
+                    k_group_axis and v == k_group_axis[1]
+                ):
+                    raise self.error(
+                        f"index '{v}' of epilogue {what} '{t.name}' indexes neither the output "
+                        "nor a factor of the product",
+                        idx.var.pos,
+                        f"index '{t.name}' by the output's indices ({', '.join(str(i) for i in s.out.indices)})"
+                        " or by group references such as expert(t)",
+                    )
+            acc = access(ref)
+            has_m = acc.axis_of_role("m") is not None
+            has_n = acc.axis_of_role("n") is not None
+            if added:
+                if has_m or not has_n:
+                    shape = "per element" if has_m and has_n else "per row" if has_m else "per leaf"
+                    raise self.error(
+                        f"the added term '{t.name}' is {shape}; the epilogue adds a per-column "
+                        f"bias only, indexed by the column index '{n_var}' (and leaf axes)",
+                        ref.tensor.pos,
+                        f"declare it over the columns, e.g. {t.name}[{n_var}] or "
+                        f"{t.name}[expert({m_var}), {n_var}]; a per-row or per-element term "
+                        "needs its own statement or pass",
+                    )
+                kind = "bias"
+            elif has_n:
+                raise self.error(
+                    f"factor '{t.name}' varies along the column index '{n_var}'; the epilogue "
+                    "multiplies by a per-leaf scalar and a per-row weight only",
+                    ref.tensor.pos,
+                    f"fold a per-column scale into the second factor's rows, or add it as a "
+                    f"bias (`+ {t.name}[...]`) if it is a term",
+                )
+            else:
+                kind = "row" if has_m else "alpha"
+            if kind in found:
+                first = found[kind][1].tensor
+                label = {"alpha": "per-leaf scalar", "row": "per-row weight", "bias": "bias"}[kind]
+                raise self.error(
+                    f"a second {label} ('{t.name}'; the first is '{first}' at "
+                    f"{first.pos.line}:{first.pos.column}); the epilogue takes one of each kind",
+                    ref.tensor.pos,
+                    "multiply them into one tensor before the call",
+                )
+            if t.dtype not in EPILOGUE_TYPES:
+                raise self.error(
+                    f"epilogue {what} '{t.name}' is {t.dtype}; epilogue operands are "
+                    f"{', '.join(EPILOGUE_TYPES)}",
+                    ref.tensor.pos,
+                    f"declare '{t.name}' as f32 (or bf16, f16)",
+                )
+            if t.layout.kind != "strided":
+                raise self.error(
+                    f"epilogue {what} '{t.name}' is stored {t.layout}; epilogue operands take "
+                    "row_major, major(...) or strides(...) layouts",
+                    ref.tensor.pos,
+                    "declare it with a strided layout",
+                )
+            found[kind] = (EpilogueOperand(kind, acc, t.dtype), ref)
+        return tuple(found[k][0] for k in EPILOGUE_KINDS if k in found)
 
     def check_group_ref(self, idx: ast.Index, dim: str, t: Tensor, binding) -> None:
         assert idx.group is not None
@@ -1157,7 +1251,7 @@ class _Checker:
                     s.out.tensor.pos,
                 )
             written.setdefault(g.out.tensor, g.line)
-            for operand in (g.a.tensor, g.b.tensor):
+            for operand in g.reads:
                 if operand == g.out.tensor:
                     raise self.error(
                         f"'{operand}' is both read and written by one statement", s.out.tensor.pos
@@ -1399,6 +1493,15 @@ class _Checker:
                         f"tile({tm}, {tn}) is too wide for scaled FP8: those kernels keep two "
                         "accumulator tiles in registers, so at most 192 columns",
                         d.pos,
+                    )
+                bias = next((s.bias for s in self.ast.statements if s.bias is not None), None)
+                if tn > MAX_BIAS_WIDTH and bias is not None:
+                    raise self.error(
+                        f"tile({tm}, {tn}) is too wide for a statement with a bias (+ "
+                        f"{bias.tensor.text}[...] on line {bias.tensor.pos.line}): the bias loads "
+                        f"and the accumulators fit the registers up to {MAX_BIAS_WIDTH} columns",
+                        d.pos,
+                        f"use tile({tm}, {MAX_BIAS_WIDTH}) or narrower",
                     )
                 tile = (tm, tn)
         where = self.where(force_pos) if force_pos is not None else None

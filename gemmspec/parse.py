@@ -51,6 +51,7 @@ _TERMINAL_WORDS = {
     "EQUAL": "'='",
     "STAR": "'*'",
     "PLUS": "'+'",
+    "SUM": "'sum'",
     "IN": "'in'",
     "$END": "end of file",
 }
@@ -236,12 +237,24 @@ class _ToAst(Transformer_NonRecursive):
             return ast.SumIndex(_name(items[0]))
         return ast.SumIndex(_name(items[0]), group=_name(items[2]), group_var=_name(items[3]))
 
+    def epi_factor(self, items):
+        return ("factor", items[0])
+
+    def epi_bias(self, items):
+        return ("bias", items[0])
+
     def statement(self, items):
         out, assign, *rest = items
+        factors = tuple(r[1] for r in rest if isinstance(r, tuple) and r[0] == "factor")
+        bias = next((r[1] for r in rest if isinstance(r, tuple) and r[0] == "bias"), None)
+        rest = [r for r in rest if not isinstance(r, tuple)]
         lhs, rhs = rest[-2], rest[-1]
         sums = tuple(rest[:-2])
         pos = ast.Pos(out.tensor.pos.line, out.tensor.pos.column)
-        return ("statement", ast.Statement(out, str(assign) == "+=", sums, lhs, rhs, pos))
+        return (
+            "statement",
+            ast.Statement(out, str(assign) == "+=", sums, lhs, rhs, pos, factors, bias),
+        )
 
     # -- rules that need their own source position
     @v_args(meta=True)
@@ -340,7 +353,12 @@ def parse(text: str, path: str = "<string>") -> ast.FileAst:
             where, found = at_end(), "end of file"
         else:
             where, found = locate(path, lines, tok.line, tok.column), f"'{_shown(tok)}'"
-        raise SpecError(f"unexpected {found}; expected {expected}", where) from None
+        note = None
+        if set(e.expected) == {"STAR"}:
+            # Only a statement's epilogue factors are followed by nothing but '*': a
+            # product without `sum[...]` reads as a chain of factors.
+            note = "a statement is `OUT[...] = [factor * ...] sum[k] A[...] * B[...] [+ bias[...]]`; is `sum[...]` missing?"
+        raise SpecError(f"unexpected {found}; expected {expected}", where, note) from None
     except UnexpectedCharacters as e:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
         raise SpecError(

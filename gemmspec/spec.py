@@ -205,6 +205,30 @@ class RoleDim:
     masked_by: str | None = None  # masked group limiting it, if any
 
 
+# Epilogue operands by kind, in the order the kernel applies them: the accumulator is
+# multiplied by the per-leaf scalar and the per-row weight, then the bias is added.
+EPILOGUE_KINDS = ("alpha", "row", "bias")
+EPILOGUE_TYPES = ("f32", "bf16", "f16")
+
+
+@dataclass(frozen=True)
+class EpilogueOperand:
+    """An element-wise operand fused into a statement's epilogue.
+
+    kind "alpha": indexed by leaf axes only (one value per leaf: a LoRA scaling);
+    "row": also by the row index (one value per output row: a router weight);
+    "bias": also by the column index, added after the product.
+    """
+
+    kind: str
+    access: Access
+    dtype: str
+
+    @property
+    def role(self) -> str | None:
+        return {"alpha": None, "row": "m", "bias": "n"}[self.kind]
+
+
 @dataclass(frozen=True)
 class Gemm:
     """One statement as a grouped GEMM: D(m, n) (+)= sum_k A(m, k) * B(n, k) per leaf."""
@@ -221,6 +245,15 @@ class Gemm:
     k: RoleDim
     leaf_axes: tuple[LeafAxis, ...]
     where: SourceLocation | None = field(default=None, compare=False)  # the output's name
+    epilogue: tuple[EpilogueOperand, ...] = ()  # in EPILOGUE_KINDS order, one per kind
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every tensor the statement reads: both factors, then its epilogue operands."""
+        return (self.a.tensor, self.b.tensor, *(e.access.tensor for e in self.epilogue))
+
+    def epilogue_of(self, kind: str) -> EpilogueOperand | None:
+        return next((e for e in self.epilogue if e.kind == kind), None)
 
     @property
     def leaf_count(self) -> int:

@@ -49,6 +49,9 @@ class TileChoice:
     cluster: int = 1  # CTAs sharing (multicasting) one A tile along N
 
 
+MAX_BIAS_WIDTH = 128
+
+
 def candidate_widths(scaled: bool, sb_block_n: int) -> tuple[int, ...]:
     if not scaled:
         return UNSCALED_WIDTHS
@@ -70,6 +73,7 @@ def choose_tile(
     m_bound: int | None,
     scaled: bool,
     sb_block_n: int = 1,
+    bias: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
     `m_bound`: the most rows any leaf can have (None: unbounded or run-time)."""
@@ -85,6 +89,10 @@ def choose_tile(
     else:
         tile_m, why_m = 128, "128-row tiles"
     widths = candidate_widths(scaled, sb_block_n)
+    if bias:
+        # A bias adds two loads per column pair to the epilogue: wider tiles' accumulators
+        # and those together exceed the registers (ptxas spills), so at most 128.
+        widths = tuple(w for w in widths if w <= MAX_BIAS_WIDTH)
     if len(known) < len(n_extents) or not known:
         tile_n = widths[0]
         why_n = f"{tile_n} columns (N is known only at run time: the widest tile)"

@@ -181,6 +181,7 @@ def _bstart_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> l
 
 def _symbols(pg: ProblemGenerator) -> set[str]:
     polys = [pg.a.offset, *pg.a.strides, pg.b.offset, *pg.b.strides, pg.d.offset, *pg.d.strides]
+    polys += [p for e in pg.epilogue for p in (e.offset, e.stride)]
     for s in (pg.sa, pg.sb):
         if s is not None:
             polys += [s.offset, *s.strides]
@@ -202,6 +203,7 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         tile_m=sig.tile_m,
         tile_n=sig.tile_n,
         cluster=sig.cluster,
+        epilogue=sig.epilogue,
     )
 
 
@@ -243,6 +245,19 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
                 (f"{prefix}_{r0}", c_expr(sm.strides[0])),
                 (f"{prefix}_sk", c_expr(sm.strides[1])),
             ]
+    epilogue_fields: list[tuple[str, str]] = []
+    if pg.epilogue:
+        # Each pointer advanced to the leaf's first element; null when absent.
+        by_kind = {e.kind: e for e in pg.epilogue}
+        for kind, param, stride in (("alpha", "ALPHA", None), ("row", "ROW", "row_sm"), ("bias", "BIAS", "bias_sn")):
+            e = by_kind.get(kind)
+            where = (
+                f"static_cast<const unsigned char*>({param}) + {c_expr(e.offset)} * {ELEMENT_BYTES[e.dtype]}"
+                if e else "nullptr"
+            )
+            epilogue_fields.append((kind, where))
+            if stride:
+                epilogue_fields.append((stride, c_expr(e.stride) if e else "0LL"))
     table_name = table_symbol(spec.name, launch.index)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
@@ -265,6 +280,7 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
         d_bytes=ELEMENT_BYTES[cfg.d_type],
         store_tma=cfg.store_tma,
         maps_per_leaf=len(map_specs(cfg)),
+        epilogue_fields=epilogue_fields,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)

@@ -29,6 +29,7 @@ CTYPES: dict[str, str] = {
 }
 ELEMENT_BYTES: dict[str, int] = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
 FP8_TYPES = frozenset({"e4m3", "e5m2"})
+EPILOGUE_KINDS = ("alpha", "row", "bias")  # the order the epilogue applies them
 OPERAND_TYPES = frozenset({"e4m3", "e5m2", "bf16", "f16"})
 OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
@@ -115,6 +116,9 @@ class GemmKernelConfig:
     store_tma: bool | None = None
     consumer_scales: bool | None = None
     name: str = ""
+    # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
+    # per-leaf scalar), "row" (a per-row weight), "bias" (a per-column bias).
+    epilogue: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -172,6 +176,12 @@ class GemmKernelConfig:
             raise ValueError("raster must be positive")
         if self.cluster not in (1, 2):
             raise ValueError("cluster must be 1 or 2 (CTA pairs multicast A)")
+        kinds = [k for k, _ in self.epilogue]
+        if kinds != [k for k in EPILOGUE_KINDS if k in kinds]:
+            raise ValueError(f"epilogue operands go one per kind, in the order {EPILOGUE_KINDS}")
+        for _, t in self.epilogue:
+            if t not in OUTPUT_TYPES:
+                raise ValueError(f"epilogue operand types must be in {sorted(OUTPUT_TYPES)}, got {t}")
 
     @property
     def element_bytes(self) -> int:
@@ -237,7 +247,13 @@ class GemmKernelConfig:
         return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage
 
     def _store_tma_pays(self) -> bool:
-        return self.store_tma_possible and self._stages_beside(self._tile_d_bytes) >= MIN_STAGES_WITH_STAGING
+        if not self.store_tma_possible:
+            return False
+        if self.scaled and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue):
+            # Two accumulator tiles, the bias loads and the staging addresses do not fit
+            # the registers together (ptxas spills); these store from registers.
+            return False
+        return self._stages_beside(self._tile_d_bytes) >= MIN_STAGES_WITH_STAGING
 
     @property
     def stage_bytes(self) -> int:
@@ -303,6 +319,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     staged = "_tma" if cfg.store_tma else ""
     if cfg.scaled and cfg.sb_mode != 2 and not cfg.consumer_scales:
         staged += "_smemscales"
+    if cfg.epilogue:
+        staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -393,6 +411,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         consumer_regs=CONSUMER_REGS,
         smem_bytes=cfg.smem_bytes,
         mma=wgmma_struct(cfg.tile_n, cfg.a_type, cfg.b_type),
+        epilogue=dict(cfg.epilogue),
     )
 
 

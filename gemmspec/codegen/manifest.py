@@ -22,6 +22,7 @@ from .names import file_stem, host_prefix
 MANIFEST_VERSION = 1
 TARGET = "sm_90a"
 LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
+EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
@@ -413,8 +414,12 @@ class _Builder:
         i, cfg, pg = x.launch.index, x.gemm, x.launch.problems
         file = f"{self.stem}_launch{i}.cu"
         maps = tuple(MapTemplate(m.operand, m.dtype, m.box_inner, m.box_rows) for m in map_specs(cfg))
+        # A fused epilogue's per-leaf addresses follow the table's sentinel (the GEMM
+        # kernel finds them from `leaves`, so its parameters stay as they are).
+        epilogue_bytes = x.leaf_count * EPILOGUE_BYTES if pg.epilogue else 0
         leaves = self.workspace(
-            f"launch{i}.leaves", Formula.const((x.leaf_count + 1) * LEAF_BYTES), "the leaf table"
+            f"launch{i}.leaves", Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes),
+            "the leaf table" + (" and its epilogue addresses" if pg.epilogue else ""),
         )
         maps_ws = self.workspace(
             f"launch{i}.maps",
@@ -434,6 +439,12 @@ class _Builder:
             *(Param(f"p_{t}", "const int*", self.where[t]) for t in x.table_params),
             *(Param(f"dim_{d}", "long long", Source("dim", d)) for d in x.dim_params),
         ]
+        if pg.epilogue:
+            by_kind = {e.kind: e for e in pg.epilogue}
+            null = Source("null")
+            for kind, pname in (("alpha", "ALPHA"), ("row", "ROW"), ("bias", "BIAS")):
+                e = by_kind.get(kind)
+                table_params.append(Param(pname, "const void*", self.where[e.tensor] if e else null))
         one = Formula.const(1)
         self.steps.append(
             KernelLaunch(

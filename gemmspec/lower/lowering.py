@@ -12,6 +12,7 @@ from ..analyse import LaunchPlan, NestDecision
 from ..expr import ZERO, Poly
 from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
 from .schedule import (
+    EpilogueMap,
     Extent,
     KernelSignature,
     Launch,
@@ -118,6 +119,26 @@ def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Scale
     )
 
 
+def _epilogue(spec: Spec, gemm: Gemm) -> tuple[EpilogueMap, ...]:
+    """Each epilogue operand's per-leaf offset (its leaf axes, and the leaf's first row or
+    column when that role is split per leaf) and its stride along the role it varies on."""
+    out = []
+    for e in gemm.epilogue:
+        t = spec.tensor(e.access.tensor)
+        offset: Poly = ZERO
+        stride: Poly = ZERO
+        for i, use in enumerate(e.access.uses):
+            s = t.layout.strides[i]
+            if use.kind == "leaf":
+                offset = offset + Poly.sym(f"g.{use.axis}") * s
+                continue
+            stride = s
+            if gemm.role(use.role).group is not None:
+                offset = offset + Poly.sym(f"start.{use.role}") * s
+        out.append(EpilogueMap(e.kind, t.name, t.dtype, offset, stride))
+    return tuple(out)
+
+
 def _is_k_major(op: OperandMap) -> bool:
     s = op.strides[1]
     return s.is_const and s.value == 1
@@ -131,8 +152,10 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     d = _operand(spec, gemm, gemm.out, ("m", "n"))
     sa = _scale(spec, gemm, gemm.a, ("m", "k"))
     sb = _scale(spec, gemm, gemm.b, ("n", "k"))
+    epilogue = _epilogue(spec, gemm)
     runtime_tensors = tuple(dict.fromkeys(e.tensor for e in extents if e.tensor))
     polys = [a.offset, *a.strides, b.offset, *b.strides, d.offset, *d.strides]
+    polys += [p for e in epilogue for p in (e.offset, e.stride)]
     polys += [e.size for e in extents]
     for s in (sa, sb):
         if s is not None:
@@ -150,6 +173,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         sb=sb,
         runtime_tensors=runtime_tensors,
         runtime_dims=runtime_dims,
+        epilogue=epilogue,
     )
     fp8 = a.dtype in FP8_TYPES
     sig = KernelSignature(
@@ -166,6 +190,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         tile_n=plan.tile_n,
         cluster=plan.cluster,
         tile_k=128 if fp8 else 64,
+        epilogue=tuple((e.kind, e.dtype) for e in epilogue),
     )
     return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
 

@@ -108,6 +108,27 @@ class ScaleMap:
 
 
 @dataclass(frozen=True)
+class EpilogueMap:
+    """An epilogue operand of a leaf: base[offset] (kind "alpha"), or element i along its
+    role at base[offset + i*stride] (kind "row": i a row of the leaf, "bias": a column)."""
+
+    kind: str  # "alpha", "row" or "bias" (spec.EPILOGUE_KINDS)
+    tensor: str
+    dtype: str
+    offset: Poly
+    stride: Poly  # zero for "alpha"
+
+    @property
+    def role(self) -> str | None:
+        return {"alpha": None, "row": "m", "bias": "n"}[self.kind]
+
+    def __str__(self) -> str:
+        if self.role is None:
+            return f"{self.kind} {self.tensor} = {self.tensor}_base[{self.offset}]"
+        return f"{self.kind} {self.tensor}({self.role}) = {self.tensor}_base[{self.offset} + {self.role}*({self.stride})]"
+
+
+@dataclass(frozen=True)
 class ProblemGenerator:
     leaf_axes: tuple[LeafAxis, ...]
     fixed_axes: tuple[tuple[str, int], ...]  # axes pinned to one index in this launch
@@ -119,6 +140,7 @@ class ProblemGenerator:
     sb: ScaleMap | None
     runtime_tensors: tuple[str, ...]
     runtime_dims: tuple[str, ...]
+    epilogue: tuple[EpilogueMap, ...] = ()  # in spec.EPILOGUE_KINDS order
 
     @property
     def free_axes(self) -> tuple[LeafAxis, ...]:
@@ -155,6 +177,7 @@ class ProblemGenerator:
             lines.append(f"  scale A {self.sa}")
         if self.sb:
             lines.append(f"  scale B {self.sb}")
+        lines += [f"  epilogue {e}" for e in self.epilogue]
         if self.runtime_tensors:
             lines.append(f"  reads at run time: {', '.join(self.runtime_tensors)}")
         return "\n".join(lines)
@@ -177,6 +200,12 @@ class KernelSignature:
     tile_n: int
     tile_k: int
     cluster: int = 1  # CTAs per cluster along N, multicasting A
+    epilogue: tuple[tuple[str, str], ...] = ()  # (kind, element type) of each epilogue operand
+
+    @property
+    def epilogue_name(self) -> str:
+        """`_e` plus one letter and type per operand (empty without an epilogue)."""
+        return "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
 
     @property
     def name(self) -> str:
@@ -191,6 +220,7 @@ class KernelSignature:
         return (
             f"gs_sm90a_{self.a_type}{self.b_type}_{self.d_type}_{scale}_{majors}_"
             f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{f'c{self.cluster}' if self.cluster > 1 else ''}_{mode}"
+            f"{self.epilogue_name}"
         )
 
     def __str__(self) -> str:

@@ -84,6 +84,7 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
         im, in_, ik = (np.flatnonzero(masks[r]) for r in "mnk")
         # Only the rows, columns and contraction range this leaf covers.
         part = a[np.ix_(im, ik)] @ b[np.ix_(in_, ik)].T
+        part = apply_epilogue(gemm, data, at, im, in_, part)
         sel = _out_index(gemm, at)
         view = total[sel]
         wview = written[sel]
@@ -96,6 +97,24 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
     if gemm.accumulate:
         return out + total
     return np.where(written, total, out)
+
+
+def apply_epilogue(gemm: Gemm, data: dict[str, TensorData], at: dict[str, int], im: np.ndarray, in_: np.ndarray, part: np.ndarray) -> np.ndarray:
+    """`alpha * row_weight * part + bias` for one leaf's rows `im` and columns `in_`:
+    each operand read at the leaf's indices and the rows or columns it varies along."""
+    for e in gemm.epilogue:
+        values = np.asarray(data[e.access.tensor].values, dtype=np.float64)
+        index = tuple(
+            at[u.axis] if u.kind == "leaf" else (im if u.role == "m" else in_) for u in e.access.uses
+        )
+        v = values[index]
+        if e.kind == "alpha":
+            part = part * v
+        elif e.kind == "row":
+            part = part * v[:, None]
+        else:
+            part = part + v[None, :]
+    return part
 
 
 def _slice(acc, real: np.ndarray, at: dict[str, int], roles: tuple[str, str]) -> np.ndarray:

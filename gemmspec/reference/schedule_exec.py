@@ -112,6 +112,16 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
                 sb = _gather(flat[pg.sb.tensor], pg.sb, env, rn // pg.sb.block[0], np.array([k0 // pg.sb.block[1]]))
                 part = part * sa * sb.T
             acc += part
+        for e in pg.epilogue:
+            # The kernel's order: the f32 accumulator times the scalar and the row weight,
+            # plus the bias, before the conversion to D's type.
+            base = e.offset.evaluate(env)
+            if e.kind == "alpha":
+                acc = acc * flat[e.tensor][base]
+            elif e.kind == "row":
+                acc = acc * flat[e.tensor][base + rm * e.stride.evaluate(env)][:, None]
+            else:
+                acc = acc + flat[e.tensor][base + rn * e.stride.evaluate(env)][None, :]
         d_off = pg.d.offset.evaluate(env)
         ds0, ds1 = (s.evaluate(env) for s in pg.d.strides)
         where = d_off + rm[:, None] * ds0 + rn[None, :] * ds1

