@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 RAGGED = [0, 1, 127, 129]
 
 SPEC = """
-gemm epi {{
+gemm {name} {{
   dim T
   dim N = {n}, K = {k}
   group expert[E = 4] = ragged(T, offsets = offs)
@@ -59,9 +59,10 @@ CASES = {
 }
 
 
-def spec_text(case: dict, k: int) -> str:
+def spec_text(name: str, case: dict, k: int) -> str:
     fp8 = case.get("fp8", False)
     return SPEC.format(
+        name=name,
         n=case.get("n", 264), k=k, t="e4m3" if fp8 else "bf16",
         xs=" scale f32 [1, 128]" if fp8 else "", ws=" scale f32 [1, 128, 128]" if fp8 else "",
         rt="bf16" if case["o"] == "bf16" else "f32", bt="bf16", o=case["o"], op=case["op"],
@@ -72,7 +73,7 @@ def spec_text(case: dict, k: int) -> str:
 @pytest.mark.parametrize("k", [128, 200])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_epilogue_matches_reference(name, k):
-    exe = gemmspec.build(spec_text(CASES[name], k), name=f"epi_{name}_k{k}")
+    exe = gemmspec.build(spec_text(f"epi_{name}_k{k}", CASES[name], k))
     report = run_random(exe, lengths={"expert": RAGGED}, seed=7, repeats=0)
     lines = [f"{c.tensor}: err {c.rel_error:.3e} < {c.tolerance:.0e}, unwritten {c.unwritten}" for c in report.checks]
     print(f"{name} K={k}: " + "; ".join(lines))
