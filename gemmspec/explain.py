@@ -119,7 +119,9 @@ def _kernel_line(spec: Spec, launch) -> str:
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
     if cfg.scaled:
         count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]
-        where = "read by the consumers" if cfg.consumer_scales else "staged by the producer"
+        where = "staged by the producer"
+        if cfg.consumer_scales:
+            where = "read by the consumers" + (" a K block ahead" if cfg.prefetch_scales else "")
         parts.append(f"{count} and K block, {where}")
     return f"{gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg))} ({', '.join(parts)})"
 

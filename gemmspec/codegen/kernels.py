@@ -91,9 +91,11 @@ class GemmKernelConfig:
     ``stages`` 0 means as many ring stages as shared memory holds (at most MAX_STAGES);
     ``store_tma`` None means "stage the epilogue in shared memory and store it by TMA
     when the tile allows it and the ring keeps at least MIN_STAGES_WITH_STAGING stages";
-    ``consumer_scales`` None means "the consumers read SA and SB from global memory one K
-    block ahead whenever a tile needs at most two B scales" (else the producer stages the
-    scales of each stage in shared memory);
+    ``consumer_scales`` None means "the consumers read SA and SB from global memory
+    whenever a tile needs at most two B scales" (else the producer stages the scales of
+    each stage in shared memory);
+    ``prefetch_scales`` None means "consumers load the next K block's scales while this
+    one's MMAs run" unless a fused bias and a wide tile leave no registers for them;
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
     """
@@ -115,6 +117,7 @@ class GemmKernelConfig:
     cluster: int = 1
     store_tma: bool | None = None
     consumer_scales: bool | None = None
+    prefetch_scales: bool | None = None
     name: str = ""
     # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
     # per-leaf scalar), "row" (a per-row weight), "bias" (a per-column bias).
@@ -132,6 +135,12 @@ class GemmKernelConfig:
             object.__setattr__(self, "consumer_scales", self.scaled and self.sb_mode != 2)
         elif self.consumer_scales and (not self.scaled or self.sb_mode == 2):
             raise ValueError("consumers read scales only when a tile needs at most two B scales")
+        if self.prefetch_scales is None:
+            object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self._bias_crowds_registers())
+        elif not self.consumer_scales:
+            # Only scales the consumers read can be loaded ahead; normalised so that
+            # equal kernels compare equal.
+            object.__setattr__(self, "prefetch_scales", False)
         if self.store_tma is None:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
         elif self.store_tma and not self.store_tma_possible:
@@ -246,10 +255,16 @@ class GemmKernelConfig:
         per_stage = self.stage_bytes + self.scale_bytes + 16
         return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage
 
+    def _bias_crowds_registers(self) -> bool:
+        """A scaled tile wider than 128 columns with a fused bias: its consumers hold two
+        accumulator tiles and the bias, with no registers left for staging addresses
+        or scales loaded ahead."""
+        return self.scaled and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
+
     def _store_tma_pays(self) -> bool:
         if not self.store_tma_possible:
             return False
-        if self.scaled and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue):
+        if self._bias_crowds_registers():
             # Two accumulator tiles, the bias loads and the staging addresses do not fit
             # the registers together (ptxas spills); these store from registers.
             return False
@@ -319,6 +334,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     staged = "_tma" if cfg.store_tma else ""
     if cfg.scaled and cfg.sb_mode != 2 and not cfg.consumer_scales:
         staged += "_smemscales"
+    if cfg.consumer_scales and not cfg.prefetch_scales:
+        staged += "_inplacescales"
     if cfg.epilogue:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
     return (
@@ -397,6 +414,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         sb_splits=cfg.sb_splits,
         store_tma=cfg.store_tma,
         consumer_scales=cfg.consumer_scales,
+        prefetch_scales=cfg.prefetch_scales,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
