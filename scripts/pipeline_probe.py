@@ -30,6 +30,7 @@ from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 # store_tma None: the default rule).
 VARIANTS = {
     "as compiled": {},
+    "192 wide, descriptors rebuilt per wgmma": {"tile_n": 192, "lean_registers": True},
     "192 wide, scales loaded in their own K block": {"tile_n": 192, "prefetch_scales": False},
     "192 wide, scales staged by the producer": {"tile_n": 192, "consumer_scales": False},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
@@ -55,7 +56,7 @@ def variant(exe, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
     x = exe.program.launches[0]
     base = gemm_config(x.launch)
-    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None}
+    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None, "lean_registers": None}
     cfg = dataclasses.replace(base, **{**fresh, **changes})
     launch = emit_launch(exe.spec, x.launch, cfg)
     exe.program = dataclasses.replace(exe.program, launches=(launch,))

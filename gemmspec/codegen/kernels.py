@@ -96,6 +96,9 @@ class GemmKernelConfig:
     each stage in shared memory);
     ``prefetch_scales`` None means "consumers load the next K block's scales while this
     one's MMAs run" unless a fused bias and a wide tile leave no registers for them;
+    ``lean_registers`` None means "keep the ring's wgmma descriptors and barrier addresses
+    in registers across the tile" unless a fused bias and a wide tile leave no registers
+    for them (then each descriptor is rebuilt from the shared address per instruction);
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
     """
@@ -118,6 +121,7 @@ class GemmKernelConfig:
     store_tma: bool | None = None
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
+    lean_registers: bool | None = None
     name: str = ""
     # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
     # per-leaf scalar), "row" (a per-row weight), "bias" (a per-column bias).
@@ -136,11 +140,13 @@ class GemmKernelConfig:
         elif self.consumer_scales and (not self.scaled or self.sb_mode == 2):
             raise ValueError("consumers read scales only when a tile needs at most two B scales")
         if self.prefetch_scales is None:
-            object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self._bias_crowds_registers())
+            object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self.bias_crowds_registers())
         elif not self.consumer_scales:
             # Only scales the consumers read can be loaded ahead; normalised so that
             # equal kernels compare equal.
             object.__setattr__(self, "prefetch_scales", False)
+        if self.lean_registers is None:
+            object.__setattr__(self, "lean_registers", self.bias_crowds_registers())
         if self.store_tma is None:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
         elif self.store_tma and not self.store_tma_possible:
@@ -255,16 +261,16 @@ class GemmKernelConfig:
         per_stage = self.stage_bytes + self.scale_bytes + 16
         return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage
 
-    def _bias_crowds_registers(self) -> bool:
+    def bias_crowds_registers(self) -> bool:
         """A scaled tile wider than 128 columns with a fused bias: its consumers hold two
-        accumulator tiles and the bias, with no registers left for staging addresses
-        or scales loaded ahead."""
+        accumulator tiles and the bias, with no registers left for staging addresses,
+        scales loaded ahead or wgmma descriptors kept across the tile."""
         return self.scaled and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
 
     def _store_tma_pays(self) -> bool:
         if not self.store_tma_possible:
             return False
-        if self._bias_crowds_registers():
+        if self.bias_crowds_registers():
             # Two accumulator tiles, the bias loads and the staging addresses do not fit
             # the registers together (ptxas spills); these store from registers.
             return False
@@ -336,6 +342,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_smemscales"
     if cfg.consumer_scales and not cfg.prefetch_scales:
         staged += "_inplacescales"
+    if cfg.lean_registers != cfg.bias_crowds_registers():  # not the default: named apart
+        staged += "_lean" if cfg.lean_registers else "_roomy"
     if cfg.epilogue:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
     return (
@@ -415,6 +423,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         store_tma=cfg.store_tma,
         consumer_scales=cfg.consumer_scales,
         prefetch_scales=cfg.prefetch_scales,
+        lean_registers=cfg.lean_registers,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,

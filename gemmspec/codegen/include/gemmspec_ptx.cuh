@@ -87,6 +87,20 @@ __device__ __forceinline__ unsigned long long gs_desc_kmajor_sw128(unsigned smem
   return gs_make_desc(smem_addr, 16u, 1024u, GS_SWIZZLE_128B);
 }
 
+// `desc` moved on by `bytes` (a multiple of 16): only the start-address field changes, and
+// it cannot carry out while every shared address stays below 256 KiB.
+__device__ __forceinline__ unsigned long long gs_desc_advance(unsigned long long desc, unsigned bytes) {
+  const unsigned lo = static_cast<unsigned>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
+// `v` as a value the compiler cannot recompute: it stays in a register instead of being
+// rebuilt (e.g. from the CTA's shared window, a slow special register) inside hot loops.
+__device__ __forceinline__ unsigned gs_opaque(unsigned v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
 // Byte offset (within a 128B swizzled row) where 16-byte chunk `chunk` of row `row` lives.
 // The hardware applies the same XOR on address bits [4,7) ^= [7,10), so atoms must be
 // 1024-byte aligned.
