@@ -87,10 +87,10 @@ __device__ __forceinline__ unsigned long long gs_desc_kmajor_sw128(unsigned smem
   return gs_make_desc(smem_addr, 16u, 1024u, GS_SWIZZLE_128B);
 }
 
-// `desc` moved on by `bytes` (a multiple of 16): only the start-address field changes, and
-// it cannot carry out while every shared address stays below 256 KiB.
-__device__ __forceinline__ unsigned long long gs_desc_advance(unsigned long long desc, unsigned bytes) {
-  const unsigned lo = static_cast<unsigned>(desc) + (bytes >> 4);
+// `desc` moved on by `units` of 16 bytes: only the start-address field changes, and it
+// cannot carry out while every shared address stays below 256 KiB.
+__device__ __forceinline__ unsigned long long gs_desc_advance(unsigned long long desc, unsigned units) {
+  const unsigned lo = static_cast<unsigned>(desc) + units;
   return (desc & 0xFFFFFFFF00000000ull) | lo;
 }
 
