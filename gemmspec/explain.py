@@ -116,6 +116,8 @@ def _kernel_line(spec: Spec, launch) -> str:
     parts = [f"{cfg.tile_m}x{cfg.tile_n} tiles", f"{cfg.stages} stages"]
     if cfg.cluster > 1:
         parts.append("CTA pairs")
+    if cfg.ctas_per_sm > 1:
+        parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
     if cfg.scaled:
         count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]

@@ -7,7 +7,8 @@ the wgmma limit. The choice trades three things, in this order:
 1. **Rows per leaf.** When no leaf can have more than 64 rows (a masked or fixed M of at
    most 64), a 128-row tile would compute half zeros: take 64. When N is tiny (at most
    32 columns) the GEMM is bound by reading A once; 64-row tiles double the CTAs in
-   flight, which is what a memory-bound kernel needs.
+   flight, which is what a memory-bound kernel needs, and such a kernel runs two blocks
+   per SM (half the ring each) so that every tile of a small problem is in flight at once.
 2. **Bytes per FLOP.** Each output tile reads (TILE_M + TILE_N) x K operand bytes for
    TILE_M x TILE_N x K multiply-adds, so wider tiles move fewer bytes through L2 and
    shared memory per FLOP; but columns past N are wasted. Over the candidate widths the

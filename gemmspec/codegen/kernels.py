@@ -74,6 +74,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 # Shared memory one block may use on Hopper (227 KB), and the deepest ring worth having.
 SMEM_LIMIT = 232448
+# Shared memory of one multiprocessor, and what the hardware reserves per resident block:
+# two blocks per SM get (SM_SMEM / 2 - SMEM_RESERVED_PER_CTA) each.
+SM_SMEM = 233472
+SMEM_RESERVED_PER_CTA = 1024
 MAX_STAGES = 12
 # A staged epilogue is worth its shared memory only while the ring stays this deep.
 MIN_STAGES_WITH_STAGING = 3
@@ -99,6 +103,9 @@ class GemmKernelConfig:
     ``lean_registers`` None means "keep the ring's wgmma descriptors and barrier addresses
     in registers across the tile" unless a fused bias and a wide tile leave no registers
     for them (then each descriptor is rebuilt from the shared address per instruction);
+    ``ctas_per_sm`` 0 means "two resident blocks per multiprocessor for a memory-bound
+    tile (64 rows, at most 32 columns: one consumer warpgroup that mostly waits on loads),
+    one otherwise"; the ring then gets half the shared memory and the grid twice the blocks;
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
     """
@@ -122,6 +129,7 @@ class GemmKernelConfig:
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
     lean_registers: bool | None = None
+    ctas_per_sm: int = 0
     name: str = ""
     # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
     # per-leaf scalar), "row" (a per-row weight), "bias" (a per-column bias).
@@ -134,6 +142,9 @@ class GemmKernelConfig:
                 object.__setattr__(self, f, 1)
         if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
             object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
+        if self.ctas_per_sm == 0:
+            memory_bound = self.tile_m == 64 and self.tile_n <= 32
+            object.__setattr__(self, "ctas_per_sm", 2 if memory_bound else 1)
         self._validate()
         if self.consumer_scales is None:
             object.__setattr__(self, "consumer_scales", self.scaled and self.sb_mode != 2)
@@ -156,15 +167,20 @@ class GemmKernelConfig:
             )
         if self.stages == 0:
             object.__setattr__(self, "stages", self._max_stages())
-        if not 2 <= self.stages <= MAX_STAGES or self.smem_bytes > SMEM_LIMIT:
+        if not 2 <= self.stages <= MAX_STAGES or self.smem_bytes > self.smem_limit:
             raise ValueError(
                 f"{self.stages} stages of a {self.tile_m}x{self.tile_n} tile need "
-                f"{self.smem_bytes} B of shared memory (limit {SMEM_LIMIT} B, 2..{MAX_STAGES} stages)"
+                f"{self.smem_bytes} B of shared memory (limit {self.smem_limit} B, 2..{MAX_STAGES} stages)"
             )
         if not self.name:
             object.__setattr__(self, "name", gemm_kernel_name(self))
 
     def _validate(self) -> None:
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
+        if self.ctas_per_sm == 2 and self.consumer_warpgroups != 1:
+            # Two blocks of 384 threads would leave each thread at most 85 registers.
+            raise ValueError("two blocks per SM only with one consumer warpgroup (64-row tiles)")
         a, b = self.a_type, self.b_type
         if a not in OPERAND_TYPES or b not in OPERAND_TYPES:
             raise ValueError(f"operand types must be in {sorted(OPERAND_TYPES)}, got {a}, {b}")
@@ -259,7 +275,12 @@ class GemmKernelConfig:
     def _stages_beside(self, staging: int) -> int:
         """Ring stages (operands, scales, an mbarrier pair) that fit beside `staging` bytes."""
         per_stage = self.stage_bytes + self.scale_bytes + 16
-        return (SMEM_LIMIT - SMEM_ALIGN - staging) // per_stage
+        return (self.smem_limit - SMEM_ALIGN - staging) // per_stage
+
+    @property
+    def smem_limit(self) -> int:
+        """Shared memory one block may use with `ctas_per_sm` blocks resident per SM."""
+        return min(SMEM_LIMIT, SM_SMEM // self.ctas_per_sm - SMEM_RESERVED_PER_CTA)
 
     def bias_crowds_registers(self) -> bool:
         """A scaled tile wider than 128 columns with a fused bias: its consumers hold two
@@ -336,6 +357,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     scales = f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
     mode = "acc" if cfg.accumulate else "store"
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
+    raster += f"o{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""
     cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
     staged = "_tma" if cfg.store_tma else ""
     if cfg.scaled and cfg.sb_mode != 2 and not cfg.consumer_scales:
@@ -424,6 +446,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         consumer_scales=cfg.consumer_scales,
         prefetch_scales=cfg.prefetch_scales,
         lean_registers=cfg.lean_registers,
+        ctas_per_sm=cfg.ctas_per_sm,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,

@@ -463,8 +463,9 @@ class _Builder:
             Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
             Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
         )
-        # A persistent grid: one block per multiprocessor, whole clusters only.
-        grid = ((Formula.var(NUM_SMS) // cfg.cluster).max(1) * cfg.cluster, one, one)
+        # A persistent grid: one block per multiprocessor (two for memory-bound tiles),
+        # whole clusters only.
+        grid = ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
         self.steps.append(
             KernelLaunch(
                 "gemm", cfg.name, file, f"launch {i}", grid, cfg.threads, cfg.smem_bytes,

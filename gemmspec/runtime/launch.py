@@ -30,6 +30,8 @@ __all__ = ["BoundLaunch", "LoadedKernel", "current_stream", "num_sms"]
 
 _MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _STATIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+_CARVEOUT = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+_MAX_SHARED_CARVEOUT = 100  # percent of the unified L1/shared memory given to shared memory
 _POINTER_SIZE = 8
 _launch_kernel = driver.cuLaunchKernel
 
@@ -124,6 +126,10 @@ class LoadedKernel:
             _MAX_DYNAMIC_SMEM, nbytes, self._cu_kernel, self._cu_device
         )
         _checked(result, f"setting {self.name}'s dynamic shared memory to {nbytes} B")
+        # The whole carveout as shared memory: a kernel meant to run two blocks per SM
+        # would otherwise be held to one by a carveout sized for a single block.
+        result = driver.cuKernelSetAttribute(_CARVEOUT, _MAX_SHARED_CARVEOUT, self._cu_kernel, self._cu_device)
+        _checked(result, f"setting {self.name}'s shared-memory carveout")
         self._smem_limit = nbytes
 
     def launch(

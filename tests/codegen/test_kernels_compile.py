@@ -111,7 +111,7 @@ def _spill_free(log: str, sass: str) -> None:
 def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
     source, log, sass = compiled(key, render_gemm(cfg))
-    assert f'extern "C" __global__ void __launch_bounds__({cfg.threads}, 1)' in source
+    assert f'extern "C" __global__ void __launch_bounds__({cfg.threads}, {cfg.ctas_per_sm})' in source
     _spill_free(log, sass)
     assert re.search(r"\bUTMALDG\.2D\b", sass), "no TMA loads"
     assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", sass), "no mbarrier waits"
@@ -189,8 +189,13 @@ def test_smem_bytes_matches_layout() -> None:
     bf32 = GemmKernelConfig("bf16", "bf16", "f32", tile_n=256)
     assert not bf32.store_tma and bf32.stages == 4
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
-    assert GEMM_CONFIGS["bf16_skinny_m64"].stages == 12
+    assert dataclasses.replace(GEMM_CONFIGS["bf16_skinny_m64"], name="", stages=0, ctas_per_sm=1).stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())
+    # A memory-bound 64-row tile runs two blocks per SM: each ring gets half the SM's
+    # 228 KB less the 1 KB reserved per block.
+    skinny = GEMM_CONFIGS["bf16_skinny_m64"]
+    assert skinny.ctas_per_sm == 2 and skinny.smem_bytes <= 233472 // 2 - 1024
+    assert skinny.stages == (233472 // 2 - 1024 - 1024) // (80 * 64 * 2 + 16)
 
 
 def test_sources_include_only_toolkit_headers() -> None:

@@ -106,6 +106,12 @@ def test_manifest_describes_the_emitted_program(path):
             assert step.symbol in files[step.file].decode()
             for g in step.grid:
                 assert g.names <= dims
+            gemm = next((x.gemm for x in program.launches if x.gemm.name == step.symbol), None)
+            if gemm is not None:  # persistent: ctas_per_sm blocks per SM, whole clusters
+                for sms in (1, 7, 132):
+                    blocks = step.grid[0].evaluate({NUM_SMS: sms})
+                    assert blocks % gemm.cluster == 0
+                    assert blocks == max(1, sms * gemm.ctas_per_sm // gemm.cluster) * gemm.cluster
             for p in step.params:
                 s = p.source
                 if s.kind == "tensor":
