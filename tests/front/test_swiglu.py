@@ -8,6 +8,7 @@ import pytest
 from gemmspec.check import check
 from gemmspec.errors import SpecError
 from gemmspec.parse import parse
+from gemmspec.pipeline import lower_file
 
 BASE = """\
 gemm g {
@@ -74,6 +75,17 @@ def test_parenthesised_and_reordered_index_expressions():
     s = "h[t, j] = silu(sum[k] x[t, k] * w[expert(t), j*2, k]) * sum[k] x[t, k] * w[expert(t), (1 + 2*j), k]"
     (spec,) = check(parse(spec_with(s)))
     assert spec.gemms[0].swiglu
+
+
+def test_lowered_swiglu_launch_names_itself_and_stores_from_registers():
+    (lowered,) = lower_file(spec_with(SWIGLU))
+    (launch,) = lowered.schedule.launches
+    assert launch.signature.swiglu and launch.signature.name.endswith("_swiglu")
+    assert launch.signature.tile_n % 2 == 0
+    assert launch.problems.extent("n").size.value == 256  # the GEMM's N: gate and up rows
+    assert str(launch.problems.d.strides[0]) == "128"  # D's rows hold F = 128 columns
+    assert any("SwiGLU" in r and "from registers" in r for r in lowered.schedule.reasons)
+    assert "swiglu: D(m, j)" in str(launch)
 
 
 CASES = [
