@@ -109,7 +109,7 @@ def b_scale_block_n(spec: Spec, g: Gemm) -> int:
 def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     scaled = spec.tensor(g.a.tensor).scale is not None
     bias = g.epilogue_of("bias") is not None
-    return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias)
+    return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, g.swiglu)
 
 
 def _where(spec: Spec, at: SourceLocation | None) -> SourceLocation:
@@ -377,13 +377,21 @@ def _plan_launches(
             "16 bytes take that path"
         )
     reasons.append(loader)
-    reasons.append(
-        f"{prefix}stores: each consumer warpgroup stages its output rows in shared memory and "
-        "stores them by TMA through a per-leaf map of the output (reduce-add for f32 +=), when the "
-        "tile is whole 128-byte boxes wide and the ring keeps 3 stages beside it; otherwise, and "
-        "for leaves whose output base or row stride is not a multiple of 16 bytes, straight from "
-        "registers, masked at the leaf's edges"
-    )
+    if g.swiglu:
+        reasons.append(
+            f"{prefix}SwiGLU: each tile's columns 2j (gate) and 2j + 1 (up, the weight's "
+            "interleaved rows) become output column j, silu(gate) * up in f32, so the output "
+            "tile is half the GEMM tile's width; stores straight from registers, masked at the "
+            "leaf's edges (neighbouring lanes swap halves so each stores two adjacent columns)"
+        )
+    else:
+        reasons.append(
+            f"{prefix}stores: each consumer warpgroup stages its output rows in shared memory and "
+            "stores them by TMA through a per-leaf map of the output (reduce-add for f32 +=), when the "
+            "tile is whole 128-byte boxes wide and the ring keeps 3 stages beside it; otherwise, and "
+            "for leaves whose output base or row stride is not a multiple of 16 bytes, straight from "
+            "registers, masked at the leaf's edges"
+        )
     if spec.directives.tile:
         tile_m, chosen = spec.directives.tile
         reasons.append(f"{prefix}tile {tile_m}x{chosen} from the tile directive")

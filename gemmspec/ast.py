@@ -175,10 +175,36 @@ class Index:
         return f"{self.group}({self.var})" if self.group else self.var.text
 
 
+def _expr_text(e: Expr, top: bool = True) -> str:
+    """An index expression as one would write it: `2*j + 1` (parentheses only inside)."""
+    if isinstance(e, Sum):
+        text = " + ".join(_expr_text(t, False) for t in e.terms)
+        return text if top else f"({text})"
+    if isinstance(e, Product):
+        return "*".join(_expr_text(f, False) for f in e.factors)
+    return str(e)
+
+
+@dataclass(frozen=True)
+class IndexExpr:
+    """`2*j + 1` at a position of a tensor reference: an integer expression of index
+    variables. Only the interleaved weight rows of a SwiGLU statement take one (the
+    checker refuses it anywhere else)."""
+
+    expr: Expr
+
+    @property
+    def pos(self) -> Pos:
+        return self.expr.pos
+
+    def __str__(self) -> str:
+        return _expr_text(self.expr)
+
+
 @dataclass(frozen=True)
 class Ref:
     tensor: Name
-    indices: tuple[Index, ...]
+    indices: tuple[Index | IndexExpr, ...]
 
     def __str__(self) -> str:
         return f"{self.tensor}[{', '.join(str(i) for i in self.indices)}]"
@@ -199,6 +225,20 @@ class SumIndex:
 
 
 @dataclass(frozen=True)
+class UpProduct:
+    """`silu(GATE) * sum[k] A[...] * U[...]`: the up product of a SwiGLU statement. The
+    gate is the statement's own product, the one inside `silu(...)`."""
+
+    sums: tuple[SumIndex, ...]
+    lhs: Ref
+    rhs: Ref
+    silu: Pos  # the `silu` keyword
+
+    def __str__(self) -> str:
+        return f"sum[{', '.join(str(s) for s in self.sums)}] {self.lhs} * {self.rhs}"
+
+
+@dataclass(frozen=True)
 class Statement:
     out: Ref
     accumulate: bool  # `+=`
@@ -208,13 +248,18 @@ class Statement:
     pos: Pos
     factors: tuple[Ref, ...] = ()  # `f[...] * ... * sum[...]`: epilogue factors
     bias: Ref | None = None  # `sum[...] A * B + bias[...]`: epilogue term
+    up: UpProduct | None = None  # SwiGLU: `silu(sum ... A * B) * sum ... A * U`
+    assign_pos: Pos | None = field(default=None, compare=False)  # the `=` or `+=`
 
     def __str__(self) -> str:
         op = "+=" if self.accumulate else "="
         sums = ", ".join(str(s) for s in self.sums)
         pre = "".join(f"{f} * " for f in self.factors)
         post = f" + {self.bias}" if self.bias is not None else ""
-        return f"{self.out} {op} {pre}sum[{sums}] {self.lhs} * {self.rhs}{post}"
+        body = f"sum[{sums}] {self.lhs} * {self.rhs}"
+        if self.up is not None:
+            body = f"silu({body}) * {self.up}"
+        return f"{self.out} {op} {pre}{body}{post}"
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,11 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
         return "it adds into its output (+=); only `=` statements are derived"
     if g.k.group is not None:
         return "it is K-grouped already (a WGRAD-style statement)"
-    if g.epilogue:
-        return "it has a fused epilogue (scalar, row weight or bias); only plain products are derived"
+    if g.epilogue or g.swiglu:
+        return (
+            "it has a fused epilogue (scalar, row weight, bias or SwiGLU); only plain products "
+            "are derived"
+        )
     read_later = {t for x in spec.gemms for t in x.reads}
     if g.out.tensor in read_later:
         return f"its output '{g.out.tensor}' is read by another statement"

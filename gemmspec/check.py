@@ -12,7 +12,7 @@ spec, or bounded by one of those limits.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from . import ast
 from .aliasing import ENUMERATE_LIMIT, UNDECIDED, element_collision
@@ -33,6 +33,7 @@ from .spec import (
     MAX_SCALE_BLOCK,
     MAX_WITHIN_DEPTH,
     SIXTEEN_BIT_TYPES,
+    SWIGLU_OUTPUT_TYPES,
     Access,
     AxisUse,
     Derivation,
@@ -76,6 +77,17 @@ _FIXED_PART = " with every run-time dim at 1"
 # cheap whatever is written (a product of sums multiplies term counts).
 MAX_POLY_TERMS = 64
 MAX_POLY_DEGREE = 8
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Where a SwiGLU's weight pairs its rows: index `var` at position `axis` of the
+    second factor, written `gate` (2*var) and `up` (2*var + 1)."""
+
+    var: str
+    axis: int
+    gate: ast.IndexExpr
+    up: ast.IndexExpr
 
 
 class _Checker:
@@ -709,6 +721,13 @@ class _Checker:
 
     # ---- statements -----------------------------------------------------------------
     def check_statement(self, index: int, s: ast.Statement) -> Gemm:
+        text = str(s)
+        self.check_index_exprs(s)
+        # SwiGLU: checked as one GEMM over the weight's interleaved rows, its second factor
+        # indexed by the output's column index `j` where the gate wrote `2*j`.
+        pair: _Pair | None = None
+        if s.up is not None:
+            s, pair = self.check_swiglu_form(s)
         # The GEMM's three references, then the epilogue operands (bound and checked alike).
         refs = (s.out, s.lhs, s.rhs, *s.factors, *((s.bias,) if s.bias is not None else ()))
         binding: dict[str, tuple[str, ast.Pos]] = {}  # index var -> (dim, where bound)
@@ -746,7 +765,7 @@ class _Checker:
                     ref.tensor.pos,
                 )
             used: set[str] = set()
-            for idx, dim in zip(ref.indices, t.dims):
+            for axis, (idx, dim) in enumerate(zip(ref.indices, t.dims)):
                 if idx.var.text in used and idx.group is None:
                     raise self.error(
                         f"index '{idx.var.text}' is used twice in {t.name}[...]; a diagonal is "
@@ -755,12 +774,15 @@ class _Checker:
                     )
                 if idx.group is None:
                     used.add(idx.var.text)
+                    if pair is not None and ref is s.rhs and axis == pair.axis:
+                        continue  # 2*j and 2*j + 1 range over the weight's rows, j over the output's
                     bind(idx.var, dim, f"{t.name}[...]")
         for sm in s.sums:
             if sm.var.text not in binding:
                 raise self.error(
                     f"summed index '{sm.var.text}' indexes neither factor", sm.var.pos
                 )
+        pair_dim = self.check_swiglu_dims(s, pair, binding) if pair is not None else None
         # Pass 2: group references g(v).
         group_refs: list[tuple[str, ast.Index, str]] = []  # (tensor, index, dim at position)
         for ref in refs:
@@ -871,9 +893,12 @@ class _Checker:
             LeafAxis(n, self.groups[n].count, n) for n in ordered
         )
 
+        if pair is not None:
+            self.check_swiglu_columns(s, pair, pair_dim, dims_of[n_var], ordered)
         roles = {
             "m": self.role_dim("m", m_var, dims_of[m_var], ordered, s),
-            "n": self.role_dim("n", n_var, dims_of[n_var], ordered, s),
+            # A SwiGLU's GEMM runs over the weight's gate/up rows, twice the output's columns.
+            "n": self.role_dim("n", n_var, pair_dim or dims_of[n_var], ordered, s),
             "k": self.role_dim("k", k_var, dims_of[k_var], ordered, s),
         }
         role_of = {m_var: "m", n_var: "n", k_var: "k"}
@@ -905,7 +930,7 @@ class _Checker:
 
         gemm = Gemm(
             index=index,
-            text=str(s),
+            text=text,
             line=s.pos.line,
             out=access(s.out),
             a=access(s.lhs),
@@ -916,10 +941,232 @@ class _Checker:
             k=roles["k"],
             leaf_axes=leaf_axes,
             where=self.where(s.pos),
+            swiglu=pair is not None,
         )
         self.check_types(gemm, s)
+        if pair is not None:
+            assert n_var == pair.var  # j indexes the output and the weight, not the input
+            if out_t.dtype not in SWIGLU_OUTPUT_TYPES:
+                raise self.error(
+                    f"output '{out_t.name}' of a SwiGLU is {out_t.dtype}; a SwiGLU stores "
+                    f"{' or '.join(SWIGLU_OUTPUT_TYPES)}",
+                    s.out.tensor.pos,
+                    f"declare '{out_t.name}' as bf16 (or f32)",
+                )
         epilogue = self.check_epilogue(s, k_var, role_of, batch_use, k_group_axis, access)
         return replace(gemm, epilogue=epilogue) if epilogue else gemm
+
+    # ---- SwiGLU ------------------------------------------------------------------------
+    def check_index_exprs(self, s: ast.Statement) -> None:
+        """Index expressions (`2*j + 1`) stand only where a SwiGLU reads its weight's gate
+        and up rows; anywhere else a position is an index variable or a group reference."""
+        allowed = (s.rhs, s.up.rhs) if s.up is not None else ()
+        refs = [s.out, s.lhs, s.rhs, *s.factors, *((s.bias,) if s.bias is not None else ())]
+        if s.up is not None:
+            refs += [s.up.lhs, s.up.rhs]
+        for ref in refs:
+            for idx in ref.indices:
+                if isinstance(idx, ast.IndexExpr) and not any(ref is r for r in allowed):
+                    where = (
+                        "the second factor of a SwiGLU's two products"
+                        if s.up is not None
+                        else "the weight of a SwiGLU statement"
+                    )
+                    raise self.error(
+                        f"index expression '{_short(idx)}' in {ref.tensor.text}[...]: only {where} takes "
+                        "one (its interleaved gate/up rows); a position is an index variable or a "
+                        "group reference",
+                        idx.pos,
+                        "a SwiGLU is written `h[t, j] = silu(sum[k] x[t, k] * w[e, 2*j, k]) * "
+                        "sum[k] x[t, k] * w[e, 2*j + 1, k]`",
+                    )
+
+    def check_swiglu_form(self, s: ast.Statement) -> tuple[ast.Statement, _Pair]:
+        """`silu(GATE) * UP` must be one GEMM whose weight rows come in gate/up pairs: the
+        two products equal but for one position of the second factor, `2*j` in the gate and
+        `2*j + 1` in the up product. Returns the statement as that GEMM (the gate's product,
+        `j` at the paired position) and where the pair is."""
+        up = s.up
+        assert up is not None
+        form = (
+            "write `silu(sum[k] A[...] * W[..., 2*j, ...]) * sum[k] A[...] * W[..., 2*j + 1, ...]` "
+            "with one A and one W"
+        )
+        if s.accumulate:
+            raise self.error(
+                "a SwiGLU statement stores its result: `+=` cannot be fused with the activation",
+                s.assign_pos or up.silu,
+                "use `=` into a tensor of its own, and add it where it is read",
+            )
+        if s.bias is not None:
+            raise self.error(
+                f"the bias '{s.bias.tensor.text}' cannot be fused with SwiGLU: the epilogue adds "
+                "no term before or after the activation",
+                s.bias.tensor.pos,
+                "add it in a separate pass; a per-leaf scalar or per-row weight factor can be fused",
+            )
+        if [str(x) for x in up.sums] != [str(x) for x in s.sums]:
+            raise self.error(
+                f"the up product sums over [{', '.join(map(str, up.sums))}] but the gate over "
+                f"[{', '.join(map(str, s.sums))}]; both products of a SwiGLU contract the same index",
+                up.sums[0].var.pos,
+                form,
+            )
+        if str(up.lhs) != str(s.lhs):
+            raise self.error(
+                f"the up product's first factor is '{up.lhs}' but the gate's is '{s.lhs}'; both "
+                "products of a SwiGLU read the same input",
+                up.lhs.tensor.pos,
+                form,
+            )
+        w, u = s.rhs, up.rhs
+        if u.tensor.text != w.tensor.text:
+            raise self.error(
+                f"the gate reads weight '{w.tensor.text}' and the up product '{u.tensor.text}': "
+                "separate gate and up weights are not fused",
+                u.tensor.pos,
+                "stacked gate/up halves are not fused yet; interleave the weight rows into one "
+                "tensor (row 2*j the gate, row 2*j + 1 the up)",
+            )
+        if len(u.indices) != len(w.indices):
+            raise self.error(
+                f"the up product indexes '{u.tensor.text}' with {len(u.indices)} positions and "
+                f"the gate with {len(w.indices)}",
+                u.tensor.pos,
+            )
+        differ = [
+            i for i, (a, b) in enumerate(zip(w.indices, u.indices))
+            if str(a) != str(b) or isinstance(a, ast.IndexExpr)
+        ]
+        if not differ:
+            raise self.error(
+                f"the gate and the up product read the same rows of '{w.tensor.text}'; a SwiGLU "
+                "reads its gate from rows 2*j and its up projection from rows 2*j + 1",
+                u.tensor.pos,
+                form,
+            )
+        if len(differ) > 1:
+            # Point at a difference other than the gate/up rows (the first index expression).
+            paired = next((i for i in differ if isinstance(w.indices[i], ast.IndexExpr)), differ[0])
+            other = next(i for i in differ if i != paired)
+            raise self.error(
+                f"the gate and the up product differ at {len(differ)} positions of "
+                f"'{w.tensor.text}' ({_short(w.indices[other])} and {_short(u.indices[other])} here); only the "
+                "gate/up rows may differ",
+                u.indices[other].pos,
+                form,
+            )
+        axis = differ[0]
+        g_idx, u_idx = w.indices[axis], u.indices[axis]
+        gate, upp = self._index_poly(g_idx), self._index_poly(u_idx)
+        var = next(iter(gate.symbols)) if gate is not None and len(gate.symbols) == 1 else None
+        if var is not None and upp is not None:
+            j = Poly.sym(var)
+            if gate == 2 * j and upp == 2 * j + 1:
+                indices = list(w.indices)
+                indices[axis] = ast.Index(ast.Name(var, g_idx.pos))
+                view = replace(s, rhs=replace(w, indices=tuple(indices)))
+                return view, _Pair(var, axis, g_idx, u_idx)
+            if gate == 2 * j + 1 and upp == 2 * j:
+                raise self.error(
+                    f"the gate (inside silu) reads rows {_short(g_idx)} of '{w.tensor.text}' and the up "
+                    f"product rows {_short(u_idx)}; the gate is the even row of each pair",
+                    g_idx.pos,
+                    f"interleave the weight with the gate first (row 2*{var} the gate, 2*{var} + 1 the up)",
+                )
+            if gate == j and upp != j and var not in (upp + j * -1).symbols:
+                raise self.error(
+                    f"the gate reads rows {_short(g_idx)} of '{w.tensor.text}' and the up product rows "
+                    f"{_short(u_idx)}: gate and up as two halves of one weight",
+                    u_idx.pos,
+                    "stacked gate/up halves are not fused yet; interleave the weight rows "
+                    f"(row 2*{var} the gate, row 2*{var} + 1 the up)",
+                )
+        bad = g_idx if gate is None or var is None or gate != 2 * Poly.sym(var) else u_idx
+        raise self.error(
+            f"a SwiGLU reads its gate from rows 2*j and its up projection from rows 2*j + 1 of "
+            f"'{w.tensor.text}' (j the output's column index); found {_short(g_idx)} and {_short(u_idx)}",
+            bad.pos,
+            form,
+        )
+
+    @staticmethod
+    def _index_poly(idx: ast.Index | ast.IndexExpr) -> Poly | None:
+        """A position as a polynomial in the names it uses; None for a group reference or
+        an expression too large to be any of the forms a SwiGLU takes (folding stops there:
+        a product of sums multiplies term counts)."""
+        if isinstance(idx, ast.Index):
+            return None if idx.group is not None else Poly.sym(idx.var.text)
+
+        def fold(e: ast.Expr) -> Poly | None:
+            if isinstance(e, ast.IntLit):
+                return Poly.const(e.value)
+            if isinstance(e, ast.NameRef):
+                return Poly.sym(e.name.text)
+            acc: Poly | None = None
+            for x in e.terms if isinstance(e, ast.Sum) else e.factors:
+                p = fold(x)
+                if p is None:
+                    return None
+                acc = p if acc is None else acc + p if isinstance(e, ast.Sum) else acc * p
+                if len(acc.terms) > MAX_POLY_TERMS or any(len(m) > MAX_POLY_DEGREE for m, _ in acc.terms):
+                    return None
+            return acc
+
+        return fold(idx.expr)
+
+    def check_swiglu_dims(self, s: ast.Statement, pair: _Pair, binding) -> str:
+        """The output's column dim holds the pairs of the weight's gate/up dim: both fixed,
+        the weight's even and twice the output's. Returns the weight's dim."""
+        w = self.tensors[s.rhs.tensor.text]
+        rows = w.dims[pair.axis]
+        if pair.var not in binding:
+            raise self.error(
+                f"'{pair.var}' in {_short(pair.gate)} does not index the output; it must be the output's "
+                "column index",
+                pair.gate.pos,
+                f"index the output by '{pair.var}', e.g. h[t, {pair.var}]",
+            )
+        cols = binding[pair.var][0]
+        for d in (rows, cols):
+            if self.dims[d].size is None:
+                raise self.error(
+                    f"a SwiGLU's column dims are fixed at compile time, but {d} is known only at "
+                    "run time",
+                    pair.gate.pos,
+                    f"give {d} a size in its declaration",
+                )
+        n, f = self.dims[rows].size, self.dims[cols].size
+        assert n is not None and f is not None
+        at = self.dim_pos[rows]
+        if n % 2:
+            raise self.error(
+                f"'{w.name}' has {rows} = {n} gate/up rows (declared at {at.line}:{at.column}), an "
+                "odd number: interleaved rows come in pairs",
+                pair.gate.pos,
+                f"give {rows} an even size, twice the output's {cols}",
+            )
+        if n != 2 * f:
+            fat = self.dim_pos[cols]
+            raise self.error(
+                f"'{w.name}' has {rows} = {n} gate/up rows, {n // 2} pairs, but the output's "
+                f"column dim is {cols} = {f} (declared at {fat.line}:{fat.column})",
+                pair.gate.pos,
+                f"declare {cols} = {n // 2}" if cols != rows else f"give the output a column dim of its own, of size {n // 2}",
+            )
+        return rows
+
+    def check_swiglu_columns(self, s: ast.Statement, pair: _Pair, rows: str, cols: str, groups: list[str]) -> None:
+        """The paired index is the GEMM's column index, not split by any group."""
+        for name in groups:
+            g = self.groups[name]
+            if g.dim in (rows, cols):
+                raise self.error(
+                    f"group '{name}' splits {g.dim}, the columns of a SwiGLU; a SwiGLU's columns "
+                    "are not split into segments",
+                    pair.gate.pos,
+                    "split the rows (tokens) instead, or write one statement per segment",
+                )
 
     # ---- epilogue operands -----------------------------------------------------------------
     def check_epilogue(self, s: ast.Statement, k_var: str, role_of, batch_use, k_group_axis, access) -> tuple[EpilogueOperand, ...]:
@@ -1506,6 +1753,12 @@ class _Checker:
                 tile = (tm, tn)
         where = self.where(force_pos) if force_pos is not None else None
         return Directives(force, target, tile, force_where=where)
+
+
+def _short(x: object) -> str:
+    """A written index for a message, shortened when it is long."""
+    text = str(x)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
 
 
 def _least(p: Poly) -> int:

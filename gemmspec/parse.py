@@ -52,6 +52,7 @@ _TERMINAL_WORDS = {
     "STAR": "'*'",
     "PLUS": "'+'",
     "SUM": "'sum'",
+    "SILU": "'silu'",
     "IN": "'in'",
     "$END": "end of file",
 }
@@ -225,9 +226,14 @@ class _ToAst(Transformer_NonRecursive):
 
     # -- statements
     def index(self, items):
-        if len(items) == 1:
-            return ast.Index(_name(items[0]))
-        return ast.Index(_name(items[1]), group=_name(items[0]))
+        if len(items) == 2:
+            return ast.Index(_name(items[1]), group=_name(items[0]))
+        (item,) = items
+        if isinstance(item, ast.NameRef):  # `(j)`: a plain index in parentheses
+            return ast.Index(item.name)
+        if isinstance(item, Token):
+            return ast.Index(_name(item))
+        return ast.IndexExpr(item)
 
     def ref(self, items):
         return ast.Ref(_name(items[0]), tuple(items[1:]))
@@ -243,17 +249,29 @@ class _ToAst(Transformer_NonRecursive):
     def epi_bias(self, items):
         return ("bias", items[0])
 
+    def product(self, items):
+        *sums, lhs, rhs = items
+        return ("product", tuple(sums), lhs, rhs)
+
+    def swiglu(self, items):
+        silu, gate, up = items
+        return ("swiglu", gate, ast.UpProduct(up[1], up[2], up[3], _pos(silu)))
+
     def statement(self, items):
         out, assign, *rest = items
-        factors = tuple(r[1] for r in rest if isinstance(r, tuple) and r[0] == "factor")
-        bias = next((r[1] for r in rest if isinstance(r, tuple) and r[0] == "bias"), None)
-        rest = [r for r in rest if not isinstance(r, tuple)]
-        lhs, rhs = rest[-2], rest[-1]
-        sums = tuple(rest[:-2])
+        factors = tuple(r[1] for r in rest if r[0] == "factor")
+        bias = next((r[1] for r in rest if r[0] == "bias"), None)
+        body = next(r for r in rest if r[0] in ("product", "swiglu"))
+        up = None
+        if body[0] == "swiglu":
+            _, body, up = body
+        _, sums, lhs, rhs = body
         pos = ast.Pos(out.tensor.pos.line, out.tensor.pos.column)
         return (
             "statement",
-            ast.Statement(out, str(assign) == "+=", sums, lhs, rhs, pos, factors, bias),
+            ast.Statement(
+                out, str(assign) == "+=", sums, lhs, rhs, pos, factors, bias, up, _pos(assign)
+            ),
         )
 
     # -- rules that need their own source position

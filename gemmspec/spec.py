@@ -209,6 +209,7 @@ class RoleDim:
 # multiplied by the per-leaf scalar and the per-row weight, then the bias is added.
 EPILOGUE_KINDS = ("alpha", "row", "bias")
 EPILOGUE_TYPES = ("f32", "bf16", "f16")
+SWIGLU_OUTPUT_TYPES = ("bf16", "f32")
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,9 @@ class Gemm:
     leaf_axes: tuple[LeafAxis, ...]
     where: SourceLocation | None = field(default=None, compare=False)  # the output's name
     epilogue: tuple[EpilogueOperand, ...] = ()  # in EPILOGUE_KINDS order, one per kind
+    # SwiGLU: the GEMM's columns 2j (gate) and 2j + 1 (up) become output column j,
+    # silu(gate) * up, before the epilogue factors; `n` runs over B's interleaved rows.
+    swiglu: bool = False
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -319,5 +323,6 @@ class Spec:
             lines.append(
                 f"    m={g.m.var}:{g.m.dim} n={g.n.var}:{g.n.dim} k={g.k.var}:{g.k.dim}"
                 f" leaves={' x '.join(str(a) for a in g.leaf_axes) or '1'}"
+                + (" swiglu" if g.swiglu else "")
             )
         return "\n".join(lines)

@@ -75,9 +75,11 @@ def choose_tile(
     scaled: bool,
     sb_block_n: int = 1,
     bias: bool = False,
+    swiglu: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
-    `m_bound`: the most rows any leaf can have (None: unbounded or run-time)."""
+    `m_bound`: the most rows any leaf can have (None: unbounded or run-time); `swiglu`:
+    columns pair up (gate 2j, up 2j + 1), so a tile must hold whole pairs."""
     known = [n for n in n_extents if n is not None]
     skinny = bool(known) and len(known) == len(n_extents) and max(known) <= 32
     if m_bound is not None and m_bound <= 64:
@@ -94,6 +96,10 @@ def choose_tile(
         # A bias adds two loads per column pair to the epilogue: wider tiles' accumulators
         # and those together exceed the registers (ptxas spills), so at most 128.
         widths = tuple(w for w in widths if w <= MAX_BIAS_WIDTH)
+    if swiglu:
+        # Tiles start at multiples of their width: an even width never splits a gate/up
+        # pair between two tiles (every candidate is a multiple of 8 today).
+        widths = tuple(w for w in widths if w % 2 == 0)
     if len(known) < len(n_extents) or not known:
         tile_n = widths[0]
         why_n = f"{tile_n} columns (N is known only at run time: the widest tile)"

@@ -204,6 +204,7 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         tile_n=sig.tile_n,
         cluster=sig.cluster,
         epilogue=sig.epilogue,
+        swiglu=sig.swiglu,
     )
 
 

@@ -32,6 +32,7 @@ FP8_TYPES = frozenset({"e4m3", "e5m2"})
 EPILOGUE_KINDS = ("alpha", "row", "bias")  # the order the epilogue applies them
 OPERAND_TYPES = frozenset({"e4m3", "e5m2", "bf16", "f16"})
 OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
+SWIGLU_OUTPUT_TYPES = ("bf16", "f32")
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_INTERP: dict[str, str] = {"e4m3": "__NV_E4M3", "e5m2": "__NV_E5M2"}
@@ -134,6 +135,9 @@ class GemmKernelConfig:
     # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
     # per-leaf scalar), "row" (a per-row weight), "bias" (a per-column bias).
     epilogue: tuple[tuple[str, str], ...] = ()
+    # SwiGLU: tile columns 2j (gate) and 2j + 1 (up) become D's column j, silu(gate) * up,
+    # before the epilogue operands; D is addressed by its own (half as many) columns.
+    swiglu: bool = False
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -213,6 +217,15 @@ class GemmKernelConfig:
         for _, t in self.epilogue:
             if t not in OUTPUT_TYPES:
                 raise ValueError(f"epilogue operand types must be in {sorted(OUTPUT_TYPES)}, got {t}")
+        if self.swiglu:
+            if self.accumulate or self.d_type not in SWIGLU_OUTPUT_TYPES:
+                raise ValueError(f"a SwiGLU stores (no +=) into {' or '.join(SWIGLU_OUTPUT_TYPES)}")
+            if "bias" in kinds:
+                raise ValueError("a SwiGLU takes no bias")
+            if self.tile_n % 2:
+                raise ValueError("a SwiGLU tile holds whole gate/up column pairs: tile_n must be even")
+            if self.store_tma:
+                raise ValueError("a SwiGLU stores from registers (its output tile is half the tile's width)")
 
     @property
     def element_bytes(self) -> int:
@@ -289,7 +302,10 @@ class GemmKernelConfig:
         return self.scaled and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
 
     def _store_tma_pays(self) -> bool:
-        if not self.store_tma_possible:
+        if not self.store_tma_possible or self.swiglu:
+            # A SwiGLU's output tile is TILE_N / 2 columns wide, which the staging boxes (and
+            # the D map's box width) do not describe; from registers it needs no shared memory,
+            # so the ring keeps those stages.
             return False
         if self.bias_crowds_registers():
             # Two accumulator tiles, the bias loads and the staging addresses do not fit
@@ -368,6 +384,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_lean" if cfg.lean_registers else "_roomy"
     if cfg.epilogue:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
+    if cfg.swiglu:
+        staged += "_swiglu"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -462,6 +480,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         smem_bytes=cfg.smem_bytes,
         mma=wgmma_struct(cfg.tile_n, cfg.a_type, cfg.b_type),
         epilogue=dict(cfg.epilogue),
+        swiglu=cfg.swiglu,
     )
 
 

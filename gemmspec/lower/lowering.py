@@ -191,6 +191,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         cluster=plan.cluster,
         tile_k=128 if fp8 else 64,
         epilogue=tuple((e.kind, e.dtype) for e in epilogue),
+        swiglu=gemm.swiglu,
     )
     return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
 

@@ -201,11 +201,16 @@ class KernelSignature:
     tile_k: int
     cluster: int = 1  # CTAs per cluster along N, multicasting A
     epilogue: tuple[tuple[str, str], ...] = ()  # (kind, element type) of each epilogue operand
+    # Columns 2j (gate) and 2j + 1 (up) of a tile become D's column j, silu(gate) * up;
+    # D's offset and strides address D's own columns.
+    swiglu: bool = False
 
     @property
     def epilogue_name(self) -> str:
-        """`_e` plus one letter and type per operand (empty without an epilogue)."""
-        return "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
+        """`_e` plus one letter and type per operand (empty without an epilogue), then
+        `_swiglu` for a SwiGLU."""
+        name = "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
+        return name + ("_swiglu" if self.swiglu else "")
 
     @property
     def name(self) -> str:
@@ -245,6 +250,8 @@ class Launch:
         lines = [head, f"  kernel {self.signature.name}"]
         if self.note:
             lines.append(f"  {self.note}")
+        if self.signature.swiglu:
+            lines.append("  swiglu: D(m, j) = silu(acc(m, 2j)) * acc(m, 2j + 1); D's n below is j")
         lines += ["  " + ln for ln in str(self.problems).splitlines()]
         return "\n".join(lines)
 

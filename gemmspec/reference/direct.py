@@ -84,6 +84,8 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
         im, in_, ik = (np.flatnonzero(masks[r]) for r in "mnk")
         # Only the rows, columns and contraction range this leaf covers.
         part = a[np.ix_(im, ik)] @ b[np.ix_(in_, ik)].T
+        if gemm.swiglu:
+            part, in_ = swiglu_pairs(part, in_)
         part = apply_epilogue(gemm, data, at, im, in_, part)
         sel = _out_index(gemm, at)
         view = total[sel]
@@ -97,6 +99,22 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
     if gemm.accumulate:
         return out + total
     return np.where(written, total, out)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x / (1 + exp(-x)) in float64; exp overflows to inf for x < -709, where silu is -0."""
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def swiglu_pairs(part: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """h[:, j] = silu(part[:, 2j]) * part[:, 2j + 1] over the product's columns `cols`
+    (rows of the interleaved weight): each gate column 2j with its up column 2j + 1 is
+    output column j. Returns h and its output columns."""
+    gate = np.flatnonzero(cols % 2 == 0)
+    up = np.searchsorted(cols, cols[gate] + 1)
+    assert np.array_equal(cols[np.minimum(up, len(cols) - 1)], cols[gate] + 1), "unpaired gate row"
+    return silu(part[:, gate]) * part[:, up], cols[gate] // 2
 
 
 def apply_epilogue(gemm: Gemm, data: dict[str, TensorData], at: dict[str, int], im: np.ndarray, in_: np.ndarray, part: np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ from .data import (
     scale_offsets,
     segments,
 )
-from .direct import chain_names
+from .direct import chain_names, swiglu_pairs
 
 K_BLOCK = 128
 
@@ -112,6 +112,9 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
                 sb = _gather(flat[pg.sb.tensor], pg.sb, env, rn // pg.sb.block[0], np.array([k0 // pg.sb.block[1]]))
                 part = part * sa * sb.T
             acc += part
+        if sig.swiglu:
+            # Gate column 2j and up column 2j + 1 become D's column j (N is even).
+            acc, rn = swiglu_pairs(acc, rn)
         for e in pg.epilogue:
             # The kernel's order: the f32 accumulator times the scalar and the row weight,
             # plus the bias, before the conversion to D's type.

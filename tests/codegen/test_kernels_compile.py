@@ -83,6 +83,20 @@ GEMM_CONFIGS = {
     "bf16_m64_epi_alpha": GemmKernelConfig(
         "bf16", "bf16", "f32", tile_m=64, tile_n=16, epilogue=(("alpha", "f32"),)
     ),
+    # SwiGLU (stored from registers): the FP8 forward tile and the widest scaled one with a
+    # row weight, the widest BF16 tile in CTA pairs with both factors, a skinny f32 one.
+    "e4m3_swiglu_bf16": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, swiglu=True
+    ),
+    "e4m3_n192_swiglu_row": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192, swiglu=True,
+        epilogue=(("row", "f32"),),
+    ),
+    "bf16_wide_swiglu_all": GemmKernelConfig(
+        "bf16", "bf16", "bf16", tile_n=256, cluster=2, swiglu=True,
+        epilogue=(("alpha", "f32"), ("row", "bf16")),
+    ),
+    "bf16_m64_swiglu_f32": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, swiglu=True),
 }
 
 
@@ -133,6 +147,10 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     else:
         want = f"HGMMA.64x{cfg.tile_n}x16.F32{sass_type[cfg.a_type]}"
     assert ops == {want}, ops
+    # SwiGLU: one fast exponential per output element, lanes pairing up their columns.
+    exps = len(re.findall(r"\bMUFU\.EX2\b", sass))
+    assert exps == (cfg.tile_n // 4 if cfg.swiglu else 0), exps
+    assert bool(re.search(r"\bSHFL\.BFLY\b", sass)) == cfg.swiglu
 
 
 def test_requant_compiles(compiled) -> None:
@@ -153,6 +171,15 @@ def test_names_are_procedural_and_distinct() -> None:
     assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store_tma"
     assert GEMM_CONFIGS["bf16_store"].tile_k == 64
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
+
+
+def test_swiglu_code_only_in_swiglu_kernels() -> None:
+    for key, cfg in GEMM_CONFIGS.items():
+        source = render_gemm(cfg)
+        assert ("silu" in source) == cfg.swiglu, key
+        assert cfg.name.endswith("_swiglu") == cfg.swiglu, key
+    plain = dataclasses.replace(GEMM_CONFIGS["e4m3_swiglu_bf16"], swiglu=False, name="", stages=0, store_tma=None)
+    assert plain == GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
 
 
 def test_render_is_deterministic() -> None:
@@ -188,6 +215,11 @@ def test_smem_bytes_matches_layout() -> None:
     assert bf.store_tma and bf.stages == 3 and bf.smem_bytes == 1024 + 128 * 256 * 2 + 3 * (384 * 64 * 2 + 16)
     bf32 = GemmKernelConfig("bf16", "bf16", "f32", tile_n=256)
     assert not bf32.store_tma and bf32.stages == 4
+    # A SwiGLU stores from registers: no staging, so the ring is deeper than the staged
+    # kernel's of the same tile.
+    sw = GEMM_CONFIGS["e4m3_swiglu_bf16"]
+    assert not sw.store_tma and sw.staging_bytes == 0 and sw.stages == 7
+    assert sw.smem_bytes == 1024 + 7 * (256 * 128 + 16)
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
     assert dataclasses.replace(GEMM_CONFIGS["bf16_skinny_m64"], name="", stages=0, ctas_per_sm=1).stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())
@@ -230,6 +262,11 @@ def test_sources_include_only_toolkit_headers() -> None:
         # Consumers read one or two B scales per tile, never per-column ones.
         dict(a_type="e4m3", b_type="e4m3", d_type="f32", scaled=True, sa_bm=1, sb_bn=1, consumer_scales=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", consumer_scales=True),
+        # A SwiGLU stores BF16 or F32 from registers, with no bias.
+        dict(a_type="bf16", b_type="bf16", d_type="f32", accumulate=True, swiglu=True),
+        dict(a_type="bf16", b_type="bf16", d_type="f16", swiglu=True),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", swiglu=True, store_tma=True),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", swiglu=True, epilogue=(("bias", "f32"),)),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:

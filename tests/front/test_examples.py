@@ -19,6 +19,7 @@ EXPECTED = {
     "moe_fp8_forward": ("flatten", [8], []),
     "moe_bf16_forward": ("flatten", [8], []),
     "moe_masked_decode": ("flatten", [8], []),
+    "moe_swiglu_fp8": ("flatten", [8], []),
     "lora_moe_nested": ("flatten", [32], []),
     "lora_moe_scaled": ("flatten", [32], []),
     "lora_qkv_slices": ("flatten", [12], []),

@@ -65,7 +65,7 @@ CHARACTERS = [
 WORDS = [
     "dim", "group", "tensor", "sum", "in", "layout", "scale", "per", "as", "ragged", "split",
     "uniform", "masked", "within", "offsets", "sizes", "counts", "row_major", "major",
-    "strides", "segment_major", "pad", "requantize", "transpose", "flatten", "target", "tile",
+    "strides", "segment_major", "pad", "requantize", "transpose", "flatten", "target", "tile", "silu",
     "e4m3", "e5m2", "bf16", "f16", "f32", "int", "gs_x", "T_blocks", "a" * 70,
 ]
 

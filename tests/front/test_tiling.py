@@ -72,3 +72,10 @@ def test_tile_directive_pins_the_tile_without_pairs():
     exe = gemmspec.build(spec)
     (launch,) = exe.program.launches
     assert (launch.gemm.tile_m, launch.gemm.tile_n, launch.gemm.cluster) == (64, 64, 1)
+
+
+@pytest.mark.parametrize("scaled, sb_bn", [(False, 1), (True, 128), (True, 1)])
+@pytest.mark.parametrize("n", [[None], [2816], [48], [7168]])
+def test_swiglu_tiles_hold_whole_gate_up_pairs(n, scaled, sb_bn):
+    # Tiles start at multiples of their width, so an even width never splits a pair.
+    assert choose_tile(n, None, scaled, sb_bn, swiglu=True).tile_n % 2 == 0

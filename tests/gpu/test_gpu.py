@@ -22,6 +22,7 @@ EXAMPLE_CASES = {
     "moe_fp8_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_bf16_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_masked_decode": ({"expert": [0, 1, 127, 129, 256, 200, 64, 3]}, {}),
+    "moe_swiglu_fp8": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "lora_moe_nested": (None, {"T": 3000}),
     "lora_moe_scaled": ({"lora": [0, 1, 4097, 1813], "expert": None}, {}),
     "lora_qkv_slices": ({"lora": [0, 129, 4097, 1]}, {}),
