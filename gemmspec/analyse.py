@@ -109,7 +109,10 @@ def b_scale_block_n(spec: Spec, g: Gemm) -> int:
 def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     scaled = spec.tensor(g.a.tensor).scale is not None
     bias = g.epilogue_of("bias") is not None
-    return choose_tile(n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, g.swiglu)
+    return choose_tile(
+        n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
+        per_channel=spec.per_channel(g),
+    )
 
 
 def _where(spec: Spec, at: SourceLocation | None) -> SourceLocation:

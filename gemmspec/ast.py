@@ -134,7 +134,7 @@ class LayoutDecl:
 @dataclass(frozen=True)
 class ScaleDecl:
     dtype: Name
-    block: tuple[IntLit, ...]
+    block: tuple[IntLit | Name, ...]  # a Name: a compile-time dim's size (the checker resolves it)
     pos: Pos
     layout: LayoutDecl | None = None
     anchor: Name | None = None  # `per GROUP`: blocks restart at each group's start

@@ -166,6 +166,9 @@ def derive_backward(spec: Spec) -> Backward:
 
     for g in spec.gemms:
         reason = _eligible(spec, g)
+        if reason is None and spec.per_channel(g):
+            # The backward reuses the forward's scales along other contracted dims.
+            reason = "its FP8 scales are per-channel (one along the whole of K); the DGRAD and WGRAD would contract over N and T, along which those scales change every element"
         if reason is not None:
             skipped.append(Skipped(g.index, reason))
             continue

@@ -184,6 +184,18 @@ gemm masked {{
 }}
 """
 
+ROWWISE = """
+gemm moe_rowwise {{
+  dim T
+  dim N = {n}, K = {k}
+  group expert[E = {e}] = ragged(T, offsets = offs)
+  tensor x : e4m3 [T, K] scale f32 [1, K]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 1, K]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}}
+"""
+
 DENSE = """
 gemm dense {{
   dim T = {t}, N = {n}, K = {k}
@@ -270,6 +282,45 @@ def _fp8_grouped(name: str, lengths: list[int], n: int, k: int, repeat: int) -> 
         )
     )
     return out
+
+
+def case_fp8_rowwise(repeat):
+    """Per-channel scales (one per token, one per expert and column): the recipe torch's
+    `_scaled_grouped_mm` takes, computed by both on the same inputs and scales."""
+    torch = _torch()
+    lengths, n, k = [4096] * 8, 4096, 7168
+    e, t = len(lengths), sum(lengths)
+    exe = _build(ROWWISE.format(n=n, k=k, e=e))
+    x, w = _fp8((t, k)), _fp8((e, n, k))
+    sa, sb = _scales((t,)), _scales((e, n))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    offs = _offsets(lengths)
+    run = exe.prepare(
+        torch.cuda.current_stream(), x=x, x_scale=sa.view(t, 1), w=w, w_scale=sb.view(e, n, 1), y=y, offs=offs
+    )
+    run.enqueue()
+    torch.cuda.synchronize()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    outs, refs = [], []
+    for ei in range(e):
+        rows = ei * lengths[0] + torch.randperm(lengths[ei], generator=g)[:96].cuda()
+        xa = x[rows].to(torch.float64) * sa[rows, None].to(torch.float64)
+        wb = w[ei].to(torch.float64) * sb[ei, :, None].to(torch.float64)
+        outs.append(y[rows])
+        refs.append(xa @ wb.t())
+    check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    ends = offs[1:].contiguous()
+    return [
+        _result("fp8_rowwise_G8x4096_N4096_K7168", "gemmspec (per-channel scales)", _time(run.enqueue, repeat), flops,
+                check=check),
+        _result(
+            "fp8_rowwise_G8x4096_N4096_K7168",
+            "torch._scaled_grouped_mm (rowwise scales)",
+            _time(lambda: torch._scaled_grouped_mm(x, w.transpose(-2, -1), sa, sb, offs=ends, out_dtype=torch.bfloat16), repeat),
+            flops,
+        ),
+    ]
 
 
 def case_fp8_g8(repeat):
@@ -464,6 +515,8 @@ CASES = [
     Case("bf16_fwd_G8x4096_N4096_K7168", "BF16 M-grouped, 8 x 4096 tokens", Target(vs_torch=1.05), case_bf16),
     Case("fp8_wgrad_G8x4096_N4096_K7168", "FP8 WGRAD K-grouped 128x1, FP32 +=", Target(1040), case_wgrad),
     Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130), case_masked),
+    Case("fp8_rowwise_G8x4096_N4096_K7168", "FP8 per-channel scales M-grouped, 8 x 4096 tokens", Target(vs_torch=1.2),
+         case_fp8_rowwise),
     Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1), case_dense),
     Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24), case_lora, memory_bound=True),
 ]

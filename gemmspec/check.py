@@ -585,12 +585,13 @@ class _Checker:
                 f"{len(t.shape)} dims",
                 s.pos,
             )
-        for b in s.block:
-            if b.value <= 0:
+        sizes = tuple(self.block_size(b) for b in s.block)
+        for b, size in zip(s.block, sizes):
+            if size <= 0:
                 raise self.error("scale block sizes must be positive", b.pos)
-            if b.value > MAX_SCALE_BLOCK:
+            if size > MAX_SCALE_BLOCK:
                 raise self.error(
-                    f"scale block {b.value} is larger than {MAX_SCALE_BLOCK} (2^20); for one "
+                    f"scale block {size} is larger than {MAX_SCALE_BLOCK} (2^20); for one "
                     "scale along a whole dim use a block at least as large as the dim, up to "
                     "that limit",
                     b.pos,
@@ -621,16 +622,16 @@ class _Checker:
         # spelled `ceil(T/128)`, which no name can be, so it never meets a user's dim.
         grid: list[Poly] = []
         blocked_dim: dict[str, str] = {}  # block-count symbol -> its run-time dim
-        for n, b in zip(t.shape, s.block):
+        for n, b in zip(t.shape, sizes):
             d = self.dims[n.text]
             if d.size is not None:
-                grid.append(Poly.const(-(-d.size // b.value)))
-            elif b.value == 1:
+                grid.append(Poly.const(-(-d.size // b)))
+            elif b == 1:
                 grid.append(Poly.sym(d.name))
             else:
-                sym = f"ceil({d.name}/{b.value})"
+                sym = f"ceil({d.name}/{b})"
                 blocked_dim[sym] = d.name
-                self.worst[sym] = -(-MAX_EXTENT // b.value)
+                self.worst[sym] = -(-MAX_EXTENT // b)
                 grid.append(Poly.sym(sym))
         if s.layout is not None and s.layout.kind == "segment_major":
             raise self.error("scales cannot be segment_major; use row_major or major(...)", s.layout.pos)
@@ -644,7 +645,28 @@ class _Checker:
                     f"{dim} in a stride; keep {dim}'s blocks outermost (row_major)",
                     (s.layout or ast.LayoutDecl("row_major", s.pos)).pos,
                 )
-        return Scale(name.text, s.dtype.text, tuple(b.value for b in s.block), layout, anchor)
+        return Scale(name.text, s.dtype.text, sizes, layout, anchor)
+
+    def block_size(self, b: ast.IntLit | ast.Name) -> int:
+        """A scale block entry's size: a literal, or a compile-time dim's size."""
+        if isinstance(b, ast.IntLit):
+            return b.value
+        if b.text not in self.dims:
+            raise self.error(
+                f"scale block '{b.text}' is not a dim; a block entry is a size or the name "
+                "of a dim fixed at compile time",
+                b.pos,
+            )
+        size = self.dims[b.text].size
+        if size is None:
+            raise self.error(
+                f"scale block '{b.text}' names a dim known only at run time; a scale block "
+                "is a compile-time size",
+                b.pos,
+                f"one scale along the whole of a contracted dim (per-channel scales) needs "
+                f"the dim fixed at compile time: `dim {b.text} = SIZE`",
+            )
+        return size
 
     def check_derivation(self, t: ast.TensorDecl) -> None:
         if t.derived is None:
@@ -954,6 +976,22 @@ class _Checker:
                     f"declare '{out_t.name}' as bf16 (or f32)",
                 )
         epilogue = self.check_epilogue(s, k_var, role_of, batch_use, k_group_axis, access)
+        if epilogue and self._per_channel(gemm):
+            first = (s.factors + ((s.bias,) if s.bias is not None else ()))[0]
+            raise self.error(
+                f"epilogue operand '{first.tensor.text}' beside per-channel scales is not "
+                "supported yet: those kernels already scale the finished sum by SA(row) * "
+                "SB(column), and both together exceed the registers",
+                first.tensor.pos,
+                "apply the epilogue in a separate pass, or use 128-wide scale blocks along K",
+            )
+        if pair is not None and self._per_channel(gemm):
+            raise self.error(
+                "a SwiGLU beside per-channel scales is not supported yet: their two epilogues "
+                "have not been built into one kernel",
+                pair.gate.pos,
+                "use 128-wide scale blocks along K, or apply the SwiGLU in a separate pass",
+            )
         return replace(gemm, epilogue=epilogue) if epilogue else gemm
 
     # ---- SwiGLU ------------------------------------------------------------------------
@@ -1167,6 +1205,11 @@ class _Checker:
                     pair.gate.pos,
                     "split the rows (tokens) instead, or write one statement per segment",
                 )
+
+    def _per_channel(self, gemm: Gemm) -> bool:
+        a = self.tensors[gemm.a.tensor]
+        k_axis = gemm.a.axis_of_role("k")
+        return a.scale is not None and k_axis is not None and a.scale.block[k_axis] != KERNEL_K_BLOCK
 
     # ---- epilogue operands -----------------------------------------------------------------
     def check_epilogue(self, s: ast.Statement, k_var: str, role_of, batch_use, k_group_axis, access) -> tuple[EpilogueOperand, ...]:
@@ -1391,6 +1434,29 @@ class _Checker:
             # which also fixes the major-ness, so that is the more useful message.
             self.check_scale_blocks(gemm, acc, ref, t)
             self.check_k_major(gemm, acc, ref, t)
+        if a_fp8:
+            self.check_same_k_scaling(gemm, a_t, b_t)
+
+    def check_same_k_scaling(self, gemm: Gemm, a_t: Tensor, b_t: Tensor) -> None:
+        """Both operands blockwise (128 along K) or both per-channel (the whole K): the
+        kernel either promotes per K block or scales once in the epilogue, not both."""
+        kinds = []
+        for acc, t in ((gemm.a, a_t), (gemm.b, b_t)):
+            axis = acc.axis_of_role("k")
+            assert axis is not None and t.scale is not None
+            kinds.append((t.scale.block[axis] != KERNEL_K_BLOCK, t, axis))
+        if kinds[0][0] == kinds[1][0]:
+            return
+        (_, whole, axis), (_, blocked, _) = sorted(kinds, key=lambda x: not x[0])
+        kdim = whole.dims[axis]
+        raise self.error(
+            f"'{whole.name}' has one scale along the whole contracted dim {kdim} (per-channel), "
+            f"but '{blocked.name}' changes scale every {KERNEL_K_BLOCK} along it (blockwise); "
+            "both operands must be per-channel or both blockwise",
+            self.tensor_ast[whole.name].scale.block[axis].pos,
+            f"give both the block {kdim} along {kdim} (one scale per row of A and per column "
+            f"of B), or both {KERNEL_K_BLOCK}",
+        )
 
     def check_k_major(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
         k_axis = acc.axis_of_role("k")
@@ -1443,6 +1509,18 @@ class _Checker:
                     )
                 continue
             role = gemm.role(use.role)
+            if use.role == "k" and b != KERNEL_K_BLOCK and b == self.dims[dim].size:
+                # Per-channel: one scale along the whole of K, applied in the epilogue.
+                if role.group is not None:
+                    raise self.error(
+                        f"scale block {b} spans the whole contracted dim {dim}, but this "
+                        f"statement contracts over the segments of '{role.group}'; one scale "
+                        "along the whole of K (per-channel) is supported only for a "
+                        f"contraction over all of {dim}",
+                        pos,
+                        f"use {KERNEL_K_BLOCK}-wide blocks along {dim}",
+                    )
+                continue
             if use.role == "k":
                 if b < KERNEL_K_BLOCK:
                     raise self.error(
@@ -1454,9 +1532,16 @@ class _Checker:
                         self._requant_hint(gemm, t, axis),
                     )
                 if b != KERNEL_K_BLOCK:
+                    size = self.dims[dim].size
                     raise self.error(
                         f"scale block {b} along the contracted dim {dim} is not supported; "
-                        f"use {KERNEL_K_BLOCK}",
+                        f"use {KERNEL_K_BLOCK} (blockwise) or "
+                        + (
+                            f"{dim}'s whole extent {size} (per-channel)"
+                            if size is not None
+                            else f"fix {dim} at compile time for one scale along the whole of "
+                            "it (per-channel); a dim known only at run time takes 128 only"
+                        ),
                         pos,
                     )
             elif b != 1 and KERNEL_K_BLOCK % b and b % KERNEL_K_BLOCK:

@@ -120,7 +120,9 @@ def _kernel_line(spec: Spec, launch) -> str:
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
-    if cfg.scaled:
+    if cfg.per_channel:
+        parts.append("per-channel scales: the unscaled main loop, SA(row) * SB(column) in the epilogue")
+    elif cfg.scaled:
         count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]
         where = "staged by the producer"
         if cfg.consumer_scales:

@@ -201,7 +201,7 @@ class _ToAst(Transformer_NonRecursive):
         return _int(items[0])
 
     def block_shape(self, items):
-        return tuple(ast.IntLit(_int(t), _pos(t)) for t in items)
+        return tuple(_name(t) if t.type == "NAME" else ast.IntLit(_int(t), _pos(t)) for t in items)
 
     def scale_anchor(self, items):
         return ("anchor", _name(items[0]))

@@ -313,6 +313,16 @@ class Spec:
     def runtime_dims(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.dims if d.is_runtime)
 
+    def per_channel(self, g: Gemm) -> bool:
+        """Whether statement `g`'s FP8 scales span its whole (compile-time) K: one scale
+        per row of A and per column of B, applied once in the epilogue instead of per
+        KERNEL_K_BLOCK (the checker accepts only both operands or neither)."""
+        a = self.tensor(g.a.tensor)
+        k_axis = g.a.axis_of_role("k")
+        if a.scale is None or k_axis is None:
+            return False
+        return a.scale.block[k_axis] != KERNEL_K_BLOCK
+
     def __str__(self) -> str:
         lines = [f"spec {self.name}"]
         lines += [f"  dim {d}" for d in self.dims]

@@ -20,7 +20,9 @@ the wgmma limit. The choice trades three things, in this order:
    when the tile lies inside one B scale block, and two when it straddles at most one
    block boundary: with 128-column weight blocks that allows 144, 160 and 192 columns
    (TILE_N - 128 <= gcd(TILE_N, 128)) beside the divisors of 128. When B scales change
-   per column, widths are at most 128.
+   per column, widths are at most 128. Per-channel scales (one along the whole of K) run
+   the unscaled main loop and scale once in the epilogue: the unscaled widths up to 192
+   (at 256 the epilogue's scale loads beside the accumulators spill).
 
 4. **L2 traffic.** At full tensor-core rate a 128 x 128 FP8 tile streams about 64 bytes
    per cycle per SM out of L2, more than L2 can feed all 132 SMs. Two CTAs of a cluster
@@ -40,6 +42,9 @@ from dataclasses import dataclass
 UNSCALED_WIDTHS = (256, 192, 128, 96, 64, 48, 32, 16)
 SCALED_WIDTHS = (192, 160, 144, 128, 96, 64, 48, 32, 16)
 PER_COLUMN_SCALED_WIDTHS = (128, 96, 64, 48, 32, 16)
+# Per-channel scales: one accumulator tile like the unscaled kernels, but 256 columns
+# leave too few registers for the epilogue's scale loads (ptxas spills).
+PER_CHANNEL_WIDTHS = tuple(w for w in UNSCALED_WIDTHS if w <= 192)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,9 @@ class TileChoice:
 MAX_BIAS_WIDTH = 128
 
 
-def candidate_widths(scaled: bool, sb_block_n: int) -> tuple[int, ...]:
+def candidate_widths(scaled: bool, sb_block_n: int, per_channel: bool = False) -> tuple[int, ...]:
+    if per_channel:
+        return PER_CHANNEL_WIDTHS
     if not scaled:
         return UNSCALED_WIDTHS
     # One or two B scales per tile (see GemmKernelConfig.sb_mode); else one per column.
@@ -76,6 +83,7 @@ def choose_tile(
     sb_block_n: int = 1,
     bias: bool = False,
     swiglu: bool = False,
+    per_channel: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
     `m_bound`: the most rows any leaf can have (None: unbounded or run-time); `swiglu`:
@@ -91,7 +99,7 @@ def choose_tile(
         )
     else:
         tile_m, why_m = 128, "128-row tiles"
-    widths = candidate_widths(scaled, sb_block_n)
+    widths = candidate_widths(scaled, sb_block_n, per_channel)
     if bias:
         # A bias adds two loads per column pair to the epilogue: wider tiles' accumulators
         # and those together exceed the registers (ptxas spills), so at most 128.

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 from ..errors import GemmspecError
 from ..expr import Poly
-from ..lower.schedule import Extent, Launch, PrePass, ProblemGenerator, Schedule
-from ..spec import Spec
+from ..lower.schedule import Extent, KernelSignature, Launch, PrePass, ProblemGenerator, Schedule
+from ..spec import KERNEL_K_BLOCK, Spec
 from .kernels import (
     ELEMENT_BYTES,
     ENV,
@@ -188,6 +188,14 @@ def _symbols(pg: ProblemGenerator) -> set[str]:
     return {sym for p in polys for sym in p.symbols}
 
 
+def _k_block(sig: KernelSignature, block: tuple[int, int]) -> int:
+    """A scale's K block as the kernel takes it: 128, or 0 for the whole of K (the
+    checker allows no other, and per-channel scales do not depend on K's size)."""
+    if not sig.scaled:
+        return 128
+    return block[1] if block[1] == KERNEL_K_BLOCK else 0
+
+
 def gemm_config(launch: Launch) -> GemmKernelConfig:
     sig = launch.signature
     return GemmKernelConfig(
@@ -197,9 +205,9 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         accumulate=sig.accumulate,
         scaled=sig.scaled,
         sa_bm=sig.sa_block[0],
-        sa_bk=sig.sa_block[1] if sig.scaled else 128,
+        sa_bk=_k_block(sig, sig.sa_block),
         sb_bn=sig.sb_block[0],
-        sb_bk=sig.sb_block[1] if sig.scaled else 128,
+        sb_bk=_k_block(sig, sig.sb_block),
         tile_m=sig.tile_m,
         tile_n=sig.tile_n,
         cluster=sig.cluster,

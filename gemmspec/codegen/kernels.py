@@ -109,6 +109,11 @@ class GemmKernelConfig:
     one otherwise"; the ring then gets half the shared memory and the grid twice the blocks;
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
+
+    ``sa_bk == sb_bk == 0`` (scaled) means one scale along the whole of K: per-channel
+    scales. Such a kernel runs the unscaled main loop (no promotion per K block, one
+    accumulator tile, no scales staged) and multiplies the finished accumulators by
+    SA(row) * SB(column) before the epilogue.
     """
 
     a_type: str
@@ -151,8 +156,8 @@ class GemmKernelConfig:
             object.__setattr__(self, "ctas_per_sm", 2 if memory_bound else 1)
         self._validate()
         if self.consumer_scales is None:
-            object.__setattr__(self, "consumer_scales", self.scaled and self.sb_mode != 2)
-        elif self.consumer_scales and (not self.scaled or self.sb_mode == 2):
+            object.__setattr__(self, "consumer_scales", self.blockwise and self.sb_mode != 2)
+        elif self.consumer_scales and (not self.blockwise or self.sb_mode == 2):
             raise ValueError("consumers read scales only when a tile needs at most two B scales")
         if self.prefetch_scales is None:
             object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self.bias_crowds_registers())
@@ -195,8 +200,11 @@ class GemmKernelConfig:
         if self.scaled:
             if a not in FP8_TYPES:
                 raise ValueError("block scales are only supported on FP8 operands")
-            if not (self.sa_bk == self.sb_bk == self.tile_k == 128):
-                raise ValueError("scaled kernels need sa_bk == sb_bk == tile_k == 128")
+            if self.tile_k != 128 or not (self.sa_bk == self.sb_bk and self.sa_bk in (0, 128)):
+                raise ValueError(
+                    "scaled kernels need tile_k == 128 and sa_bk == sb_bk, 128 (blockwise) or 0 "
+                    "(the whole of K: per-channel)"
+                )
             if self.sa_bm < 1 or self.sb_bn < 1:
                 raise ValueError("scale block sizes must be positive")
         if self.tile_m not in (64, 128):
@@ -204,7 +212,9 @@ class GemmKernelConfig:
         if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
             raise ValueError("tile_n must be a multiple of 8 in [8, 256] (a wgmma N)")
         if self.scaled and self.tile_n > 192:
-            raise ValueError("scaled kernels keep two accumulators: tile_n must be <= 192")
+            # Blockwise: two accumulator tiles; per-channel: the scale loads beside a
+            # 256-wide accumulator tile spill.
+            raise ValueError("scaled kernels: tile_n must be <= 192")
         if self.tile_k <= 0 or self.tile_k * ELEMENT_BYTES[a] != SWIZZLE_BYTES:
             raise ValueError("tile_k must fill exactly one 128-byte swizzle row")
         if self.raster < 1:
@@ -247,12 +257,22 @@ class GemmKernelConfig:
         return self.consumer_warpgroups == 2
 
     @property
+    def per_channel(self) -> bool:
+        """One scale per row of A and per column of B over the whole of K."""
+        return self.scaled and self.sa_bk == 0
+
+    @property
+    def blockwise(self) -> bool:
+        """Scales per 128-wide K block: the main loop promotes after every K block."""
+        return self.scaled and not self.per_channel
+
+    @property
     def sb_mode(self) -> int:
         """B scales per tile and K block: 0 when every column of a tile lies in one B scale
         block (one scale), 1 when a tile straddles at most one block boundary (two scales;
         tile_n - sb_bn <= gcd(tile_n, sb_bn) guarantees it for tiles at multiples of tile_n),
-        2 otherwise (one scale per column). Unscaled kernels: 0."""
-        if not self.scaled or self.sb_bn % self.tile_n == 0:
+        2 otherwise (one scale per column). Unscaled and per-channel kernels: 0."""
+        if not self.blockwise or self.sb_bn % self.tile_n == 0:
             return 0
         if self.sb_bn % 8 == 0 and self.tile_n <= self.sb_bn + math.gcd(self.tile_n, self.sb_bn):
             return 1
@@ -299,7 +319,7 @@ class GemmKernelConfig:
         """A scaled tile wider than 128 columns with a fused bias: its consumers hold two
         accumulator tiles and the bias, with no registers left for staging addresses,
         scales loaded ahead or wgmma descriptors kept across the tile."""
-        return self.scaled and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
+        return self.blockwise and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
 
     def _store_tma_pays(self) -> bool:
         if not self.store_tma_possible or self.swiglu:
@@ -320,7 +340,7 @@ class GemmKernelConfig:
     @property
     def scale_bytes(self) -> int:
         """Scales of one stage: a float per tile row, then the B scales (sb_mode)."""
-        if not self.scaled or self.consumer_scales:
+        if not self.blockwise or self.consumer_scales:
             return 0
         floats = self.tile_m + (1, 2, self.tile_n)[self.sb_mode]
         return 16 * _ceil_div(floats, 4)  # padded to 16 bytes
@@ -370,13 +390,13 @@ def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
 
 def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     """Deterministic C identifier, e.g. gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store."""
-    scales = f"sa{cfg.sa_bm}x{cfg.sa_bk}_sb{cfg.sb_bn}x{cfg.sb_bk}" if cfg.scaled else "noscale"
+    scales = f"sa{cfg.sa_bm}x{cfg.sa_bk or 'K'}_sb{cfg.sb_bn}x{cfg.sb_bk or 'K'}" if cfg.scaled else "noscale"
     mode = "acc" if cfg.accumulate else "store"
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
     raster += f"o{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""
     cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
     staged = "_tma" if cfg.store_tma else ""
-    if cfg.scaled and cfg.sb_mode != 2 and not cfg.consumer_scales:
+    if cfg.blockwise and cfg.sb_mode != 2 and not cfg.consumer_scales:
         staged += "_smemscales"
     if cfg.consumer_scales and not cfg.prefetch_scales:
         staged += "_inplacescales"
@@ -453,7 +473,10 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         b_type=cfg.b_type,
         d_type=cfg.d_type,
         accumulate=cfg.accumulate,
-        scaled=cfg.scaled,
+        # SCALED in the template is the per-K-block promotion; per-channel kernels run the
+        # unscaled main loop and scale in the epilogue instead.
+        scaled=cfg.blockwise,
+        per_channel=cfg.per_channel,
         sa_bm=cfg.sa_bm,
         sa_bk=cfg.sa_bk,
         sb_bn=cfg.sb_bn,

@@ -97,6 +97,21 @@ GEMM_CONFIGS = {
         epilogue=(("alpha", "f32"), ("row", "bf16")),
     ),
     "bf16_m64_swiglu_f32": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, swiglu=True),
+    # Per-channel scales (sa_bk = sb_bk = 0: one along the whole of K): the unscaled main
+    # loop and SA(row) * SB(column) in the epilogue; the widest tile on both store paths,
+    # f32 +=, per-128-row A / per-128-column B scales on 64-row tiles.
+    "e4m3_rowwise_wide": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=192, cluster=2
+    ),
+    "e4m3_rowwise_wide_regs": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=192, store_tma=False
+    ),
+    "e4m3_rowwise_f32_acc": GemmKernelConfig(
+        "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=192
+    ),
+    "e4m3_rowwise_blocks_m64": GemmKernelConfig(
+        "e5m2", "e4m3", "f16", scaled=True, sa_bm=128, sa_bk=0, sb_bn=128, sb_bk=0, tile_m=64, tile_n=96
+    ),
 }
 
 

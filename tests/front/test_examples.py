@@ -25,6 +25,7 @@ EXPECTED = {
     "lora_qkv_slices": ("flatten", [12], []),
     "split_nest": ("split", [8, 4], []),
     "moe_fp8_wgrad": ("flatten", [8], []),
+    "moe_fp8_rowwise": ("flatten", [8], []),
     "linear_fp8_training": ("split", [1, 1, 1], ["transpose", "requantize", "requantize"]),
 }
 
