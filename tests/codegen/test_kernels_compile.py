@@ -287,3 +287,19 @@ def test_sources_include_only_toolkit_headers() -> None:
 def test_bad_configs_are_rejected(kwargs) -> None:
     with pytest.raises(ValueError):
         GemmKernelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("tile_n", [16, 32, 48, 64, 96, 128, 144, 160, 192])
+@pytest.mark.parametrize("sb_bn", [64, 128, 256])
+def test_every_boundary_column_has_its_main_loop(tile_n, sb_bn):
+    # The kernel dispatches `first = (SB_BN - n0 % SB_BN) / 8` to the main loops compiled for
+    # sb_splits[:-1], the last one serving every other value: each tile must land on the loop
+    # whose first-scale column groups are min(first, TILE_N / 8).
+    cfg = GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=sb_bn, tile_n=tile_n)
+    if cfg.sb_mode != 1:
+        assert cfg.sb_splits == ()
+        return
+    for n0 in range(0, 8 * sb_bn * tile_n, tile_n):
+        first = (sb_bn - n0 % sb_bn) // 8
+        compiled = first if first in cfg.sb_splits[:-1] else cfg.sb_splits[-1]
+        assert compiled == min(first, tile_n // 8), (n0, first, cfg.sb_splits)
