@@ -14,6 +14,17 @@ import gemmspec
 import gemmspec.torch as gt
 
 
+def _host_times(call, repeats: int = 200) -> list[float]:
+    """Host seconds of each of `repeats` calls (the GPU work they queue is waited for after)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return times
+
+
 def main() -> None:
     exe = gemmspec.build("examples/moe_fp8_forward.gspec")
     t, e = 8192, 8
@@ -27,28 +38,13 @@ def main() -> None:
     args = dict(x=x, x_scale=xs, w=w, w_scale=ws, y=y, expert_offsets=offs)
     exe(check=True, **args)  # compile, plan
     torch.cuda.synchronize()
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        exe(**args)
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    times = _host_times(lambda: exe(**args))
     print(f"host time per call: median {statistics.median(times) * 1e6:.1f} us, min {min(times) * 1e6:.1f} us")
     op = gt.op(exe)
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        op(**args)
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    times = _host_times(lambda: op(**args))
     print(f"host time per custom-op call: median {statistics.median(times) * 1e6:.1f} us")
     run = exe.prepare(torch.cuda.current_stream(), **args)
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        run.enqueue()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    times = _host_times(run.enqueue)
     print(f"host time per enqueue() of a prepared run: median {statistics.median(times) * 1e6:.1f} us")
     print("targets: <= 30 us per call, <= 10 us per enqueue()")
     big = torch.randn(16384, 16384, device=dev, dtype=torch.bfloat16)
