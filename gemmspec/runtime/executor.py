@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import os
 import sys
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -617,7 +618,11 @@ class Executable:
         arrays = dict(bound.arrays) if keep else {}
         run = PreparedRun(stream, workspace=[], device=device, arrays=arrays)
         run.names = tuple(bound.arrays)
-        run.executable, run.dims = self, dict(bound.dims)
+        # A cached plan refers back weakly: a cycle would leave its workspaces to the
+        # cyclic collector, which may free them in the middle of someone's CUDA-graph
+        # capture (a free on another stream then invalidates the capture).
+        run.executable = self if keep else weakref.proxy(self)
+        run.dims = dict(bound.dims)
         if self._writes_nothing(bound.dims):
             return run
         with on_device(device):
@@ -727,7 +732,7 @@ class PreparedRun:
         if not failed:
             return
         exe = self.executable
-        if exe is not None:  # the host checks say it with the values
+        if exe is not None:  # the host checks say it with the values (its executable lives)
             arrays = self.arrays if arrays is None else arrays
             offsets = exe._check_group_values(arrays, self.dims)
             for t in exe.spec.tensors:

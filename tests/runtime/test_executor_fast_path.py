@@ -270,3 +270,22 @@ def test_a_failed_launch_raises(monkeypatch):
     bound = bare_kernel([8]).bind(1, 32, 0, HandleStream(), [None], {0: 0})
     with pytest.raises(GemmspecError, match="launching k .* failed: CUDA_ERROR_INVALID_VALUE"):
         bound.launch((16,))
+
+
+def test_a_dropped_executable_frees_its_plans_without_the_cyclic_collector(offline):
+    # Workspaces left to the cyclic collector may be freed in the middle of a CUDA-graph
+    # capture elsewhere, which invalidates it: plans must not refer back strongly.
+    import gc
+    import weakref
+
+    exe = gemmspec.build(FORWARD)
+    gc.disable()
+    try:
+        exe(**forward_args())
+        buffers = [weakref.ref(b) for run in exe._plans.values() for b in run.workspace]
+        assert buffers
+        launches()  # the fake kernels' record of arguments holds buffers too
+        del exe
+        assert all(ref() is None for ref in buffers)
+    finally:
+        gc.enable()
