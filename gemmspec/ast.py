@@ -143,7 +143,7 @@ class ScaleDecl:
 
 @dataclass(frozen=True)
 class Derivation:
-    op: Name  # "requantize" or "transpose"
+    op: Name  # "requantize", "transpose" or "quantize"
     source: Name
 
 

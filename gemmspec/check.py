@@ -51,6 +51,12 @@ from .spec import (
 )
 from .tiling import MAX_BIAS_WIDTH
 
+# What quantize(...) reads and the scale blocks its kernel writes (on the last two dims).
+QUANTIZE_SOURCE_TYPES = frozenset({"bf16", "f16", "f32"})
+QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
+# Derivations whose pre-pass writes the target's scales.
+SCALING_OPS = frozenset({"requantize", "quantize"})
+
 # Names a spec may not use: they reach emitted C++ as parameter and symbol names.
 CXX_RESERVED = frozenset(
     """
@@ -690,6 +696,9 @@ class _Checker:
                 f"'{t.name.text}' is declared [{', '.join(target.dims)}]",
                 src.pos,
             )
+        if op.text == "quantize":
+            self._check_quantize(source, target, op.pos)
+            return
         if source.dtype not in FP8_TYPES or target.dtype not in FP8_TYPES:
             raise self.error(
                 f"{op.text} works on FP8 tensors: '{src.text}' is {source.dtype} and "
@@ -715,6 +724,24 @@ class _Checker:
                         f"to {b_dst}",
                         op.pos,
                     )
+
+    def _check_quantize(self, source: Tensor, target: Tensor, pos: ast.Pos) -> None:
+        """quantize turns an unscaled high-precision tensor into FP8 with fresh scales."""
+        if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
+            what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
+            raise self.error(
+                f"quantize reads an unscaled bf16, f16 or f32 tensor, but '{source.name}' is {what}",
+                pos,
+                "use requantize(...) to change the scale blocks of an FP8 tensor"
+                if source.dtype in FP8_TYPES else None,
+            )
+        if target.dtype not in FP8_TYPES or target.scale is None:
+            what = f"{target.dtype} with no scale" if target.dtype in FP8_TYPES else target.dtype
+            raise self.error(
+                f"quantize writes an FP8 (e4m3, e5m2) tensor with a scale, but '{target.name}' "
+                f"is {what}",
+                pos,
+            )
 
     def _chain_message(self, name: str, source: Tensor) -> tuple[str, str]:
         """Derivations do not chain: follow the sources to the tensor that is passed in
@@ -1606,8 +1633,8 @@ class _Checker:
             t, decl = self.tensors[name], self.tensor_ast[name]
             pos = decl.layout.pos if decl.layout else decl.name.pos
             self._check_injective(t.name, t.dims, t.layout, pos)
-            if t.derived is not None and t.derived.op == "requantize" and t.scale is not None:
-                # A requantize pass writes the target's scales too.
+            if t.derived is not None and t.derived.op in SCALING_OPS and t.scale is not None:
+                # A requantize or quantize pass writes the target's scales too.
                 assert decl.scale is not None
                 spos = decl.scale.layout.pos if decl.scale.layout else decl.scale.pos
                 self._check_injective(f"{t.name}'s scale", t.dims, t.scale.layout, spos, t.scale.block)
@@ -1676,6 +1703,9 @@ class _Checker:
                 continue  # a derived tensor nobody reads gets no pre-pass
             src = self.tensors[t.derived.source]
             op = self.tensor_ast[t.name].derived.op
+            if t.derived.op == "quantize":
+                self._check_quantize_emittable(src, t, op.pos)
+                continue
             assert src.scale is not None and t.scale is not None
             if t.derived.op == "transpose":
                 self._check_transpose_emittable(src, t, op.pos)
@@ -1782,6 +1812,50 @@ class _Checker:
                 f"from channel 0, but they are declared per '{src.scale.anchor}'",
                 pos,
             )
+
+    def _check_quantize_emittable(self, src: Tensor, t: Tensor, pos: ast.Pos) -> None:
+        # One warp per [1, 128] block or one CTA per [128, 128] block: rows are read along
+        # the source's contiguous last dim, the target and its scale grid written dense
+        # and row-major.
+        assert t.scale is not None
+        rank = src.rank
+        wrong = []
+        if rank not in (2, 3):
+            wrong.append(f"'{src.name}' is {rank}-D")
+        else:
+            if src.layout.kind != "strided" or src.layout.contiguous_axis() != rank - 1:
+                wrong.append(f"'{src.name}' is {src.layout}, its last dim {src.dims[-1]} not contiguous")
+            sizes = [self._size_poly(d) for d in t.dims]
+            if t.layout.kind != "strided" or t.layout.strides != tuple(_row_major(sizes, None)):
+                wrong.append(f"'{t.name}' is {t.layout}, not row_major without padding")
+            block = t.scale.block
+            if block[:-2] != (1,) * (rank - 2) or block[-2:] not in QUANTIZE_BLOCKS:
+                wrong.append(f"'{t.name}' has scale blocks {list(block)}")
+            elif t.scale.anchor is not None:
+                wrong.append(f"its scale blocks restart per '{t.scale.anchor}'")
+            elif t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
+                wrong.append(f"its scale layout is {t.scale.layout}")
+        if wrong:
+            blocks = "[1, 1, 128] or [1, 128, 128]" if rank == 3 else "[1, 128] or [128, 128]"
+            raise self.error(
+                f"quantize({src.name}) is generated only from a 2-D [R, C] or 3-D [B, R, C] "
+                f"tensor with C contiguous into a row_major FP8 tensor with {blocks} scale "
+                f"blocks from index 0 (no `per GROUP`), scales in the default layout: "
+                + "; ".join(wrong),
+                pos,
+            )
+
+    def _scale_grid(self, t: Tensor) -> list[Poly]:
+        """Blocks per dim of `t`'s scale grid, spelled as `check_scale` spells them."""
+        assert t.scale is not None
+        grid = []
+        for d, b in zip(t.dims, t.scale.block):
+            size = self.dims[d].size
+            if size is not None:
+                grid.append(Poly.const(-(-size // b)))
+            else:
+                grid.append(Poly.sym(d if b == 1 else f"ceil({d}/{b})"))
+        return grid
 
     def _anchor_along(self, t: Tensor, axis: int) -> str | None:
         """The group whose segments restart `t`'s scale blocks along dim `axis`, if any."""

@@ -90,7 +90,10 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
                 "target": p.target,
                 "source_layout": p.source_layout,
                 "target_layout": p.target_layout,
-                "source_scale": {"name": p.source_scale, "block": list(p.source_block)},
+                "source_scale": (
+                    {"name": p.source_scale, "block": list(p.source_block)}
+                    if p.source_scale is not None else None  # quantize: an unscaled source
+                ),
                 "target_scale": {"name": p.target_scale, "block": list(p.target_block)},
                 "anchored_per": p.anchor,
                 "before_launches": list(p.reads_before),

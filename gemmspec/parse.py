@@ -39,7 +39,7 @@ _TERMINAL_WORDS = {
     "INT": "an integer",
     "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32)",
     "ASSIGN": "'=' or '+='",
-    "DERIVE_OP": "'requantize' or 'transpose'",
+    "DERIVE_OP": "'requantize', 'transpose' or 'quantize'",
     "LBRACE": "'{'",
     "RBRACE": "'}'",
     "LSQB": "'['",

@@ -130,7 +130,7 @@ class Scale:
 
 @dataclass(frozen=True)
 class Derivation:
-    op: str  # "requantize" or "transpose"
+    op: str  # "requantize", "transpose" or "quantize"
     source: str
 
 

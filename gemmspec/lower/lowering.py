@@ -3,7 +3,7 @@
 For each planned launch this module writes the problem generator: leaf extents
 from the groups, and every operand's and scale's address as polynomials over the
 per-leaf symbols described in `schedule.py`. It also plans the pre-passes that
-produce derived (requantized or transposed) operands.
+produce derived (quantized, requantized or transposed) operands.
 """
 
 from __future__ import annotations
@@ -199,16 +199,16 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
 def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
     assert t.derived is not None and t.scale is not None
     src = spec.tensor(t.derived.source)
-    assert src.scale is not None
+    assert src.scale is not None or t.derived.op == "quantize"
     return PrePass(
         kind=t.derived.op,
         source=src.name,
         target=t.name,
         source_layout=str(src.layout),
         target_layout=str(t.layout),
-        source_scale=src.scale.name,
+        source_scale=src.scale.name if src.scale else None,
         target_scale=t.scale.name,
-        source_block=src.scale.block,
+        source_block=src.scale.block if src.scale else (),
         target_block=t.scale.block,
         anchor=t.scale.anchor,
         reads_before=readers,

@@ -263,6 +263,8 @@ class PrePass:
     kind "requantize": dequantize `source` with its scales, transpose so the new
     contracted dim is contiguous, and quantize again with the target's blocks, in
     one FP8-in, FP8-out pass. kind "transpose": move bytes only, scales kept.
+    kind "quantize": quantize an unscaled bf16/f16/f32 source into FP8 with fresh
+    scales (the source has no scale: `source_scale` is None, `source_block` empty).
     """
 
     kind: str
@@ -270,7 +272,7 @@ class PrePass:
     target: str
     source_layout: str
     target_layout: str
-    source_scale: str
+    source_scale: str | None
     target_scale: str
     source_block: tuple[int, ...]
     target_block: tuple[int, ...]
@@ -282,6 +284,12 @@ class PrePass:
             return (
                 f"transpose {self.source} ({self.source_layout}) -> {self.target} "
                 f"({self.target_layout}); scales {list(self.source_block)} move with it"
+            )
+        if self.kind == "quantize":
+            return (
+                f"quantize {self.source} ({self.source_layout}) -> {self.target} "
+                f"({self.target_layout}, scales {list(self.target_block)}): amax per block, "
+                "scale = amax / FP8 max, one pass"
             )
         anchor = f" per {self.anchor}" if self.anchor else ""
         return (

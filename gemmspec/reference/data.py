@@ -118,6 +118,26 @@ def requantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor)
     return q, grid
 
 
+def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """quantize(SOURCE) of unscaled values (docs/language.md, section 7): (fp8 values,
+    scale grid). Float32 throughout, as the kernel computes it: amax per block
+    (NaN ignored), scale = amax / FP8 max by true division (1 for an all-zero block),
+    then x / scale rounded to nearest even, saturated to the finite range."""
+    sc = target.scale
+    assert sc is not None
+    x = np.asarray(real, dtype=np.float32)  # exact: the source holds bf16/f16/f32 values
+    fp8_max = np.float32(FP8_MAX[target.dtype])
+    blocks = [block_index(spec, rt, target, a) for a in range(target.rank)]
+    amax = np.zeros(scale_grid_shape(spec, rt, target), dtype=np.float32)
+    np.fmax.at(amax, np.ix_(*blocks), np.abs(x))
+    with np.errstate(invalid="ignore"):
+        grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
+        scale = grid[np.ix_(*blocks)]
+        with np.errstate(divide="ignore"):
+            ratio = np.clip(x / scale, -fp8_max, fp8_max)  # NaN stays NaN
+    return ratio.astype(NUMPY_TYPES[target.dtype]).astype(np.float64), grid
+
+
 # ---- storage ------------------------------------------------------------------------------
 
 

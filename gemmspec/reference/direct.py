@@ -4,7 +4,7 @@ No schedule, no layouts, no offsets formulas: each statement is evaluated as its
 index notation says, with group membership taken from the definitions of
 ragged, split, uniform and masked groups. Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
-blocks; transpose: same values).
+blocks; quantize: the same rounding from unscaled values; transpose: same values).
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ import numpy as np
 
 from ..analyse import dependency_order
 from ..spec import Gemm, Spec
-from .data import Runtime, TensorData, dim_size, real_values, requantize_values, segments
+from .data import (
+    Runtime,
+    TensorData,
+    dim_size,
+    quantize_values,
+    real_values,
+    requantize_values,
+    segments,
+)
 
 
 def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, TensorData]:
@@ -27,6 +35,9 @@ def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, Te
         src = spec.tensor(t.derived.source)
         if t.derived.op == "transpose":
             out[t.name] = TensorData(data[src.name].values, data[src.name].scale_grid)
+        elif t.derived.op == "quantize":
+            q, grid = quantize_values(spec, rt, data[src.name].values, t)
+            out[t.name] = TensorData(q, grid)
         else:
             real = real_values(spec, rt, src, data[src.name])
             q, grid = requantize_values(spec, rt, real, t)

@@ -27,6 +27,7 @@ from .data import (
     TensorData,
     element_offsets,
     pack,
+    quantize_values,
     real_values,
     requantize_values,
     scale_offsets,
@@ -135,10 +136,16 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
 
 
 def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]) -> None:
-    """Produce the target's buffers from the source's (FP8 in, FP8 and scales out)."""
+    """Produce the target's buffers from the source's (FP8 or, for quantize, bf16/f16/f32
+    in; FP8 and scales out)."""
     src, dst = spec.tensor(p.source), spec.tensor(p.target)
     src_off, dst_off = element_offsets(spec, rt, src), element_offsets(spec, rt, dst)
     q_src = flat[src.name][src_off]
+    if p.kind == "quantize":  # an unscaled source
+        q, grid = quantize_values(spec, rt, q_src, dst)
+        flat[dst.name] = pack(dst_off, q)
+        flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
+        return
     grid_src = flat[src.scale.name][scale_offsets(spec, rt, src)]
     if p.kind == "transpose":
         q, grid = q_src, grid_src

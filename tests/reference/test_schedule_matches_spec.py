@@ -90,6 +90,20 @@ gemm training {
 }
 """
 
+QUANTIZED = """
+gemm quantized {
+  dim T
+  dim N = 72, K = 200
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x   : bf16 [T, K]
+  tensor x_q : e4m3 [T, K] scale f32 [1, 128] = quantize(x)
+  tensor w   : f16 [E, N, K]
+  tensor w_q : e5m2 [E, N, K] scale f32 [1, 128, 128] = quantize(w)
+  tensor y   : bf16 [T, N]
+  y[t, n] = sum[k] x_q[t, k] * w_q[expert(t), n, k]
+}
+"""
+
 
 def both_executors(text: str, seed: int, lengths=None, dims=None):
     (lowered,) = lower_file(text)
@@ -157,6 +171,12 @@ def test_masked_counts(counts, seed):
 @given(t=st.sampled_from([1, 127, 129, 300]), seed=st.integers(0, 2**16))
 def test_forward_dgrad_wgrad_with_planned_passes(t, seed):
     assert_same(*both_executors(TRAINING, seed, dims={"T": t}))
+
+
+@SETTINGS
+@given(lengths=st.lists(EDGE_LENGTHS, min_size=4, max_size=4), seed=st.integers(0, 2**16))
+def test_quantize_prepasses(lengths, seed):
+    assert_same(*both_executors(QUANTIZED, seed, {"expert": lengths}))
 
 
 def test_zero_tokens_everywhere():

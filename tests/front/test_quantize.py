@@ -1,0 +1,190 @@
+"""quantize(SOURCE): an unscaled bf16/f16/f32 tensor into FP8 with fresh block scales.
+Valid shapes check and lower to one pre-pass; everything else is a located error at
+the `quantize` of the declaration."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemmspec.check import check
+from gemmspec.errors import SpecError
+from gemmspec.parse import parse
+from gemmspec.pipeline import lower_file
+
+TOKENS = """\
+gemm g {
+  dim T
+  dim N = 256, K = 200
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x   : bf16 [T, K]
+  tensor x_q : e4m3 [T, K] scale f32 [1, 128] = quantize(x)
+  tensor w   : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y   : bf16 [T, N]
+  y[t, n] = sum[k] x_q[t, k] * w[expert(t), n, k]
+}
+"""
+
+DENSE = """\
+gemm g {
+  dim T
+  dim N = 256, K = 200
+  tensor x   : bf16 [T, K]
+  tensor x_q : e4m3 [T, K] scale f32 [128, 128] = quantize(x)
+  tensor w   : e4m3 [N, K] scale f32 [128, 128]
+  tensor y   : bf16 [T, N]
+  y[t, n] = sum[k] x_q[t, k] * w[n, k]
+}
+"""
+
+WEIGHTS = """\
+gemm g {
+  dim T
+  dim N = 256, K = 512
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x   : e4m3 [T, K] scale f32 [1, 128]
+  tensor w   : bf16 [E, N, K] layout strides(N * K + 64, K, 1)
+  tensor w_q : e4m3 [E, N, K] scale f32 [1, 128, 128] = quantize(w)
+  tensor y   : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w_q[expert(t), n, k]
+}
+"""
+
+
+def _error(text: str) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        check(parse(text, "spec.gspec"))
+    return info.value
+
+
+def _at_quantize(err: SpecError, text: str, line: int) -> None:
+    assert err.location.line == line, err.render()
+    assert err.location.column == text.splitlines()[line - 1].index("quantize(") + 1, err.render()
+
+
+@pytest.mark.parametrize("text", [TOKENS, DENSE, WEIGHTS], ids=["tokens-1x128", "dense-128x128", "weights-128x128"])
+def test_valid_specs_lower_to_one_quantize_pass(text):
+    (lowered,) = lower_file(text)
+    (p,) = lowered.schedule.prepasses
+    assert p.kind == "quantize" and p.source_scale is None and p.source_block == ()
+    assert p.describe().startswith(f"quantize {p.source} ")
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("bf16 [T, K]", "f16 [T, K]"),
+        ("bf16 [T, K]", "f32 [T, K]"),
+        ("bf16 [T, K]", "bf16 [T, K] layout strides(K + 8, 1)"),
+        ("e4m3 [T, K] scale f32 [1, 128] =", "e5m2 [T, K] scale f32 [1, 128] ="),
+    ],
+)
+def test_valid_variants(old, new):
+    text = TOKENS.replace(old, new, 1)
+    assert new in text
+    check(parse(text, "spec.gspec"))
+
+
+def _q(old: str, new: str, text: str = TOKENS) -> str:
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+ERRORS = [
+    # (id, text, line of the quantize, message fragment)
+    ("source-scaled", _q("bf16 [T, K]", "e4m3 [T, K] scale f32 [1, 128]"), 6,
+     "quantize reads an unscaled bf16, f16 or f32 tensor, but 'x' is e4m3 with a scale"),
+    ("source-fp8", _q("bf16 [T, K]", "e4m3 [T, K]"), 6, "but 'x' is e4m3"),
+    ("target-not-fp8", _q("e4m3 [T, K] scale f32 [1, 128] =", "bf16 [T, K] ="), 6,
+     "quantize writes an FP8 (e4m3, e5m2) tensor with a scale, but 'x_q' is bf16"),
+    ("target-no-scale", _q("e4m3 [T, K] scale f32 [1, 128] =", "e4m3 [T, K] ="), 6,
+     "'x_q' is e4m3 with no scale"),
+    ("blocks-1xK", _q("[128, 128]\n", "[1, K]\n", _q("[128, 128] = q", "[1, K] = q", DENSE)), 5,
+     "'x_q' has scale blocks [1, 200]"),
+    ("blocks-64x128", _q("[128, 128] = q", "[64, 128] = q", DENSE), 5, "'x_q' has scale blocks [64, 128]"),
+    ("blocks-256x128", _q("[128, 128] = q", "[256, 128] = q", DENSE), 5, "'x_q' has scale blocks [256, 128]"),
+    ("target-padded", _q("e4m3 [T, K] scale", "e4m3 [T, K] layout strides(K + 16, 1) scale", DENSE), 5,
+     "'x_q' is strides(216, 1), not row_major without padding"),
+    ("target-pad", _q("e4m3 [T, K] scale", "e4m3 [T, K] layout row_major pad 256 scale"), 6,
+     "not row_major without padding"),
+    ("source-not-contiguous", _q("bf16 [T, K]", "bf16 [T, K] layout major(T)"), 6,
+     "'x' is major(T), its last dim K not contiguous"),
+    ("scale-layout", _q("scale f32 [1, 128] =", "scale f32 [1, 128] layout major(T) ="), 6,
+     "its scale layout is major(T)"),
+    ("anchored", _q("scale f32 [1, 128] =", "scale f32 [128, 128] per expert ="), 6,
+     "its scale blocks restart per 'expert'"),
+    ("weight-blocks", _q("scale f32 [1, 128, 128] =", "scale f32 [1, 64, 128] =", WEIGHTS), 7,
+     "'w_q' has scale blocks [1, 64, 128]"),
+    ("weight-padded", _q("e4m3 [E, N, K] scale f32 [1, 128, 128] =",
+                         "e4m3 [E, N, K] layout strides(N * K + 64, K, 1) scale f32 [1, 128, 128] =", WEIGHTS), 7,
+     "'w_q' is strides(131136, 512, 1), not row_major without padding"),
+]
+
+
+@pytest.mark.parametrize("text, line, fragment", [pytest.param(*c[1:], id=c[0]) for c in ERRORS])
+def test_unsupported_quantize_is_located(text, line, fragment):
+    err = _error(text)
+    assert fragment in err.message, err.render()
+    _at_quantize(err, text, line)
+
+
+def test_emittable_error_says_what_is_supported():
+    err = _error(_q("[128, 128] = q", "[64, 128] = q", DENSE))
+    assert "[1, 128] or [128, 128] scale blocks" in err.message
+    assert "row_major FP8 tensor" in err.message
+
+
+def test_source_4d_is_refused():
+    text = """\
+gemm g {
+  dim A = 2, B = 2, M = 64, N = 64, K = 128
+  tensor x   : bf16 [A, B, M, K]
+  tensor x_q : e4m3 [A, B, M, K] scale f32 [1, 1, 1, 128] = quantize(x)
+  tensor w   : e4m3 [A, B, N, K] scale f32 [1, 1, 128, 128]
+  tensor y   : bf16 [A, B, M, N]
+  y[a, b, m, n] = sum[k] x_q[a, b, m, k] * w[a, b, n, k]
+}
+"""
+    err = _error(text)
+    assert "'x' is 4-D" in err.message
+    _at_quantize(err, text, 4)
+
+
+def test_chain_from_a_quantized_tensor():
+    text = _q(
+        "  tensor w   :",
+        "  tensor x_t : e4m3 [T, K] layout major(T) scale f32 [128, 1] = requantize(x_q)\n  tensor w   :",
+    )
+    err = _error(text)
+    assert "'x_q' is itself derived, and derivations do not chain" in err.message
+    assert "derive 'x_t' from 'x'" in err.message
+
+
+def test_quantize_of_itself_and_cycles():
+    text = _q("= quantize(x)", "= quantize(x_q)")
+    assert "is derived from itself" in _error(text).message
+    cyc = _q("tensor x   : bf16 [T, K]", "tensor x   : bf16 [T, K] = quantize(x_q)")
+    assert "derived tensors form a cycle" in _error(cyc).message
+
+
+def test_shape_must_match():
+    text = _q("e4m3 [T, K] scale f32 [1, 128] =", "e4m3 [T, N] scale f32 [1, 128] =")
+    err = _error(text)
+    assert "keeps the logical shape [T, K]" in err.message
+    assert err.location.line == 6
+
+
+def test_quantized_tensor_cannot_be_written():
+    text = _q("y[t, n] = sum[k] x_q[t, k]", "x_q[t, n] = sum[k] x_q[t, k]")
+    text = text.replace("x_q[t, n] =", "x_q[t, k] =").replace("x_q[t, k] * w[expert(t), n, k]", "y[t, n] * w[expert(t), n, k]")
+    text = text.replace("sum[k]", "sum[n]")
+    assert "cannot be written by a statement" in _error(text).message
+
+
+def test_unread_quantize_gets_no_prepass():
+    text = _q("sum[k] x_q[t, k]", "sum[k] x2[t, k]").replace(
+        "  tensor w   :", "  tensor x2  : e4m3 [T, K] scale f32 [1, 128]\n  tensor w   :"
+    )
+    # An unread target is not checked against the kernel's shapes either.
+    text = text.replace("scale f32 [1, 128] = quantize", "scale f32 [1, 64] = quantize")
+    (lowered,) = lower_file(text)
+    assert lowered.schedule.prepasses == ()
