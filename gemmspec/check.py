@@ -1835,6 +1835,15 @@ class _Checker:
                 wrong.append(f"its scale blocks restart per '{t.scale.anchor}'")
             elif t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
                 wrong.append(f"its scale layout is {t.scale.layout}")
+        # CUDA grids hold at most 65535 blocks along y (column blocks) and z (the batch).
+        if not wrong:
+            for axis, per_block, where in ((rank - 1, KERNEL_K_BLOCK, "columns"), (0, 1, "batch entries")):
+                size = self.dims[src.dims[axis]].size
+                if (axis < rank - 2 or axis == rank - 1) and size is not None and -(-size // per_block) > 65535:
+                    wrong.append(
+                        f"it launches one block per {per_block} {where} of {src.dims[axis]} = {size}, "
+                        "more than the 65535 a CUDA grid holds there"
+                    )
         if wrong:
             blocks = "[1, 1, 128] or [1, 128, 128]" if rank == 3 else "[1, 128] or [128, 128]"
             raise self.error(

@@ -3,7 +3,7 @@
 Each launch becomes a leaf-table builder (evaluating the problem generator's
 polynomials on the device from the run-time offsets tensors) plus the grouped
 GEMM kernel for its signature. Pre-passes become the FP8 requantize/transpose
-kernels. Python computes every expression; the templates only lay them out.
+kernels and the quantize kernel. Python computes every expression; the templates only lay them out.
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from dataclasses import dataclass, replace
 from ..errors import GemmspecError
 from ..expr import Poly
 from ..lower.schedule import Extent, KernelSignature, Launch, PrePass, ProblemGenerator, Schedule
-from ..spec import KERNEL_K_BLOCK, Spec
+from ..spec import KERNEL_K_BLOCK, Spec, Tensor
 from .kernels import (
     ELEMENT_BYTES,
     ENV,
     GemmKernelConfig,
+    QuantizeKernelConfig,
     RequantKernelConfig,
     TransposeKernelConfig,
     gemm_kernel_name,
     map_specs,
     render_gemm,
+    render_quantize,
     render_requant,
     render_transpose,
 )
@@ -295,6 +297,24 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
     return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)
 
 
+def quantize_config(src: Tensor, dst: Tensor) -> QuantizeKernelConfig:
+    """The quantize kernel for `dst = quantize(src)` (shapes per check_derived_emittable)."""
+    ok = (
+        src.rank in (2, 3)
+        and src.layout.kind == "strided"
+        and src.layout.contiguous_axis() == src.rank - 1
+        and dst.scale is not None
+        and dst.scale.block[-1] == KERNEL_K_BLOCK
+        and dst.scale.block[-2] in (1, KERNEL_K_BLOCK)
+    )
+    if not ok:
+        raise EmitError(
+            f"quantize {src.name} -> {dst.name}: the emitted pass handles 2-D and 3-D sources "
+            "with the last dim contiguous into [1, 128] or [128, 128] scale blocks"
+        )
+    return QuantizeKernelConfig(in_type=src.dtype, out_type=dst.dtype, block_r=dst.scale.block[-2])
+
+
 def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
     """The checker admits only what these kernels compute (check_derived_emittable);
     the EmitErrors below guard that agreement."""
@@ -306,6 +326,10 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
         cfg = TransposeKernelConfig()
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
         return EmittedPrePass(p, cfg.name, HEADER + render_transpose(cfg))
+    if p.kind == "quantize":
+        cfg = quantize_config(src, dst)
+        cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
+        return EmittedPrePass(p, cfg.name, HEADER + render_quantize(cfg))
     ok = (
         src.rank == 2
         and src.scale.block == (1, 128)

@@ -2,7 +2,8 @@
 
 Each config is a frozen value that fixes everything a kernel bakes in at compile
 time; the Jinja2 templates under ``templates/`` only lay those values out as C++
-(``grouped_gemm.cu.jinja``; ``requant.cu.jinja`` holds both FP8 pre-passes).
+(``grouped_gemm.cu.jinja``; ``requant.cu.jinja`` holds both FP8-in pre-passes,
+``quantize.cu.jinja`` the one that quantizes a bf16/f16/f32 source).
 Names are procedural and deterministic so that equal configs render equal source
 (and hit the same cubin cache entry).
 
@@ -36,6 +37,10 @@ SWIGLU_OUTPUT_TYPES = ("bf16", "f32")
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_INTERP: dict[str, str] = {"e4m3": "__NV_E4M3", "e5m2": "__NV_E5M2"}
+QUANTIZE_IN_TYPES = frozenset({"bf16", "f16", "f32"})
+QUANTIZE_PER_LANE = 4  # elements per lane of a quantize warp: 32 lanes span a 128 block
+# One vector load per lane: 4 elements of 2 or 4 bytes.
+QUANTIZE_VECTOR = {2: "uint2", 4: "uint4"}
 # One swizzle row is 128 bytes: shared-memory tiles are built from these atoms.
 SWIZZLE_BYTES = 128
 SMEM_ALIGN = 1024
@@ -449,6 +454,42 @@ class RequantKernelConfig:
 
 
 @dataclass(frozen=True)
+class QuantizeKernelConfig:
+    """Quantize bf16/f16/f32 [B, R, C] (C contiguous) to dense row-major FP8 with
+    block_r x block_c scales: one warp per [1, 128] block, one CTA per [128, 128]."""
+
+    in_type: str = "bf16"
+    out_type: str = "e4m3"
+    block_r: int = 1  # rows per scale block: 1 or block_c
+    block_c: int = 128  # columns per scale block: 32 lanes of 4
+    threads: int = 256
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.in_type not in QUANTIZE_IN_TYPES or self.out_type not in FP8_TYPES:
+            raise ValueError("quantize reads bf16, f16 or f32 and writes FP8")
+        if self.block_c != 32 * QUANTIZE_PER_LANE or self.block_r not in (1, self.block_c):
+            raise ValueError(f"quantize blocks are 1x{32 * QUANTIZE_PER_LANE} or square")
+        if self.threads % 32 or (self.block_r > 1 and self.block_r % (self.threads // 32)):
+            raise ValueError("threads must be whole warps that split a block's rows evenly")
+        if not self.name:
+            object.__setattr__(
+                self,
+                "name",
+                f"gs_sm90a_quantize_{self.in_type}_{self.out_type}_b{self.block_r}x{self.block_c}"
+                f"_w{self.threads}",
+            )
+
+    @property
+    def rows_per_cta(self) -> int:
+        """A CTA covers one block of rows, or one row per warp for [1, C] blocks."""
+        return self.block_r if self.block_r > 1 else self.threads // 32
+
+    def grid(self, batch: int, rows: int, cols: int) -> tuple[int, int, int]:
+        return (_ceil_div(rows, self.rows_per_cta), _ceil_div(cols, self.block_c), batch)
+
+
+@dataclass(frozen=True)
 class TransposeKernelConfig:
     """Batched byte transpose [Bt, K, N] -> [Bt, N, K] for FP8 operands."""
 
@@ -519,6 +560,24 @@ def render_requant(cfg: RequantKernelConfig | None = None) -> str:
         block_t=cfg.block_t,
         tile_c=cfg.tile_c,
         sx_bk=cfg.sx_bk,
+        threads=cfg.threads,
+    )
+
+
+def render_quantize(cfg: QuantizeKernelConfig | None = None) -> str:
+    cfg = cfg or QuantizeKernelConfig()
+    return ENV.get_template("quantize.cu.jinja").render(
+        name=cfg.name,
+        in_type=cfg.in_type,
+        out_type=cfg.out_type,
+        out_max=repr(FP8_MAX[cfg.out_type]),
+        out_interp=FP8_INTERP[cfg.out_type],
+        vec_ctype=QUANTIZE_VECTOR[ELEMENT_BYTES[cfg.in_type]],
+        block_r=cfg.block_r,
+        block_c=cfg.block_c,
+        per_lane=QUANTIZE_PER_LANE,
+        rows_per_cta=cfg.rows_per_cta,
+        row_passes=cfg.block_r // (cfg.threads // 32) if cfg.block_r > 1 else 1,
         threads=cfg.threads,
     )
 

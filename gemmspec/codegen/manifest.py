@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
 from ..spec import Spec, Tensor
-from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram
+from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram, quantize_config
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, RequantKernelConfig, TransposeKernelConfig, map_specs
 from .names import file_stem, host_prefix
@@ -114,7 +114,7 @@ class Upload:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    role: str  # "transpose", "requantize", "leaf_table" or "gemm"
+    role: str  # "transpose", "requantize", "quantize", "leaf_table" or "gemm"
     symbol: str
     file: str
     owner: str  # "prepass <i>" or "launch <i>"
@@ -317,6 +317,8 @@ class _Builder:
         file = f"{self.stem}_prepass{index}.cu"
         if p.kind == "transpose":
             self.transpose(index, e, p, src, dst, file)
+        elif p.kind == "quantize":
+            self.quantize(index, e, src, dst, file)
         else:
             self.requantize(index, e, p, src, dst, file)
 
@@ -384,6 +386,41 @@ class _Builder:
         grid = (rows, channels.ceil_div(cfg.tile_c), Formula.const(1))
         self.steps.append(
             KernelLaunch("requantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
+        )
+        self.where[dst.name], self.where[dst.scale.name] = y, sy
+
+    def quantize(self, index, e, src: Tensor, dst: Tensor, file: str) -> None:
+        cfg = quantize_config(src, dst)
+        # [R, C] is one batch entry of [B, R, C]; the target is dense row-major.
+        batch_dims = src.dims[:-2]
+        batch = self.dim(batch_dims[0]) if batch_dims else Formula.const(1)
+        rows, cols = self.dim(src.dims[-2]), self.dim(src.dims[-1])
+        strides = src.layout.strides
+        x_bs = _layout_formula(self.spec, strides[0]) if batch_dims else Formula.const(0)
+        y = self.workspace(
+            f"prepass{index}.{dst.name}",
+            batch * rows * cols * ELEMENT_BYTES[dst.dtype],
+            f"'{dst.name}', '{src.name}' quantized",
+        )
+        row_blocks = rows if cfg.block_r == 1 else rows.ceil_div(cfg.block_r)
+        sy = self.workspace(
+            f"prepass{index}.{dst.scale.name}",
+            batch * row_blocks * cols.ceil_div(cfg.block_c) * 4,
+            f"the scales of '{dst.name}'",
+        )
+        params = (
+            Param("X", _ptr(src.dtype), self.where[src.name]),
+            Param("x_bs", "long long", self.value(x_bs)),
+            Param("x_ldr", "long long", self.value(_layout_formula(self.spec, strides[-2]))),
+            Param("Y", _ptr(dst.dtype, const=False), y),
+            Param("SY", "float*", sy),
+            Param("B", "int", self.value(batch)),
+            Param("R", "int", self.value(rows)),
+            Param("C", "int", self.value(cols)),
+        )
+        grid = (rows.ceil_div(cfg.rows_per_cta), cols.ceil_div(cfg.block_c), batch)
+        self.steps.append(
+            KernelLaunch("quantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
         )
         self.where[dst.name], self.where[dst.scale.name] = y, sy
 

@@ -18,10 +18,12 @@ import pytest
 
 from gemmspec.codegen.kernels import (
     GemmKernelConfig,
+    QuantizeKernelConfig,
     RequantKernelConfig,
     TransposeKernelConfig,
     include_dir,
     render_gemm,
+    render_quantize,
     render_requant,
     render_transpose,
 )
@@ -173,6 +175,38 @@ def test_requant_compiles(compiled) -> None:
     _spill_free(log, sass)
 
 
+QUANTIZE_CONFIGS = {
+    f"{i}_{o}_b{r}": QuantizeKernelConfig(in_type=i, out_type=o, block_r=r)
+    for i, o in (("bf16", "e4m3"), ("f16", "e5m2"), ("f32", "e4m3"))
+    for r in (1, 128)
+}
+
+
+@pytest.mark.parametrize("key", sorted(QUANTIZE_CONFIGS))
+def test_quantize_compiles(compiled, key: str) -> None:
+    cfg = QUANTIZE_CONFIGS[key]
+    _, log, sass = compiled(f"quantize_{key}", render_quantize(cfg))
+    _spill_free(log, sass)
+    # Saturating FP8 conversions (two lanes' worth per instruction) and a true division:
+    # the IEEE path, not the approximate MUFU.RCP-only one.
+    assert re.search(r"\bF2FP\.SATFINITE\.E[45]M[23]\.F32\.PACK_AB", sass), "no saturating FP8 conversion"
+    assert re.search(r"\bFCHK\b", sass) and re.search(r"\bCALL\.REL", sass), "no IEEE division"
+    assert re.search(r"\bSHFL\.BFLY\b", sass), "no warp max"
+    vector = {"bf16": "LDG.E.64.", "f16": "LDG.E.64.", "f32": "LDG.E.128."}[cfg.in_type]
+    assert vector in sass, "no vector loads"
+    assert bool(re.search(r"\bBAR\.SYNC", sass)) == (cfg.block_r > 1)
+
+
+def test_quantize_names() -> None:
+    names = {c.name for c in QUANTIZE_CONFIGS.values()}
+    assert len(names) == len(QUANTIZE_CONFIGS)
+    assert QuantizeKernelConfig().name == "gs_sm90a_quantize_bf16_e4m3_b1x128_w256"
+    with pytest.raises(ValueError):
+        QuantizeKernelConfig(in_type="e4m3")
+    with pytest.raises(ValueError):
+        QuantizeKernelConfig(block_r=64)
+
+
 def test_transpose_compiles(compiled) -> None:
     _, log, sass = compiled("transpose", render_transpose(TransposeKernelConfig()))
     _spill_free(log, sass)
@@ -252,7 +286,7 @@ def test_sources_include_only_toolkit_headers() -> None:
         "cuda_bf16.h",
         "cuda_fp16.h",
     }
-    for src in (render_gemm(GEMM_CONFIGS["bf16_store"]), render_requant(), render_transpose()):
+    for src in (render_gemm(GEMM_CONFIGS["bf16_store"]), render_requant(), render_transpose(), render_quantize()):
         assert re.findall(r'#include\s+[<"]([^>"]+)', src) == ["gemmspec_ptx.cuh"]
 
 

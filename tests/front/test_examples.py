@@ -18,6 +18,7 @@ ALL = sorted(EXAMPLES.glob("*.gspec"))
 EXPECTED = {
     "moe_fp8_forward": ("flatten", [8], []),
     "moe_bf16_forward": ("flatten", [8], []),
+    "moe_bf16_in_fp8": ("flatten", [8], ["quantize"]),
     "moe_masked_decode": ("flatten", [8], []),
     "moe_swiglu_fp8": ("flatten", [8], []),
     "lora_moe_nested": ("flatten", [32], []),

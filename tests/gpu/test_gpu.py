@@ -21,6 +21,7 @@ EDGE = [0, 1, 127, 129, 4097]
 EXAMPLE_CASES = {
     "moe_fp8_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_bf16_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
+    "moe_bf16_in_fp8": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_masked_decode": ({"expert": [0, 1, 127, 129, 256, 200, 64, 3]}, {}),
     "moe_swiglu_fp8": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "lora_moe_nested": (None, {"T": 3000}),
