@@ -4,6 +4,9 @@ the `quantize` of the declaration."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from gemmspec.check import check
@@ -188,3 +191,18 @@ def test_unread_quantize_gets_no_prepass():
     text = text.replace("scale f32 [1, 128] = quantize", "scale f32 [1, 64] = quantize")
     (lowered,) = lower_file(text)
     assert lowered.schedule.prepasses == ()
+
+
+def test_explain_lists_the_pass(capsys):
+    from gemmspec.cli import main
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "moe_bf16_in_fp8.gspec"
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "pre-pass: x_q = quantize(x) before launch 0" in out
+    assert "[0] quantize x (row_major) -> x_q (row_major, scales [1, 128])" in out
+    assert main(["explain", "--json", str(path)]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    (p,) = doc["prepasses"]
+    assert p["kind"] == "quantize" and p["source_scale"] is None
+    assert p["target_scale"] == {"name": "x_q_scale", "block": [1, 128]}
