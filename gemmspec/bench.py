@@ -10,7 +10,7 @@ useful FLOPs only (no padding), the memory-bound row reports TB/s of bytes that 
 move. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
 as recorded references, not re-measured.
 
-    gemmspec bench [--only NAME ...] [--repeat N] [--json FILE] [--plot FILE.png]
+    gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png]
     python -m gemmspec.bench ...
 """
 
@@ -221,7 +221,32 @@ gemm lora_shrink {{
 
 
 # ---------------------------------------------------------------------------- timing
+IDLE_MS = 0.0  # --idle: GPU idle time before each timed launch
+IDLE_LAUNCHES = 60
+_SLEEP_CYCLES_PER_MS = 1_900_000  # torch.cuda._sleep counts SM cycles: about the idle clock
+
+
+def timed_launches(fn, launches: int, idle_ms: float) -> float:
+    """Median ms of `fn` over `launches` launches, each between its own CUDA events,
+    after an L2 flush and `idle_ms` of the GPU sleeping (a cool, unthrottled card)."""
+    torch = _torch()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(launches)]
+    fn()
+    for start, end in events:
+        if idle_ms:
+            torch.cuda._sleep(int(idle_ms * _SLEEP_CYCLES_PER_MS))
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
 def _time(fn, repeat: int) -> list[float]:
+    if IDLE_MS:
+        return [timed_launches(fn, IDLE_LAUNCHES, IDLE_MS) for _ in range(repeat)]
     from triton.testing import do_bench
 
     return [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
@@ -612,8 +637,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
     ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
     ap.add_argument("--tile", metavar="MxN", help="force this tile on every gemmspec launch (a tile directive)")
+    ap.add_argument(
+        "--idle", type=float, default=0.0, metavar="MS",
+        help="let the GPU idle MS milliseconds before each timed launch (median of 60 launches "
+        "instead of do_bench): sustained FP8 GEMMs throttle the card, so back-to-back rates "
+        "depend on what ran before; with a pause every kernel starts from the same state",
+    )
     args = ap.parse_args(argv)
-    global FORCED_TILE
+    global FORCED_TILE, IDLE_MS
+    if args.idle < 0:
+        ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
+    IDLE_MS = args.idle
     if args.tile:
         try:
             m, n = (int(v) for v in args.tile.lower().split("x"))

@@ -6,14 +6,13 @@ Sustained FP8 GEMMs run the card into its power and thermal limits: the SM clock
 and the same kernel takes longer than after a pause. This shows by how much, so that
 rates from different runs (or different points of one run) are read with that in mind.
 Each line is the median of 60 launches, each between its own pair of CUDA events, with
-L2 flushed before each (as `gemmspec bench` does).
+L2 flushed before each (as `gemmspec bench --idle MS` does).
 
     python3 scripts/idle_gap_probe.py
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,26 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import _fp8, _offsets, _scales, moe_spec  # noqa: E402
+from gemmspec.bench import _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
 
 E, M, N, K = 8, 4096, 4096, 7168
 LAUNCHES = 60
-SM_CYCLES_PER_MS = 1_900_000  # for torch.cuda._sleep: roughly the busy-free SM clock
-
-
-def timed(fn, idle_ms: float) -> float:
-    """Median ms of `fn` over LAUNCHES launches, each after an L2 flush and `idle_ms` of idling."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(LAUNCHES)]
-    for start, end in events:
-        if idle_ms:
-            torch.cuda._sleep(int(idle_ms * SM_CYCLES_PER_MS))
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def main() -> int:
@@ -64,7 +47,7 @@ def main() -> int:
     flops = 2.0 * t * N * K
     plan = [("gemmspec", run.enqueue, 0), ("gemmspec", run.enqueue, 2), ("torch", torch_mm, 0), ("torch", torch_mm, 2)]
     for name, fn, idle in plan * 2:  # twice: the card's state drifts over the run
-        ms = timed(fn, idle)
+        ms = timed_launches(fn, LAUNCHES, idle)
         how = "back to back" if not idle else f"{idle} ms idle before each"
         print(f"{name:9} {how:26} {ms:.3f} ms {flops / ms / 1e9:7.1f} TFLOPS", flush=True)
     return 0

@@ -8,7 +8,7 @@ is not the spec's result, it only shows what the load pipeline and wgmma sustain
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING] [--bf16] [--idle MS]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import _fp8, _offsets, _scales, moe_spec  # noqa: E402
+from gemmspec.bench import _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
 from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -68,6 +68,11 @@ def main() -> int:
     ap.add_argument("--shape", default="8,4096,4096,7168", help="E,M,N,K (M rows per expert)")
     ap.add_argument("--only", default="", help="run the variants whose label contains this")
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
+    ap.add_argument(
+        "--idle", type=float, default=0.0, metavar="MS",
+        help="time 60 launches each after MS ms of GPU idling (the card's power and thermal state "
+        "then does not drift with the variants before) instead of do_bench back to back",
+    )
     args = ap.parse_args()
     e, m, n, k = map(int, args.shape.split(","))
     t = e * m
@@ -103,7 +108,10 @@ def main() -> int:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
             check = f"rel diff {diff:.1e}" if torch.isfinite(diff) else "NOT WRITTEN"
-        ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
+        if args.idle:
+            ms = timed_launches(run.enqueue, 60, args.idle)
+        else:
+            ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
         print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOPS {check}", flush=True)
     return 0
 

@@ -22,6 +22,13 @@ def test_bad_tile_option_is_a_usage_error():
     assert e.value.code == 2
 
 
+def test_negative_idle_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--idle", "-1"])
+    assert e.value.code == 2
+    assert "--idle takes milliseconds >= 0" in capsys.readouterr().err
+
+
 def _row(case, impl, ms, work=2e12):
     return bench.Result(case, impl, ms, work, "TFLOPS")
 
