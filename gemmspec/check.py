@@ -1835,6 +1835,15 @@ class _Checker:
                 wrong.append(f"its scale blocks restart per '{t.scale.anchor}'")
             elif t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
                 wrong.append(f"its scale layout is {t.scale.layout}")
+            # Only whole 128-column blocks have run on a GPU: with a short last block
+            # (C = 200) the GEMM fed by the pass did not match its reference.
+            columns = self.dims[src.dims[-1]].size
+            if columns is None or columns % KERNEL_K_BLOCK:
+                size = "known only at run time" if columns is None else str(columns)
+                wrong.append(
+                    f"its contiguous dim {src.dims[-1]} is {size}, not a constant multiple of "
+                    f"{KERNEL_K_BLOCK} (short column blocks are not supported yet)"
+                )
         # CUDA grids hold at most 65535 blocks along y (column blocks) and z (the batch).
         if not wrong:
             for axis, per_block, where in ((rank - 1, KERNEL_K_BLOCK, "columns"), (0, 1, "batch entries")):
@@ -1848,7 +1857,8 @@ class _Checker:
             blocks = "[1, 1, 128] or [1, 128, 128]" if rank == 3 else "[1, 128] or [128, 128]"
             raise self.error(
                 f"quantize({src.name}) is generated only from a 2-D [R, C] or 3-D [B, R, C] "
-                f"tensor with C contiguous into a row_major FP8 tensor with {blocks} scale "
+                f"tensor with C contiguous (a constant multiple of 128) into a row_major FP8 "
+                f"tensor with {blocks} scale "
                 f"blocks from index 0 (no `per GROUP`), scales in the default layout: "
                 + "; ".join(wrong),
                 pos,

@@ -17,7 +17,7 @@ from gemmspec.pipeline import lower_file
 TOKENS = """\
 gemm g {
   dim T
-  dim N = 256, K = 200
+  dim N = 256, K = 256
   group expert[E = 4] = ragged(T, offsets = offs)
   tensor x   : bf16 [T, K]
   tensor x_q : e4m3 [T, K] scale f32 [1, 128] = quantize(x)
@@ -30,7 +30,7 @@ gemm g {
 DENSE = """\
 gemm g {
   dim T
-  dim N = 256, K = 200
+  dim N = 256, K = 256
   tensor x   : bf16 [T, K]
   tensor x_q : e4m3 [T, K] scale f32 [128, 128] = quantize(x)
   tensor w   : e4m3 [N, K] scale f32 [128, 128]
@@ -102,12 +102,12 @@ ERRORS = [
     ("target-no-scale", _q("e4m3 [T, K] scale f32 [1, 128] =", "e4m3 [T, K] ="), 6,
      "'x_q' is e4m3 with no scale"),
     ("blocks-1xK", _q("[128, 128]\n", "[1, K]\n", _q("[128, 128] = q", "[1, K] = q", DENSE)), 5,
-     "'x_q' has scale blocks [1, 200]"),
+     "'x_q' has scale blocks [1, 256]"),
     ("blocks-64x128", _q("[128, 128] = q", "[64, 128] = q", DENSE), 5, "'x_q' has scale blocks [64, 128]"),
     ("blocks-256x128", _q("[128, 128] = q", "[256, 128] = q", DENSE), 5, "'x_q' has scale blocks [256, 128]"),
     ("target-padded", _q("e4m3 [T, K] scale", "e4m3 [T, K] layout strides(K + 16, 1) scale", DENSE), 5,
-     "'x_q' is strides(216, 1), not row_major without padding"),
-    ("target-pad", _q("e4m3 [T, K] scale", "e4m3 [T, K] layout row_major pad 256 scale"), 6,
+     "'x_q' is strides(272, 1), not row_major without padding"),
+    ("target-pad", _q("e4m3 [T, K] scale", "e4m3 [T, K] layout row_major pad 384 scale"), 6,
      "not row_major without padding"),
     ("source-not-contiguous", _q("bf16 [T, K]", "bf16 [T, K] layout major(T)"), 6,
      "'x' is major(T), its last dim K not contiguous"),
@@ -115,6 +115,8 @@ ERRORS = [
      "its scale layout is major(T)"),
     ("anchored", _q("scale f32 [1, 128] =", "scale f32 [128, 128] per expert ="), 6,
      "its scale blocks restart per 'expert'"),
+    ("columns-short", _q("K = 256", "K = 200"), 6,
+     "its contiguous dim K is 200, not a constant multiple of 128 (short column blocks"),
     ("weight-blocks", _q("scale f32 [1, 128, 128] =", "scale f32 [1, 64, 128] =", WEIGHTS), 7,
      "'w_q' has scale blocks [1, 64, 128]"),
     ("weight-padded", _q("e4m3 [E, N, K] scale f32 [1, 128, 128] =",

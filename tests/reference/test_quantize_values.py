@@ -1,5 +1,5 @@
 """The float32 quantize reference against an independent per-block formulation:
-zero blocks, short edge blocks, saturation, NaN, both block shapes and both FP8 types."""
+zero blocks, short row blocks, saturation, NaN, both block shapes and both FP8 types."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("dst", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("br", [1, 128])
-@pytest.mark.parametrize("rows, cols", [(1, 128), (3, 200), (129, 300), (130, 5)])
+@pytest.mark.parametrize("rows, cols", [(1, 128), (3, 256), (129, 384), (130, 128)])
 def test_matches_block_loop(dst, br, rows, cols):
     spec = spec_for(cols, dst, br)
     rng = np.random.default_rng(rows * cols + br)
@@ -95,20 +95,20 @@ def test_matches_block_loop(dst, br, rows, cols):
 
 
 def test_three_d_blocks():
-    spec = spec_for(260, "e4m3", 128, batch=True)
+    spec = spec_for(256, "e4m3", 128, batch=True)
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((2, 131, 260)).astype(ml_dtypes.bfloat16).astype(np.float64)
+    x = rng.standard_normal((2, 131, 256)).astype(ml_dtypes.bfloat16).astype(np.float64)
     q, grid = quantize_values(spec, Runtime({"R": 131}), x, spec.tensor("x_q"))
     q_ref, grid_ref = by_blocks(x, "e4m3", 128, 128)
-    assert grid.shape == (2, 2, 3)
+    assert grid.shape == (2, 2, 2)
     assert same(grid, grid_ref) and same(q, q_ref)
 
 
 def test_rule_by_hand():
-    spec = spec_for(130, "e4m3", 1, src="f32")
-    x = np.zeros((2, 130))
+    spec = spec_for(256, "e4m3", 1, src="f32")
+    x = np.zeros((2, 256))
     x[0, :3] = [1.0, -3.0, 2.0]
-    x[0, 128:] = [7.0, -0.5]
+    x[0, 128:130] = [7.0, -0.5]
     x[1, 0] = np.float32(1e-30)
     q, grid = quantize_values(spec, Runtime({"R": 2}), x, spec.tensor("x_q"))
     s = np.float32(3.0) / np.float32(448.0)
@@ -116,7 +116,7 @@ def test_rule_by_hand():
     assert q[0, 1] == -448.0 and q[0, 128] == 448.0  # the block's amax maps onto the FP8 max
     want = float(np.float32(np.float32(1.0) / s).astype(ml_dtypes.float8_e4m3fn))
     assert q[0, 0] == want
-    assert grid[1, 1] == 1.0 and (q[1, 128:] == 0).all()  # an all-zero short edge block
+    assert grid[1, 1] == 1.0 and (q[1, 128:] == 0).all()  # an all-zero block
     assert q[1, 0] == 448.0  # a lone tiny value still spans the range
 
 

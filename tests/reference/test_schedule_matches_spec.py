@@ -93,7 +93,7 @@ gemm training {
 QUANTIZED = """
 gemm quantized {
   dim T
-  dim N = 72, K = 200
+  dim N = 72, K = 256
   group expert[E = 4] = ragged(T, offsets = offs)
   tensor x   : bf16 [T, K]
   tensor x_q : e4m3 [T, K] scale f32 [1, 128] = quantize(x)
