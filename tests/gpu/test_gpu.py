@@ -82,11 +82,13 @@ def test_pipeline_row_edges(k, fp8):
 
 
 # An FP8 operand whose row stride (K = 200 bytes) TMA cannot describe: the producer
-# copies it with masked loads, beside [1, 128] scales with a short last K block.
+# copies it with masked loads, beside [1, 128] scales with a short last K block; with
+# CTA pairs (N = 264: two column blocks) and without (N = 100: one).
+@pytest.mark.parametrize("n", [264, 100])
 @pytest.mark.parametrize("k", [200, 328])
-def test_fp8_rows_not_16_byte_aligned(k):
-    exe = gemmspec.build(moe(264, k, 4, True))
-    report_ok(run_random(exe, lengths={"expert": [0, 1, 127, 129]}, seed=k, repeats=0))
+def test_fp8_rows_not_16_byte_aligned(k, n):
+    exe = gemmspec.build(moe(n, k, 4, True))
+    report_ok(run_random(exe, lengths={"expert": [0, 1, 127, 129]}, seed=k + n, repeats=0))
 
 
 def with_tile(spec: str, tile_m: int, tile_n: int) -> str:
