@@ -162,11 +162,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     exe = build(args.file)
     report = run_random(exe, dims=dims, seed=args.seed, repeats=args.repeats)
     for c in report.checks:
-        status = "ok" if c.ok else "FAIL"
-        print(
-            f"{report.spec}: {c.tensor}: rel error {c.rel_error:.3e} (limit {c.tolerance:.0e}), "
-            f"unwritten {c.unwritten}, clobbered {c.clobbered}: {status}"
-        )
+        print(f"{report.spec}: {c.describe()}")
     print(f"{report.spec}: dims {report.dims}: {report.seconds * 1e3:.3f} ms, {report.tflops:.1f} TFLOPS")
     return 0 if report.ok else EXIT_SPEC_ERROR
 

@@ -42,6 +42,12 @@ class OutputCheck:
     def ok(self) -> bool:
         return self.rel_error < self.tolerance and not self.unwritten and not self.clobbered
 
+    def describe(self) -> str:
+        return (
+            f"{self.tensor}: rel error {self.rel_error:.3e} (limit {self.tolerance:.0e}), "
+            f"unwritten {self.unwritten}, clobbered {self.clobbered}: {'ok' if self.ok else 'FAIL'}"
+        )
+
 
 @dataclass(frozen=True)
 class RunReport:
@@ -54,6 +60,10 @@ class RunReport:
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
+
+    def describe(self) -> str:
+        """One line: the spec, its dims and every output's check."""
+        return f"{self.spec} {self.dims}: " + "; ".join(c.describe() for c in self.checks)
 
     @property
     def tflops(self) -> float:

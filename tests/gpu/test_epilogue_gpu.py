@@ -76,9 +76,8 @@ def spec_text(name: str, case: dict, k: int) -> str:
 def test_epilogue_matches_reference(name, k):
     exe = gemmspec.build(spec_text(f"epi_{name}_k{k}", CASES[name], k))
     report = run_random(exe, lengths={"expert": RAGGED}, seed=7, repeats=0)
-    lines = [f"{c.tensor}: err {c.rel_error:.3e} < {c.tolerance:.0e}, unwritten {c.unwritten}" for c in report.checks]
-    print(f"{name} K={k}: " + "; ".join(lines))
-    assert report.ok, lines
+    print(report.describe())
+    assert report.ok, report.describe()
 
 
 # ---- SwiGLU ---------------------------------------------------------------------------
@@ -137,9 +136,5 @@ def test_swiglu_matches_reference(name, k):
     exe = gemmspec.build(swiglu_text(f"swiglu_{name}_k{k}", SWIGLU_CASES[name], k))
     assert exe.program.launches[0].gemm.swiglu
     report = run_random(exe, lengths={"expert": RAGGED}, seed=11, repeats=0)
-    lines = [
-        f"{c.tensor}: err {c.rel_error:.3e} < {c.tolerance:.0e}, unwritten {c.unwritten}, clobbered {c.clobbered}"
-        for c in report.checks
-    ]
-    print(f"swiglu {name} K={k}: " + "; ".join(lines))
-    assert report.ok, lines
+    print(report.describe())
+    assert report.ok, report.describe()

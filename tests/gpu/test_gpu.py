@@ -34,12 +34,8 @@ EXAMPLE_CASES = {
 
 
 def report_ok(report) -> None:
-    lines = [
-        f"{c.tensor}: err {c.rel_error:.3e} < {c.tolerance:.0e}, unwritten {c.unwritten}, clobbered {c.clobbered}"
-        for c in report.checks
-    ]
-    print(f"{report.spec} {report.dims}: " + "; ".join(lines))
-    assert report.ok, lines
+    print(report.describe())
+    assert report.ok, report.describe()
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLE_CASES))

@@ -64,9 +64,8 @@ gemm {name} {{
 
 
 def report_ok(report) -> None:
-    lines = [f"{c.tensor}: err {c.rel_error:.3e} < {c.tolerance:.0e}, unwritten {c.unwritten}" for c in report.checks]
-    print(f"{report.spec} {report.dims}: " + "; ".join(lines))
-    assert report.ok, lines
+    print(report.describe())
+    assert report.ok, report.describe()
 
 
 @pytest.mark.parametrize("k", [128, 1024])

@@ -50,6 +50,5 @@ def spec_text(name: str, case: dict, k: int) -> str:
 def test_rowwise_matches_reference(name, k):
     exe = gemmspec.build(spec_text(f"rowwise_{name}_k{k}", CASES[name], k))
     report = run_random(exe, lengths={"expert": RAGGED}, seed=11, repeats=0)
-    lines = [f"{c.tensor}: err {c.rel_error:.3e} < {c.tolerance:.0e}, unwritten {c.unwritten}" for c in report.checks]
-    print(f"{name} K={k}: " + "; ".join(lines))
-    assert report.ok, lines
+    print(report.describe())
+    assert report.ok, report.describe()
