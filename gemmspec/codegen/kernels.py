@@ -444,14 +444,6 @@ class RequantKernelConfig:
                 f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}",
             )
 
-    def grid(self, tokens: int, channels: int, groups: int) -> tuple[int, int, int]:
-        """Upper-bound grid: sum_g ceil(len_g / block_t) <= ceil(T / block_t) + G."""
-        return (_ceil_div(tokens, self.block_t) + groups, _ceil_div(channels, self.tile_c), 1)
-
-    def scale_rows_bound(self, tokens: int, groups: int) -> int:
-        """Rows to allocate for SY when the group lengths are only known on the device."""
-        return _ceil_div(tokens, self.block_t) + groups
-
 
 @dataclass(frozen=True)
 class QuantizeKernelConfig:
@@ -485,9 +477,6 @@ class QuantizeKernelConfig:
         """A CTA covers one block of rows, or one row per warp for [1, C] blocks."""
         return self.block_r if self.block_r > 1 else self.threads // 32
 
-    def grid(self, batch: int, rows: int, cols: int) -> tuple[int, int, int]:
-        return (_ceil_div(rows, self.rows_per_cta), _ceil_div(cols, self.block_c), batch)
-
 
 @dataclass(frozen=True)
 class TransposeKernelConfig:
@@ -502,9 +491,6 @@ class TransposeKernelConfig:
             raise ValueError("tile must be a positive multiple of 4, threads whole warps")
         if not self.name:
             object.__setattr__(self, "name", f"gs_sm90a_transpose_b8_t{self.tile}_w{self.threads}")
-
-    def grid(self, batch: int, k: int, n: int) -> tuple[int, int, int]:
-        return (_ceil_div(n, self.tile), _ceil_div(k, self.tile), batch)
 
 
 def render_gemm(cfg: GemmKernelConfig) -> str:

@@ -365,7 +365,8 @@ class _Builder:
             tokens * channels * ELEMENT_BYTES[dst.dtype],
             f"'{dst.name}', '{src.name}' requantized",
         )
-        rows = tokens.ceil_div(cfg.block_t) + groups  # RequantKernelConfig.scale_rows_bound
+        # Upper bound on the scale rows: sum_g ceil(len_g / block_t) <= ceil(T / block_t) + G.
+        rows = tokens.ceil_div(cfg.block_t) + groups
         sy = self.workspace(
             f"prepass{index}.{dst.scale.name}", rows * channels * 4, f"the scales of '{dst.name}'"
         )
