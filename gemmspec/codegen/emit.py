@@ -75,8 +75,12 @@ class EmittedLaunch:
 @dataclass(frozen=True)
 class EmittedPrePass:
     prepass: PrePass
-    kernel: str
+    config: TransposeKernelConfig | QuantizeKernelConfig | RequantKernelConfig  # what the source bakes in
     source: str
+
+    @property
+    def kernel(self) -> str:
+        return self.config.name
 
 
 @dataclass(frozen=True)
@@ -325,11 +329,11 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
             raise EmitError(f"transpose {p.source} -> {p.target}: no transpose kernel for these layouts")
         cfg = TransposeKernelConfig()
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
-        return EmittedPrePass(p, cfg.name, HEADER + render_transpose(cfg))
+        return EmittedPrePass(p, cfg, HEADER + render_transpose(cfg))
     if p.kind == "quantize":
         cfg = quantize_config(src, dst)
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
-        return EmittedPrePass(p, cfg.name, HEADER + render_quantize(cfg))
+        return EmittedPrePass(p, cfg, HEADER + render_quantize(cfg))
     ok = (
         src.rank == 2
         and src.scale.block == (1, 128)
@@ -344,7 +348,7 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
         )
     cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
     cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
-    return EmittedPrePass(p, cfg.name, HEADER + render_requant(cfg))
+    return EmittedPrePass(p, cfg, HEADER + render_requant(cfg))
 
 
 def emit(spec: Spec, schedule: Schedule) -> EmittedProgram:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
 from ..spec import Spec, Tensor
-from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram, quantize_config
+from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram
 from .formula import NUM_SMS, Formula
-from .kernels import CTYPES, ELEMENT_BYTES, RequantKernelConfig, TransposeKernelConfig, map_specs
+from .kernels import CTYPES, ELEMENT_BYTES, map_specs
 from .names import file_stem, host_prefix
 
 MANIFEST_VERSION = 1
@@ -323,7 +323,7 @@ class _Builder:
             self.requantize(index, e, p, src, dst, file)
 
     def transpose(self, index, e, p: PrePass, src: Tensor, dst: Tensor, file: str) -> None:
-        cfg = TransposeKernelConfig()
+        cfg = e.config
         # The kernel reads rows along the source's contiguous axis and writes rows along
         # the target's; a third axis, if any, is the batch.
         a, b = src.layout.contiguous_axis(), dst.layout.contiguous_axis()
@@ -357,7 +357,7 @@ class _Builder:
         self.where[dst.scale.name] = self.where[src.scale.name]  # the scales are shared
 
     def requantize(self, index, e, p: PrePass, src: Tensor, dst: Tensor, file: str) -> None:
-        cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
+        cfg = e.config
         tokens, channels = self.dim(src.dims[0]), self.dim(src.dims[1])
         offsets, groups = self.requant_segments(index, dst, tokens)
         y = self.workspace(
@@ -391,7 +391,7 @@ class _Builder:
         self.where[dst.name], self.where[dst.scale.name] = y, sy
 
     def quantize(self, index, e, src: Tensor, dst: Tensor, file: str) -> None:
-        cfg = quantize_config(src, dst)
+        cfg = e.config
         # [R, C] is one batch entry of [B, R, C]; the target is dense row-major.
         batch_dims = src.dims[:-2]
         batch = self.dim(batch_dims[0]) if batch_dims else Formula.const(1)
