@@ -168,7 +168,7 @@ def derive_backward(spec: Spec) -> Backward:
         reason = _eligible(spec, g)
         if reason is None and spec.per_channel(g):
             # The backward reuses the forward's scales along other contracted dims.
-            reason = "its FP8 scales are per-channel (one along the whole of K); the DGRAD and WGRAD would contract over N and T, along which those scales change every element"
+            reason = "its FP8 scales are per-channel or per-tensor (one along the whole of K); the DGRAD and WGRAD would contract over N and T, along which per-channel scales change every element"
         if reason is not None:
             skipped.append(Skipped(g.index, reason))
             continue

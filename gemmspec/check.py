@@ -592,7 +592,19 @@ class _Checker:
                 s.pos,
             )
         sizes = tuple(self.block_size(b) for b in s.block)
-        for b, size in zip(s.block, sizes):
+        for b, size, dim in zip(s.block, sizes, t.shape):
+            if isinstance(size, str):
+                # One block over the whole of a run-time dim: only that dim's own position.
+                if size != dim.text:
+                    raise self.error(
+                        f"scale block '{size}' names a dim known only at run time, which stands "
+                        f"for one block over the whole of {size} only at {size}'s own position; "
+                        f"this position of '{t.name.text}' is {dim.text}",
+                        b.pos,
+                        f"write a size here, or {dim.text} for one block over the whole of "
+                        f"{dim.text}",
+                    )
+                continue
             if size <= 0:
                 raise self.error("scale block sizes must be positive", b.pos)
             if size > MAX_SCALE_BLOCK:
@@ -614,6 +626,15 @@ class _Checker:
                     s.anchor.pos,
                 )
             anchor = g.name
+            axis = [n.text for n in t.shape].index(g.dim)
+            if isinstance(sizes[axis], str):
+                raise self.error(
+                    f"scale blocks are anchored per '{g.name}', but the block along {g.dim} is "
+                    f"the whole of {g.dim} (one scale for all of it), which does not restart at "
+                    "each segment",
+                    s.anchor.pos,
+                    f"drop `per {g.name}`",
+                )
         name = s.name or ast.Name(f"{t.name.text}_scale", t.name.pos)
         if s.name is None and name.text in self.names:
             raise self.error(
@@ -630,7 +651,9 @@ class _Checker:
         blocked_dim: dict[str, str] = {}  # block-count symbol -> its run-time dim
         for n, b in zip(t.shape, sizes):
             d = self.dims[n.text]
-            if d.size is not None:
+            if isinstance(b, str):
+                grid.append(ONE)  # one block over the whole run-time dim, whatever its size
+            elif d.size is not None:
                 grid.append(Poly.const(-(-d.size // b)))
             elif b == 1:
                 grid.append(Poly.sym(d.name))
@@ -653,26 +676,19 @@ class _Checker:
                 )
         return Scale(name.text, s.dtype.text, sizes, layout, anchor)
 
-    def block_size(self, b: ast.IntLit | ast.Name) -> int:
-        """A scale block entry's size: a literal, or a compile-time dim's size."""
+    def block_size(self, b: ast.IntLit | ast.Name) -> int | str:
+        """A scale block entry's size: a literal, or a dim's name standing for the whole
+        dim: its size when fixed, else the name itself (one block over all of it)."""
         if isinstance(b, ast.IntLit):
             return b.value
         if b.text not in self.dims:
             raise self.error(
                 f"scale block '{b.text}' is not a dim; a block entry is a size or the name "
-                "of a dim fixed at compile time",
+                "of a dim (one block over the whole of it)",
                 b.pos,
             )
         size = self.dims[b.text].size
-        if size is None:
-            raise self.error(
-                f"scale block '{b.text}' names a dim known only at run time; a scale block "
-                "is a compile-time size",
-                b.pos,
-                f"one scale along the whole of a contracted dim (per-channel scales) needs "
-                f"the dim fixed at compile time: `dim {b.text} = SIZE`",
-            )
-        return size
+        return b.text if size is None else size
 
     def check_derivation(self, t: ast.TensorDecl) -> None:
         if t.derived is None:
@@ -712,13 +728,15 @@ class _Checker:
         if op.text == "transpose" and source.scale.block != target.scale.block:
             raise self.error(
                 f"transpose moves bytes only, so '{t.name.text}' must keep the scale blocks "
-                f"{list(source.scale.block)} of '{src.text}'",
+                f"{source.scale.block_text} of '{src.text}'",
                 op.pos,
                 "use requantize(...) to change the scale blocks",
             )
         if op.text == "requantize":
             for d, (b_src, b_dst) in enumerate(zip(source.scale.block, target.scale.block)):
-                if b_dst < b_src and b_dst != 1 and b_src % b_dst:
+                if isinstance(b_dst, str) or b_dst == 1:
+                    continue  # coarser (the whole dim), or one scale per element
+                if isinstance(b_src, str) or (b_dst < b_src and b_src % b_dst):
                     raise self.error(
                         f"requantize cannot refine blocks along {source.dims[d]} from {b_src} "
                         f"to {b_dst}",
@@ -1471,19 +1489,33 @@ class _Checker:
         for acc, t in ((gemm.a, a_t), (gemm.b, b_t)):
             axis = acc.axis_of_role("k")
             assert axis is not None and t.scale is not None
-            kinds.append((t.scale.block[axis] != KERNEL_K_BLOCK, t, axis))
+            kinds.append((t.scale.block[axis] != KERNEL_K_BLOCK, t, axis, acc))
         if kinds[0][0] == kinds[1][0]:
             return
-        (_, whole, axis), (_, blocked, _) = sorted(kinds, key=lambda x: not x[0])
+        (_, whole, axis, whole_acc), (_, blocked, _, _) = sorted(kinds, key=lambda x: not x[0])
         kdim = whole.dims[axis]
         raise self.error(
-            f"'{whole.name}' has one scale along the whole contracted dim {kdim} (per-channel), "
+            f"'{whole.name}' has one scale along the whole contracted dim {kdim} "
+            f"({'per-tensor' if self._per_tensor(whole, whole_acc) else 'per-channel'}), "
             f"but '{blocked.name}' changes scale every {KERNEL_K_BLOCK} along it (blockwise); "
-            "both operands must be per-channel or both blockwise",
+            "both operands must be per-channel or per-tensor, or both blockwise",
             self.tensor_ast[whole.name].scale.block[axis].pos,
             f"give both the block {kdim} along {kdim} (one scale per row of A and per column "
             f"of B), or both {KERNEL_K_BLOCK}",
         )
+
+    def _per_tensor(self, t: Tensor, acc: Access) -> bool:
+        """Whether `t`'s scale, as this statement reads it, is one scale per leaf: one
+        block over the whole of every dim but the leaf axes."""
+        assert t.scale is not None
+        return all(self._covers(t, i) for i, use in enumerate(acc.uses) if use.kind == "role")
+
+    def _covers(self, t: Tensor, axis: int) -> bool:
+        """Whether one scale block covers the whole of `t`'s dim `axis`: a run-time dim
+        named in the block, or a block at least the fixed dim's size."""
+        assert t.scale is not None
+        size = self.dims[t.dims[axis]].size
+        return t.scale.whole(axis) or (size is not None and t.scale.block[axis] >= size)
 
     def check_k_major(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
         k_axis = acc.axis_of_role("k")
@@ -1536,7 +1568,17 @@ class _Checker:
                     )
                 continue
             role = gemm.role(use.role)
-            if use.role == "k" and b != KERNEL_K_BLOCK and b == self.dims[dim].size:
+            size = self.dims[dim].size
+            whole = isinstance(b, str)  # one block over the whole of a run-time dim
+            if use.role == "k" and whole:
+                raise self.error(
+                    f"scale block '{b}' spans the whole contracted dim {dim}, which is known only "
+                    "at run time; one scale along the whole of K (per-channel or per-tensor "
+                    "scales) needs K fixed at compile time",
+                    pos,
+                    f"declare `dim {dim} = SIZE`, or use {KERNEL_K_BLOCK}-wide blocks along {dim}",
+                )
+            if use.role == "k" and b != KERNEL_K_BLOCK and b == size:
                 # Per-channel: one scale along the whole of K, applied in the epilogue.
                 if role.group is not None:
                     raise self.error(
@@ -1559,7 +1601,6 @@ class _Checker:
                         self._requant_hint(gemm, t, axis),
                     )
                 if b != KERNEL_K_BLOCK:
-                    size = self.dims[dim].size
                     raise self.error(
                         f"scale block {b} along the contracted dim {dim} is not supported; "
                         f"use {KERNEL_K_BLOCK} (blockwise) or "
@@ -1571,13 +1612,34 @@ class _Checker:
                         ),
                         pos,
                     )
-            elif b != 1 and KERNEL_K_BLOCK % b and b % KERNEL_K_BLOCK:
-                raise self.error(
-                    f"scale block {b} along {dim} does not divide the {KERNEL_K_BLOCK}-wide tile "
-                    f"grid; use a divisor or multiple of {KERNEL_K_BLOCK}",
-                    pos,
-                )
-            if b != 1 and role.group is not None:
+            # One block over the whole of M or N: every row (column) of every leaf reads
+            # the same scale, so no block straddles a segment.
+            covers = self._covers(t, axis)
+            if use.role != "k":
+                k_axis = acc.axis_of_role("k")
+                if covers and (sc.block[k_axis] != KERNEL_K_BLOCK or self._covers(t, k_axis)):
+                    # Beside one scale along the whole of K (an invalid K block is reported
+                    # at K): the per-channel epilogue (or, with K at most 128, the one K
+                    # block's promotion) reads this scale for every row or column, so any
+                    # extent will do: per-tensor scales.
+                    continue
+                if whole:
+                    raise self.error(
+                        f"one scale along the whole of the run-time dim {dim} is supported only "
+                        f"beside one scale along the whole of the contracted dim "
+                        f"{t.dims[k_axis]} (per-tensor or per-channel scales), but the block "
+                        f"along {t.dims[k_axis]} is {sc.block[k_axis]}",
+                        pos,
+                        f"declare the block along {t.dims[k_axis]} as {t.dims[k_axis]} (the "
+                        f"whole of it) on both operands, or use 1 or {KERNEL_K_BLOCK} along {dim}",
+                    )
+                if b != 1 and KERNEL_K_BLOCK % b and b % KERNEL_K_BLOCK:
+                    raise self.error(
+                        f"scale block {b} along {dim} does not divide the {KERNEL_K_BLOCK}-wide tile "
+                        f"grid; use a divisor or multiple of {KERNEL_K_BLOCK}",
+                        pos,
+                    )
+            if b != 1 and role.group is not None and not covers:
                 g = self.groups[role.group]
                 aligned = g.kind in ("split", "uniform") and all(x % b == 0 for x in g.starts)
                 if sc.anchor != g.name and not aligned:
@@ -1641,14 +1703,16 @@ class _Checker:
 
     def _check_injective(
         self, owner: str, dims: tuple[str, ...], layout: Layout, pos: ast.Pos,
-        block: tuple[int, ...] | None = None,
+        block: tuple[int | str, ...] | None = None,
     ) -> None:
         if layout.kind != "strided":
             return  # segment_major stores every segment as its own dense block
         sizes: list[int | None] = []
         for i, name in enumerate(dims):
             size = self.dims[name].size
-            if size is not None and block is not None:
+            if block is not None and isinstance(block[i], str):
+                size = 1  # one block over the whole run-time dim
+            elif size is not None and block is not None:
                 size = -(-size // block[i])
             sizes.append(size)
         # Dims that can hold more than one element (a run-time dim may).
@@ -1766,9 +1830,9 @@ class _Checker:
         elif src.layout.kind != "strided" or src.layout.contiguous_axis() != 1:
             wrong.append(f"'{src.name}' is {src.layout}, not row-major [T, C]")
         if src.scale.block != (1, KERNEL_K_BLOCK):
-            wrong.append(f"its scale blocks are {list(src.scale.block)}, not [1, 128]")
+            wrong.append(f"its scale blocks are {src.scale.block_text}, not [1, 128]")
         if t.scale.block != (KERNEL_K_BLOCK, 1):
-            wrong.append(f"'{t.name}' has scale blocks {list(t.scale.block)}, not [128, 1]")
+            wrong.append(f"'{t.name}' has scale blocks {t.scale.block_text}, not [128, 1]")
         if wrong:
             raise self.error(
                 f"requantize({src.name}) is generated only from a 2-D row-major [T, C] FP8 "
@@ -1830,7 +1894,7 @@ class _Checker:
                 wrong.append(f"'{t.name}' is {t.layout}, not row_major without padding")
             block = t.scale.block
             if block[:-2] != (1,) * (rank - 2) or block[-2:] not in QUANTIZE_BLOCKS:
-                wrong.append(f"'{t.name}' has scale blocks {list(block)}")
+                wrong.append(f"'{t.name}' has scale blocks {t.scale.block_text}")
             elif t.scale.anchor is not None:
                 wrong.append(f"its scale blocks restart per '{t.scale.anchor}'")
             elif t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
@@ -1870,7 +1934,9 @@ class _Checker:
         grid = []
         for d, b in zip(t.dims, t.scale.block):
             size = self.dims[d].size
-            if size is not None:
+            if isinstance(b, str):
+                grid.append(ONE)
+            elif size is not None:
                 grid.append(Poly.const(-(-size // b)))
             else:
                 grid.append(Poly.sym(d if b == 1 else f"ceil({d}/{b})"))

@@ -117,12 +117,30 @@ class Layout:
 class Scale:
     name: str
     dtype: str
-    block: tuple[int, ...]  # per logical dim of the tensor
+    # Per logical dim of the tensor: how many consecutive elements share one scale, or the
+    # dim's name for one block over the whole of a run-time dim (written `[T, K]`: a
+    # per-tensor scale). A fixed dim named in a block stands for its size.
+    block: tuple[int | str, ...]
     layout: Layout  # over the grid of scale blocks
     anchor: str | None  # blocks along dims split by this group restart at each segment
 
+    def whole(self, axis: int) -> bool:
+        """Whether one block covers the whole of a run-time dim along `axis`."""
+        return isinstance(self.block[axis], str)
+
+    def blocks_along(self, axis: int, size: int) -> int:
+        """Blocks of the grid along `axis` for a dim of `size` elements (not anchored):
+        ceil(size / block), or exactly 1 for a whole run-time dim, whatever its size."""
+        b = self.block[axis]
+        return 1 if isinstance(b, str) else -(-size // b)
+
+    @property
+    def block_text(self) -> str:
+        """The block as written back: `[1, 128]`, `[T, 7168]`."""
+        return "[" + ", ".join(str(b) for b in self.block) + "]"
+
     def __str__(self) -> str:
-        s = f"scale {self.dtype} {list(self.block)} layout {self.layout}"
+        s = f"scale {self.dtype} {self.block_text} layout {self.layout}"
         if self.anchor:
             s += f" per {self.anchor}"
         return s + f" as {self.name}"
@@ -316,7 +334,9 @@ class Spec:
     def per_channel(self, g: Gemm) -> bool:
         """Whether statement `g`'s FP8 scales span its whole (compile-time) K: one scale
         per row of A and per column of B, applied once in the epilogue instead of per
-        KERNEL_K_BLOCK (the checker accepts only both operands or neither)."""
+        KERNEL_K_BLOCK (the checker accepts only both operands or neither). Per-tensor
+        scales (one block over the whole of M or N too) are the special case whose
+        scale is the same for every row or column."""
         a = self.tensor(g.a.tensor)
         k_axis = g.a.axis_of_role("k")
         if a.scale is None or k_axis is None:

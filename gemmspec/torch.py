@@ -195,6 +195,8 @@ def quantize(value: torch.Tensor, dtype: str, block: tuple[int, ...]) -> tuple[t
     """`value` in FP8 with one f32 scale per block (amax / FP8 max): (data, scale grid),
     both contiguous. Blocks at the edges may be short."""
     v = value.float()
+    # A dim's name: one block over the whole (run-time) dim.
+    block = tuple(max(n, 1) if isinstance(b, str) else b for n, b in zip(v.shape, block))
     grid = [-(-n // b) for n, b in zip(v.shape, block)]
     pad = []
     for n, b, g in reversed(list(zip(v.shape, block, grid))):

@@ -104,9 +104,14 @@ def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Scale
             offset = offset + Poly.sym(f"g.{use.axis}") * s
             continue
         r = use.role
-        stride[r], block[r] = s, sc.block[i]
         group = gemm.role(r).group
         anchor[r] = sc.anchor if (sc.anchor is not None and sc.anchor == group) else None
+        if sc.whole(i):
+            # One block over the whole of a run-time dim: every element of every leaf reads
+            # the grid's one entry along it, a zero stride (blocks of 1, never anchored).
+            stride[r], block[r] = ZERO, 1
+            continue
+        stride[r], block[r] = s, sc.block[i]
         if group is not None:
             offset = offset + Poly.sym(f"bstart.{r}") * s
     return ScaleMap(

@@ -77,6 +77,8 @@ def block_index(spec: Spec, rt: Runtime, t: Tensor, axis: int) -> np.ndarray:
     assert sc is not None
     dim, b = t.dims[axis], sc.block[axis]
     n = dim_size(spec, rt, dim)
+    if sc.whole(axis):
+        return np.zeros(n, dtype=np.int64)  # one block over the whole (run-time) dim
     anchor = sc.anchor if sc.anchor and spec.group(sc.anchor).dim == dim else None
     if anchor is None:
         return np.arange(n) // b
@@ -89,7 +91,12 @@ def block_index(spec: Spec, rt: Runtime, t: Tensor, axis: int) -> np.ndarray:
 
 
 def scale_grid_shape(spec: Spec, rt: Runtime, t: Tensor) -> tuple[int, ...]:
-    return tuple(int(block_index(spec, rt, t, a).max(initial=-1)) + 1 for a in range(t.rank))
+    """Blocks per dim; one along a whole run-time dim even when it is empty."""
+    assert t.scale is not None
+    return tuple(
+        1 if t.scale.whole(a) else int(block_index(spec, rt, t, a).max(initial=-1)) + 1
+        for a in range(t.rank)
+    )
 
 
 def expand_scales(spec: Spec, rt: Runtime, t: Tensor, grid: np.ndarray) -> np.ndarray:

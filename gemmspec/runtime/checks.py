@@ -179,7 +179,7 @@ def _scale_rows(spec: Spec, t: Tensor, sizes: list[int]) -> list[int]:
         b = t.scale.block[axis]
         g = spec.group(t.scale.anchor) if t.scale.anchor else None
         if g is None or g.dim != d:
-            rows.append(-(-n // b))
+            rows.append(t.scale.blocks_along(axis, n))
         elif g.kind != "ragged":
             rows.append(sum(-(-size // b) for size in g.sizes))
         else:

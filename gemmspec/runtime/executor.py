@@ -470,8 +470,9 @@ class Executable:
             n, b = self._dim_size(d, dims), t.scale.block[axis]
             g = self.spec.group(t.scale.anchor) if t.scale.anchor else None
             if g is None or g.dim != d:
-                want.append(str(_ceil(n, b)))
-                if s.shape[axis] != _ceil(n, b):
+                rows = t.scale.blocks_along(axis, n)
+                want.append(str(rows))
+                if s.shape[axis] != rows:
                     exact = False
             elif g.kind != "ragged":
                 rows = sum(_ceil(size, b) for size in g.sizes)

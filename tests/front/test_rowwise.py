@@ -1,6 +1,8 @@
 """Per-channel ("rowwise") FP8 scales: one scale along the whole (compile-time) K on
 both operands is accepted; mixed, run-time K, K-grouped and epilogue combinations are
-refused with located errors; the tile and the kernel configuration follow."""
+refused with located errors; the tile and the kernel configuration follow. Per-tensor
+scales, the special case with one block over the whole of M or N too, are in
+test_per_tensor.py."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def test_per_channel_kernel_runs_the_unscaled_loop_on_wide_tiles():
 def test_mixed_blockwise_and_per_channel_is_refused():
     src = text("1, 128", "1, 1, K")
     err = error(src)
-    assert "both operands must be per-channel or both blockwise" in err.message
+    assert "both operands must be per-channel or per-tensor, or both blockwise" in err.message
     located(src, err, 6, "K]")
     src = text("1, K", "1, 128, 128")
     err = error(src)
@@ -78,10 +80,13 @@ def test_mixed_blockwise_and_per_channel_is_refused():
 
 
 def test_run_time_k_with_a_named_block_is_refused():
+    # A run-time dim's name is one block over the whole of it; along the contracted dim
+    # that needs K fixed at compile time.
     src = text(k="7168").replace("dim N = 512, K = 7168", "dim K\n  dim N = 512")
     err = error(src)
-    assert "names a dim known only at run time" in err.message
-    assert "per-channel" in err.note
+    assert "spans the whole contracted dim K, which is known only at run time" in err.message
+    assert "(per-channel or per-tensor scales) needs K fixed at compile time" in err.message
+    assert "`dim K = SIZE`" in err.note
     located(src, err, 6, "K]")
 
 

@@ -417,3 +417,90 @@ def test_per_channel_reference_by_hand():
     sw = np.asarray(data["w"].scale_grid, dtype=np.float64)  # [E, N, 1]
     want = (x[2:5] @ w[2].T) * sx[2:5] * sw[2][:, 0][None, :]
     assert np.allclose(y[2:5], want, rtol=1e-12, atol=1e-12)
+
+
+# ---- per-tensor scales ----------------------------------------------------------------------
+
+# x's scale is one block over the whole of T (a run-time dim) and K: one scale for all of x,
+# x_scale [1, 1]; w's is one per expert. The variants swap in per-channel scales on either
+# side (mixed recipes).
+PER_TENSOR = """
+gemm moe_fp8_tensorwise {
+  dim T
+  dim N = 72, K = %(K)d
+  group expert[E = 4] = ragged(T, offsets = expert_offsets)
+  tensor x : e4m3 [T, K] scale f32 [%(XS)s]
+  tensor w : e4m3 [E, N, K] scale f32 [%(WS)s]
+  tensor y : %(D)s [T, N]
+  y[t, n] %(OP)s sum[k] x[t, k] * w[expert(t), n, k]
+}
+"""
+
+# Fixed sizes that are no multiple of 128, a capacity buffer of T and a split N: one block
+# over each whole fixed dim, whatever its size, across the segments of both groups (x has
+# one scale per slice, w one per part).
+PER_TENSOR_FIXED = """
+gemm dense_tensorwise {
+  dim T = 400
+  dim N = 100, K = 200
+  group part[P = 3] = ragged(T, offsets = offs, capacity)
+  group slice[S = 3] = split(N, sizes = [60, 24, 16])
+  tensor x : e4m3 [T, S, K] scale f32 [T, 1, K]
+  tensor w : e4m3 [P, N, K] layout strides(N * (K + 16), K + 16, 1) scale f32 [1, N, K]
+  tensor y : f32 [T, N]
+  y[t, n] = sum[k] x[t, slice(n), k] * w[part(t), n, k]
+}
+"""
+
+
+@SETTINGS
+@given(
+    lengths=st.lists(EDGE_LENGTHS, min_size=4, max_size=4),
+    k=st.sampled_from([64, 128, 200, 300]),
+    recipe=st.sampled_from([("T, K", "1, N, K"), ("T, K", "1, 1, K"), ("1, K", "1, N, K"), ("T, K", "1, 64, K")]),
+    out=st.sampled_from([("bf16", "="), ("f32", "+=")]),
+    seed=st.integers(0, 2**16),
+)
+def test_per_tensor_scales(lengths, k, recipe, out, seed):
+    text = PER_TENSOR % {"K": k, "XS": recipe[0], "WS": recipe[1], "D": out[0], "OP": out[1]}
+    assert_same(*both_executors(text, seed, {"expert": lengths}))
+
+
+@SETTINGS
+@given(lengths=st.lists(st.sampled_from([0, 1, 2, 127, 129]), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_per_tensor_scales_over_fixed_dims_and_segments(lengths, seed):
+    direct, flat = both_executors(PER_TENSOR_FIXED, seed, {"part": lengths})
+    assert_same(direct, flat)
+    assert np.isnan(direct["y"][sum(lengths):]).all()  # past the capacity's offsets
+
+
+def test_per_tensor_reference_by_hand():
+    # One scale for all of x, one per expert for w: (x @ w[e].T) * sx * sw[e].
+    (lowered,) = lower_file(PER_TENSOR % {"K": 200, "XS": "T, K", "WS": "1, N, K", "D": "f32", "OP": "="})
+    spec = lowered.spec
+    rng = np.random.default_rng(5)
+    rt = random_runtime(spec, rng, lengths={"expert": [2, 0, 3, 1]})
+    data = random_inputs(spec, rt, rng)
+    assert data["x"].scale_grid.shape == (1, 1) and data["w"].scale_grid.shape == (4, 1, 1)
+    y = run_direct(spec, rt, data, {"y": np.full((6, 72), np.nan)})["y"]
+    x = np.asarray(data["x"].values, dtype=np.float64)
+    w = np.asarray(data["w"].values, dtype=np.float64)
+    sx = float(data["x"].scale_grid[0, 0])
+    sw = np.asarray(data["w"].scale_grid, dtype=np.float64)[:, 0, 0]
+    for e, rows in ((0, slice(0, 2)), (2, slice(2, 5)), (3, slice(5, 6))):
+        want = (x[rows] @ w[e].T) * sx * sw[e]
+        assert np.allclose(y[rows], want, rtol=1e-12, atol=1e-12)
+
+
+def test_per_tensor_grid_is_one_scale_even_with_no_tokens():
+    from gemmspec.reference.data import Runtime, scale_grid_shape
+
+    (lowered,) = lower_file(PER_TENSOR % {"K": 200, "XS": "T, K", "WS": "1, N, K", "D": "bf16", "OP": "="})
+    spec = lowered.spec
+    for t in (0, 1, 300):
+        rt = Runtime({"T": t}, {"expert_offsets": np.array([0, 0, 0, 0, t], dtype=np.int32)})
+        assert scale_grid_shape(spec, rt, spec.tensor("x")) == (1, 1)
+        assert scale_grid_shape(spec, rt, spec.tensor("w")) == (4, 1, 1)
+    direct, flat = both_executors(PER_TENSOR % {"K": 200, "XS": "T, K", "WS": "1, N, K", "D": "bf16", "OP": "="}, 0, {"expert": [0, 0, 0, 0]})
+    assert direct["y"].shape == (0, 72)
+    assert_same(direct, flat)
