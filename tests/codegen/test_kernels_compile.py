@@ -114,6 +114,15 @@ GEMM_CONFIGS = {
     "e4m3_rowwise_blocks_m64": GemmKernelConfig(
         "e5m2", "e4m3", "f16", scaled=True, sa_bm=128, sa_bk=0, sb_bn=128, sb_bk=0, tile_m=64, tile_n=96
     ),
+    # Per-tensor scales: one block over a whole fixed dim that is no multiple of 128 (the
+    # per-channel kernel), and, with K = 128, the blockwise kernel with one B scale block
+    # over all of N = 264 (two B scales per tile, split at a column no multiple of 128).
+    "e4m3_tensorwise_fixed_blocks": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=400, sa_bk=0, sb_bn=100, sb_bk=0, tile_n=64
+    ),
+    "e4m3_tensorwise_one_k_block": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=264, tile_n=144, cluster=2
+    ),
 }
 
 
@@ -324,7 +333,7 @@ def test_bad_configs_are_rejected(kwargs) -> None:
 
 
 @pytest.mark.parametrize("tile_n", [16, 32, 48, 64, 96, 128, 144, 160, 192])
-@pytest.mark.parametrize("sb_bn", [64, 128, 256])
+@pytest.mark.parametrize("sb_bn", [64, 128, 256, 264])
 def test_every_boundary_column_has_its_main_loop(tile_n, sb_bn):
     # The kernel dispatches `first = (SB_BN - n0 % SB_BN) / 8` to the main loops compiled for
     # sb_splits[:-1], the last one serving every other value: each tile must land on the loop
