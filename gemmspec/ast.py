@@ -145,6 +145,7 @@ class ScaleDecl:
 class Derivation:
     op: Name  # "requantize", "transpose" or "quantize"
     source: Name
+    options: tuple[Name, ...] = ()  # after the source: `quantize(x, pow2)`
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ QUANTIZE_SOURCE_TYPES = frozenset({"bf16", "f16", "f32"})
 QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
 # Derivations whose pre-pass writes the target's scales.
 SCALING_OPS = frozenset({"requantize", "quantize"})
+# quantize(SOURCE, pow2): the pass writes power-of-two scales (its only option).
+QUANTIZE_POW2 = "pow2"
 
 # Names a spec may not use: they reach emitted C++ as parameter and symbol names.
 CXX_RESERVED = frozenset(
@@ -416,7 +418,10 @@ class _Checker:
             seen.add(n.text)
         layout = self.layout(t.layout, t.shape, t.name.text, ELEMENT_BYTES[t.dtype.text], t.name.pos)
         scale = self.scale(t) if t.scale else None
-        derived = Derivation(t.derived.op.text, t.derived.source.text) if t.derived else None
+        derived = None
+        if t.derived:
+            pow2 = any(o.text == QUANTIZE_POW2 for o in t.derived.options)  # checked in check_derivation
+            derived = Derivation(t.derived.op.text, t.derived.source.text, pow2)
         self.tensors[t.name.text] = Tensor(
             t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line
         )
@@ -696,6 +701,7 @@ class _Checker:
         op, src = t.derived.op, t.derived.source
         if src.text not in self.tensors:
             raise self.error(f"unknown tensor '{src.text}'", src.pos)
+        self.check_derivation_options(op, t.derived.options)
         source, target = self.tensors[src.text], self.tensors[t.name.text]
         if src.text == t.name.text:
             raise self.error(
@@ -742,6 +748,29 @@ class _Checker:
                         f"to {b_dst}",
                         op.pos,
                     )
+
+    def check_derivation_options(self, op: ast.Name, options: tuple[ast.Name, ...]) -> None:
+        """quantize takes one option, pow2; the other derivations take none."""
+        for i, o in enumerate(options):
+            if op.text != "quantize":
+                raise self.error(
+                    f"{op.text}(...) takes no options, but '{o.text}' is given"
+                    + (
+                        "; power-of-two scales (pow2) are an option of quantize only"
+                        if o.text == QUANTIZE_POW2 else ""
+                    ),
+                    o.pos,
+                    "transpose keeps the source's scales" if op.text == "transpose"
+                    else "requantize computes its scales as amax / FP8 max",
+                )
+            if o.text != QUANTIZE_POW2:
+                raise self.error(
+                    f"unknown option '{o.text}' of quantize; its one option is pow2 "
+                    "(power-of-two scales)",
+                    o.pos,
+                )
+            if any(p.text == o.text for p in options[:i]):
+                raise self.error(f"option '{o.text}' of quantize is given twice", o.pos)
 
     def _check_quantize(self, source: Tensor, target: Tensor, pos: ast.Pos) -> None:
         """quantize turns an unscaled high-precision tensor into FP8 with fresh scales."""

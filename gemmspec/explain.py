@@ -96,6 +96,7 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
                 ),
                 "target_scale": {"name": p.target_scale, "block": list(p.target_block)},
                 "anchored_per": p.anchor,
+                "pow2_scales": p.pow2,
                 "before_launches": list(p.reads_before),
                 "description": p.describe(),
             }

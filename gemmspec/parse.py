@@ -210,7 +210,7 @@ class _ToAst(Transformer_NonRecursive):
         return ("name", _name(items[0]))
 
     def derived(self, items):
-        return ast.Derivation(_name(items[0]), _name(items[1]))
+        return ast.Derivation(_name(items[0]), _name(items[1]), tuple(_name(t) for t in items[2:]))
 
     def tensor_decl(self, items):
         name, dtype, shape = _name(items[0]), _name(items[1]), items[2]

@@ -150,6 +150,9 @@ class Scale:
 class Derivation:
     op: str  # "requantize", "transpose" or "quantize"
     source: str
+    # quantize(SOURCE, pow2): every scale the pass writes is a power of two, the least one
+    # (at least 2^-127) whose multiple of the FP8 max holds the block's amax.
+    pow2: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ class Tensor:
         if self.scale:
             s += f" {self.scale}"
         if self.derived:
-            s += f" = {self.derived.op}({self.derived.source})"
+            pow2 = ", pow2" if self.derived.pow2 else ""
+            s += f" = {self.derived.op}({self.derived.source}{pow2})"
         return s
 
 

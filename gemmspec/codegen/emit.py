@@ -316,7 +316,8 @@ def quantize_config(src: Tensor, dst: Tensor) -> QuantizeKernelConfig:
             f"quantize {src.name} -> {dst.name}: the emitted pass handles 2-D and 3-D sources "
             "with the last dim contiguous into [1, 128] or [128, 128] scale blocks"
         )
-    return QuantizeKernelConfig(in_type=src.dtype, out_type=dst.dtype, block_r=dst.scale.block[-2])
+    pow2 = dst.derived is not None and dst.derived.pow2
+    return QuantizeKernelConfig(in_type=src.dtype, out_type=dst.dtype, block_r=dst.scale.block[-2], pow2=pow2)
 
 
 def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:

@@ -36,6 +36,14 @@ OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
 SWIGLU_OUTPUT_TYPES = ("bf16", "f32")
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def fp8_max_exponent(dtype: str) -> int:
+    """E with FP8_MAX = 1.75 * 2^E (both formats' largest value has the significand 1.75):
+    448 = 1.75 * 2^8, 57344 = 1.75 * 2^15. Power-of-two scales are found from it."""
+    mantissa, exponent = math.frexp(FP8_MAX[dtype])
+    assert mantissa == 0.875, dtype
+    return exponent - 1
 FP8_INTERP: dict[str, str] = {"e4m3": "__NV_E4M3", "e5m2": "__NV_E5M2"}
 QUANTIZE_IN_TYPES = frozenset({"bf16", "f16", "f32"})
 QUANTIZE_PER_LANE = 4  # elements per lane of a quantize warp: 32 lanes span a 128 block
@@ -448,7 +456,9 @@ class RequantKernelConfig:
 @dataclass(frozen=True)
 class QuantizeKernelConfig:
     """Quantize bf16/f16/f32 [B, R, C] (C contiguous) to dense row-major FP8 with
-    block_r x block_c scales: one warp per [1, 128] block, one CTA per [128, 128]."""
+    block_r x block_c scales: one warp per [1, 128] block, one CTA per [128, 128].
+    ``pow2``: each scale is the least power of two 2^e (e >= -127) with
+    amax <= FP8 max * 2^e, found exactly from the bits of amax."""
 
     in_type: str = "bf16"
     out_type: str = "e4m3"
@@ -456,6 +466,7 @@ class QuantizeKernelConfig:
     block_c: int = 128  # columns per scale block: 32 lanes of 4
     threads: int = 256
     name: str = ""
+    pow2: bool = False
 
     def __post_init__(self) -> None:
         if self.in_type not in QUANTIZE_IN_TYPES or self.out_type not in FP8_TYPES:
@@ -469,7 +480,7 @@ class QuantizeKernelConfig:
                 self,
                 "name",
                 f"gs_sm90a_quantize_{self.in_type}_{self.out_type}_b{self.block_r}x{self.block_c}"
-                f"_w{self.threads}",
+                f"_w{self.threads}{'_pow2' if self.pow2 else ''}",
             )
 
     @property
@@ -565,6 +576,8 @@ def render_quantize(cfg: QuantizeKernelConfig | None = None) -> str:
         rows_per_cta=cfg.rows_per_cta,
         row_passes=cfg.block_r // (cfg.threads // 32) if cfg.block_r > 1 else 1,
         threads=cfg.threads,
+        pow2=cfg.pow2,
+        out_max_exp=fp8_max_exponent(cfg.out_type),
     )
 
 

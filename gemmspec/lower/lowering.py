@@ -217,6 +217,7 @@ def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
         target_block=t.scale.block,
         anchor=t.scale.anchor,
         reads_before=readers,
+        pow2=t.derived.pow2,
     )
 
 
@@ -234,8 +235,9 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
         )
         if readers:
             prepasses.append(_prepass(spec, t, readers))
+            pow2 = ", pow2" if t.derived.pow2 else ""
             reasons.append(
-                f"pre-pass: {t.name} = {t.derived.op}({t.derived.source}) before launch"
+                f"pre-pass: {t.name} = {t.derived.op}({t.derived.source}{pow2}) before launch"
                 f"{'es' if len(readers) > 1 else ''} {', '.join(map(str, readers))}"
             )
     return Schedule(spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches)

@@ -264,7 +264,8 @@ class PrePass:
     contracted dim is contiguous, and quantize again with the target's blocks, in
     one FP8-in, FP8-out pass. kind "transpose": move bytes only, scales kept.
     kind "quantize": quantize an unscaled bf16/f16/f32 source into FP8 with fresh
-    scales (the source has no scale: `source_scale` is None, `source_block` empty).
+    scales (the source has no scale: `source_scale` is None, `source_block` empty);
+    with `pow2` each scale is rounded up to a power of two.
     """
 
     kind: str
@@ -278,6 +279,7 @@ class PrePass:
     target_block: tuple[int, ...]
     anchor: str | None
     reads_before: tuple[int, ...] = field(default=())  # launches that read the target
+    pow2: bool = False  # quantize: power-of-two scales
 
     def describe(self) -> str:
         if self.kind == "transpose":
@@ -286,10 +288,11 @@ class PrePass:
                 f"({self.target_layout}); scales {list(self.source_block)} move with it"
             )
         if self.kind == "quantize":
+            rule = "2^ceil(log2(amax / FP8 max))" if self.pow2 else "amax / FP8 max"
             return (
                 f"quantize {self.source} ({self.source_layout}) -> {self.target} "
                 f"({self.target_layout}, scales {list(self.target_block)}): amax per block, "
-                "scale = amax / FP8 max, one pass"
+                f"scale = {rule}, one pass"
             )
         anchor = f" per {self.anchor}" if self.anchor else ""
         return (

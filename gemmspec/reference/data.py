@@ -125,11 +125,26 @@ def requantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor)
     return q, grid
 
 
+def pow2_scales(amax: np.ndarray, dtype: str) -> np.ndarray:
+    """quantize(SOURCE, pow2)'s scale of each block (float32): the least power of two
+    2^e with e >= -127 (UE8M0's range) and amax <= FP8 max * 2^e, exactly: with
+    amax = m * 2^E (frexp, m in [0.5, 1)) and FP8 max = 0.875 * 2^F, e = E - F, plus 1
+    when m > 0.875. 1 for an all-zero block, +inf for an infinite amax."""
+    amax = np.asarray(amax, dtype=np.float32)
+    f = np.frexp(np.float32(FP8_MAX[dtype]))[1]
+    m, e = np.frexp(amax)
+    e = np.maximum(e - f + (m > np.float32(0.875)), -127)
+    scale = np.ldexp(np.float32(1), e).astype(np.float32)  # exact: 2^-127 is a subnormal
+    scale = np.where(np.isinf(amax), amax, scale)
+    return np.where(amax > 0, scale, np.float32(1)).astype(np.float32)
+
+
 def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
     """quantize(SOURCE) of unscaled values (docs/language.md, section 7): (fp8 values,
     scale grid). Float32 throughout, as the kernel computes it: amax per block
-    (NaN ignored), scale = amax / FP8 max by true division (1 for an all-zero block),
-    then x / scale rounded to nearest even, saturated to the finite range."""
+    (NaN ignored), scale = amax / FP8 max by true division (1 for an all-zero block) or,
+    with pow2, the power of two of `pow2_scales`, then x / scale rounded to nearest even,
+    saturated to the finite range."""
     sc = target.scale
     assert sc is not None
     x = np.asarray(real, dtype=np.float32)  # exact: the source holds bf16/f16/f32 values
@@ -138,7 +153,10 @@ def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -
     amax = np.zeros(scale_grid_shape(spec, rt, target), dtype=np.float32)
     np.fmax.at(amax, np.ix_(*blocks), np.abs(x))
     with np.errstate(invalid="ignore"):
-        grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
+        if target.derived is not None and target.derived.pow2:
+            grid = pow2_scales(amax, target.dtype)
+        else:
+            grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
         scale = grid[np.ix_(*blocks)]
         with np.errstate(divide="ignore"):
             ratio = np.clip(x / scale, -fp8_max, fp8_max)  # NaN stays NaN

@@ -185,9 +185,10 @@ def test_requant_compiles(compiled) -> None:
 
 
 QUANTIZE_CONFIGS = {
-    f"{i}_{o}_b{r}": QuantizeKernelConfig(in_type=i, out_type=o, block_r=r)
+    f"{i}_{o}_b{r}{'_pow2' if p else ''}": QuantizeKernelConfig(in_type=i, out_type=o, block_r=r, pow2=p)
     for i, o in (("bf16", "e4m3"), ("f16", "e5m2"), ("f32", "e4m3"))
     for r in (1, 128)
+    for p in (False, True)
 }
 
 
@@ -204,12 +205,18 @@ def test_quantize_compiles(compiled, key: str) -> None:
     vector = {"bf16": "LDG.E.64.", "f16": "LDG.E.64.", "f32": "LDG.E.128."}[cfg.in_type]
     assert vector in sass, "no vector loads"
     assert bool(re.search(r"\bBAR\.SYNC", sass)) == (cfg.block_r > 1)
+    # Power-of-two scales come from integer work on amax's bits: no log2 or exp2 unit,
+    # and no division of amax, only one per element a thread holds (x / scale).
+    assert not re.search(r"\bMUFU\.(LG2|EX2)\b", sass)
+    per_thread = 4 * (cfg.block_r // (cfg.threads // 32) if cfg.block_r > 1 else 1)
+    assert len(re.findall(r"\bFCHK\b", sass)) == per_thread + (0 if cfg.pow2 else 1)
 
 
 def test_quantize_names() -> None:
     names = {c.name for c in QUANTIZE_CONFIGS.values()}
     assert len(names) == len(QUANTIZE_CONFIGS)
     assert QuantizeKernelConfig().name == "gs_sm90a_quantize_bf16_e4m3_b1x128_w256"
+    assert QuantizeKernelConfig(pow2=True).name == "gs_sm90a_quantize_bf16_e4m3_b1x128_w256_pow2"
     with pytest.raises(ValueError):
         QuantizeKernelConfig(in_type="e4m3")
     with pytest.raises(ValueError):

@@ -208,3 +208,75 @@ def test_explain_lists_the_pass(capsys):
     (p,) = doc["prepasses"]
     assert p["kind"] == "quantize" and p["source_scale"] is None
     assert p["target_scale"] == {"name": "x_q_scale", "block": [1, 128]}
+
+
+# ---- quantize(SOURCE, pow2): power-of-two scales ------------------------------------------
+
+
+@pytest.mark.parametrize("text", [TOKENS, DENSE, WEIGHTS], ids=["tokens-1x128", "dense-128x128", "weights-128x128"])
+def test_pow2_option_lowers_to_a_pow2_pass(text):
+    src = text.replace("= quantize(x)", "= quantize(x, pow2)").replace("= quantize(w)", "= quantize(w, pow2)")
+    (lowered,) = lower_file(src)
+    (p,) = lowered.schedule.prepasses
+    assert p.kind == "quantize" and p.pow2
+    assert "scale = 2^ceil(log2(amax / FP8 max)), one pass" in p.describe()
+    assert any(f"= quantize({p.source}, pow2) before launch 0" in r for r in lowered.schedule.reasons)
+    assert str(lowered.spec.tensor(p.target)).endswith(f"= quantize({p.source}, pow2)")
+    (plain,) = lower_file(text)
+    assert not plain.schedule.prepasses[0].pow2
+    assert "scale = amax / FP8 max, one pass" in plain.schedule.prepasses[0].describe()
+
+
+def _option_at(err: SpecError, text: str, line: int, option: str) -> None:
+    row = text.splitlines()[line - 1]
+    assert err.location.line == line, err.render()
+    assert err.location.column == row.rindex(option) + 1, err.render()
+
+
+POW2_ERRORS = [
+    # (id, old, new, option located, message fragment, note fragment)
+    ("unknown", "quantize(x)", "quantize(x, round)", "round",
+     "unknown option 'round' of quantize; its one option is pow2 (power-of-two scales)", None),
+    ("twice", "quantize(x)", "quantize(x, pow2, pow2)", "pow2",
+     "option 'pow2' of quantize is given twice", None),
+    ("requantize", "  tensor w   :",
+     "  tensor x8  : e4m3 [T, K] scale f32 [1, 128]\n"
+     "  tensor x_t : e4m3 [T, K] layout major(T) scale f32 [128, 1] = requantize(x8, pow2)\n  tensor w   :",
+     "pow2", "requantize(...) takes no options, but 'pow2' is given; power-of-two scales (pow2) "
+     "are an option of quantize only", "requantize computes its scales as amax / FP8 max"),
+    ("transpose", "  tensor w   :",
+     "  tensor x8  : e4m3 [T, K] scale f32 [1, 128]\n"
+     "  tensor x_t : e4m3 [T, K] layout major(T) scale f32 [1, 128] = transpose(x8, fast)\n  tensor w   :",
+     "fast", "transpose(...) takes no options, but 'fast' is given", "transpose keeps the source's scales"),
+]
+
+
+@pytest.mark.parametrize("old, new, option, fragment, note", [pytest.param(*c[1:], id=c[0]) for c in POW2_ERRORS])
+def test_quantize_options_are_located(old, new, option, fragment, note):
+    text = _q(old, new)
+    err = _error(text)
+    assert fragment in err.message, err.render()
+    if note is not None:
+        assert note in (err.note or ""), err.render()
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if f", {option}" in row)
+    _option_at(err, text, line, option)
+
+
+def test_pow2_keeps_the_shapes_the_pass_covers():
+    # The option changes the scale rule only: the same shapes are refused at `quantize`.
+    text = _q("[128, 128] = quantize(x)", "[64, 128] = quantize(x, pow2)", DENSE)
+    err = _error(text)
+    assert "'x_q' has scale blocks [64, 128]" in err.message
+    _at_quantize(err, text, 5)
+
+
+def test_explain_json_says_pow2(capsys, tmp_path):
+    from gemmspec.cli import main
+
+    path = tmp_path / "q.gspec"
+    path.write_text(TOKENS.replace("= quantize(x)", "= quantize(x, pow2)"))
+    assert main(["explain", "--json", str(path)]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    (p,) = doc["prepasses"]
+    assert p["pow2_scales"] is True
+    assert "2^ceil(log2(amax / FP8 max))" in p["description"]

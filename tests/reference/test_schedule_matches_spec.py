@@ -179,6 +179,24 @@ def test_quantize_prepasses(lengths, seed):
     assert_same(*both_executors(QUANTIZED, seed, {"expert": lengths}))
 
 
+@SETTINGS
+@given(
+    lengths=st.lists(EDGE_LENGTHS, min_size=4, max_size=4),
+    which=st.sampled_from(["x", "w", "both"]),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_prepasses_with_pow2_scales(lengths, which, seed):
+    text = QUANTIZED
+    for t in ("x", "w") if which == "both" else (which,):
+        text = text.replace(f"= quantize({t})", f"= quantize({t}, pow2)")
+    (lowered,) = lower_file(text)
+    assert sorted(p.target for p in lowered.schedule.prepasses if p.pow2) == sorted(
+        {"x": ["x_q"], "w": ["w_q"], "both": ["w_q", "x_q"]}[which]
+    )
+    direct, flat = both_executors(text, seed, {"expert": lengths})
+    assert_same(direct, flat)
+
+
 def test_zero_tokens_everywhere():
     direct, flat = both_executors(moe_fp8(200), 0, {"expert": [0, 0, 0, 0]})
     assert direct["y"].shape == (0, 72)
