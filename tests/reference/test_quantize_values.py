@@ -285,3 +285,29 @@ def test_pow2_rule_by_hand():
     assert grid[2, 0] == np.inf and np.isnan(q[2, 0]) and q[2, 1] == 0.0
     assert grid[2, 1] == 2.0 and q[2, 128] == 224.0
 
+
+def test_documented_pow2_snippet_reproduces_the_reference():
+    # The numpy lines docs/language.md gives for quantize(x, pow2), run block by block,
+    # equal the reference bit for bit (e4m3, [1, 128] blocks).
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "language.md").read_text()
+    after = doc[doc.index("**Power-of-two scales: `quantize(SOURCE, pow2)`.**"):]
+    snippet = after[after.index("```python\n") + 10 : after.index("```\n", after.index("```python\n"))]
+    spec = spec_for(256, "e4m3", 1, src="f32", pow2=True)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 256)) * 2.0 ** rng.integers(-140, 100, size=(6, 1))
+    x = x.astype(np.float32).astype(np.float64)
+    x[0, :128] = 0.0
+    x[1, 128] = 448.0 * 2.0**-5
+    x[2, 7] = np.inf
+    x[3, :128] = 1e-40
+    q, grid = quantize_values(spec, Runtime({"R": 6}), x, spec.tensor("x_q"))
+    for r in range(6):
+        for c in range(2):
+            env = {"np": np, "ml_dtypes": ml_dtypes, "block": x[r, c * 128 : (c + 1) * 128].astype(np.float32)}
+            with np.errstate(invalid="ignore"):
+                exec(snippet, env)
+            assert env["scale"] == grid[r, c] or (np.isinf(env["scale"]) and np.isinf(grid[r, c])), (r, c)
+            assert isinstance(env["scale"], np.float32), type(env["scale"])  # float32 division
+            assert same(env["q"].astype(np.float64), q[r, c * 128 : (c + 1) * 128]), (r, c)
