@@ -1,7 +1,8 @@
 """On a Hopper GPU: quantize(x) pre-passes feeding FP8 grouped GEMMs. Against the float64
 reference (ragged segments of 0, 1, 127 and 129 rows, K a multiple of 128 or not), a
 3-D weight quantized in [1, 128, 128] blocks, and bit for bit against the same GEMM fed
-with the numpy reference's quantization of x."""
+with the numpy reference's quantization of x; the same with power-of-two scales
+(quantize(x, pow2)), the corners of their rule included."""
 
 from __future__ import annotations
 
@@ -118,3 +119,64 @@ def test_quantize_pass_is_bit_exact_with_the_reference(k):
     got = _run(fused, {"x": (x, "bf16"), **common}, shape)
     want = _run(plain, {"x_q": (q, "e4m3"), "x_q_scale": (grid, "f32"), **common}, shape)
     assert np.array_equal(got, want), f"{int((got != want).sum())} of {got.size} outputs differ"
+
+
+# ---- quantize(SOURCE, pow2): power-of-two scales --------------------------------------------
+
+
+def _pow2(text: str) -> str:
+    out = text.replace("= quantize(x)", "= quantize(x, pow2)").replace("= quantize(w)", "= quantize(w, pow2)")
+    assert out != text
+    return out
+
+
+@pytest.mark.parametrize("k", [128, 1024])
+@pytest.mark.parametrize("src, fp8", [("bf16", "e4m3"), ("f16", "e5m2"), ("f32", "e4m3")])
+def test_pow2_quantized_tokens_match_reference(src, fp8, k):
+    exe = gemmspec.build(_pow2(TOKENS.format(name=f"quant_pow2_tokens_{src}_{fp8}_k{k}", src=src, fp8=fp8, k=k)))
+    report_ok(run_random(exe, lengths={"expert": RAGGED}, seed=k + 1, repeats=0))
+
+
+def test_pow2_quantized_weights_match_reference():
+    exe = gemmspec.build(_pow2(WEIGHTS.format(name="quant_pow2_weights_k256", k=256)))
+    report_ok(run_random(exe, lengths={"expert": RAGGED}, seed=9, repeats=0))
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal bf16 bits wherever the reference's y is a number, NaN where it is NaN."""
+    nan_got, nan_want = np.isnan(got.view(NUMPY_TYPES["bf16"])), np.isnan(want.view(NUMPY_TYPES["bf16"]))
+    assert np.array_equal(nan_got, nan_want), f"{int((nan_got != nan_want).sum())} outputs differ in NaN-ness"
+    differ = (got != want) & ~nan_want
+    assert not differ.any(), f"{int(differ.sum())} of {got.size} outputs differ"
+
+
+@pytest.mark.parametrize("k", [1024])
+def test_pow2_quantize_pass_is_bit_exact_with_the_reference(k):
+    """y from quantize(x, pow2) on the device equals, bit for bit, y from the same GEMM fed
+    with the numpy reference's x_q and power-of-two scales, corners of the rule included:
+    an all-zero block (scale 1), a huge block, a subnormal, amax exactly 448 * 2^-3 (scale
+    2^-3) and just past 448 * 2^-2 (scale 2^-1), and an infinite element (scale +inf)."""
+    fused = gemmspec.build(_pow2(TOKENS.format(name=f"quant_pow2_fused_k{k}", src="bf16", fp8="e4m3", k=k)))
+    plain = gemmspec.build(PREQUANTIZED.format(name=f"quant_pow2_plain_k{k}", k=k))
+    spec = fused.spec
+    rng = np.random.default_rng(k + 2)
+    rt: Runtime = random_runtime(spec, rng, lengths={"expert": RAGGED})
+    data = random_inputs(spec, rt, rng)
+    x = data["x"].values.copy()
+    x[0, :128] = 0.0
+    x[2, :128] *= 2.0**100
+    x[3, -1] = 2.0**-130
+    x[4, :128] /= 16.0
+    x[4, 5] = 56.0  # 448 * 2^-3: the scale is exactly 2^-3
+    x[5, 128:256] /= 16.0
+    x[5, 130] = -112.5  # the next bf16 past 448 * 2^-2: the scale is 2^-1
+    x[6, 300] = np.inf
+    q, grid = quantize_values(spec, rt, x, spec.tensor("x_q"))
+    assert grid[4, 0] == np.float32(2.0**-3) and grid[5, 1] == np.float32(2.0**-1)
+    assert grid[0, 0] == 1.0 and grid[6, 2] == np.inf
+    w = data["w"]
+    shape = (dim_size(spec, rt, "T"), 264)
+    common = {"w": (w.values, "e4m3"), "w_scale": (w.scale_grid, "f32"), "offs": (rt.tensors["offs"], "i32")}
+    got = _run(fused, {"x": (x, "bf16"), **common}, shape)
+    want = _run(plain, {"x_q": (q, "e4m3"), "x_q_scale": (grid, "f32"), **common}, shape)
+    _same_bits(got, want)
