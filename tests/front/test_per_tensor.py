@@ -201,3 +201,14 @@ def test_same_kernel_as_per_channel():
     (a,), (b,) = tensor.schedule.launches, channel.schedule.launches
     assert gemm_config(a) == gemm_config(b)
     assert a.problems.sa.strides[0] == ZERO and b.problems.sa.strides[0] != ZERO
+
+
+def test_no_derived_backward_for_per_tensor_scales():
+    from gemmspec.backward import derive_backward
+
+    for k in ("7168", "128"):  # per-channel kernel, and blockwise with one K block
+        (lowered,) = lower_file(text(k=k))
+        bw = derive_backward(lowered.spec)
+        assert not bw.statements and bw.source == ""
+        (skipped,) = bw.skipped
+        assert "per-tensor" in skipped.reason
