@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
 from ..spec import Spec, Tensor
-from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram
+from .emit import TABLE_THREADS, EmittedLaunch, EmittedPrePass, EmittedProgram
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, map_specs
 from .names import file_stem, host_prefix
@@ -26,7 +26,6 @@ EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
-TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
 # cuTensorMapEncodeTiled's element type per dtype: FP8 moves as bytes (TMA only copies).
 TENSOR_MAP_DATA_TYPE = {
     "e4m3": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
