@@ -300,11 +300,25 @@ def test_in_place_output_is_the_same_memory():
 
 
 def test_per_tensor_scales_have_one_entry_per_tensor_or_expert():
-    # `scale f32 [T, K]` is one scale for all of x, whatever T is: [1, 1]; w's [1, N, K]
+    # `scale f32 [T, K]` is one scale for all of h, whatever T is: [1, 1]; w's [1, N, K]
     # one per expert: [E, 1, 1].
     per_tensor = gemmspec.build(EXAMPLE.parent / "moe_fp8_tensorwise.gspec")
-    good = {"x_scale": FakeCuda((1, 1), "<f4", ptr=BASE["x_scale"]), "w_scale": FakeCuda((E, 1, 1), "<f4", ptr=BASE["w_scale"])}
-    msg = call(per_tensor, **{**good, "x_scale": FakeCuda((T, 1), "<f4", ptr=BASE["x_scale"])})
-    assert "scale 'x_scale' must have shape [1, 1], got [512, 1]" in msg
-    msg = call(per_tensor, **{**good, "w_scale": FakeCuda((E, N // 128, 1), "<f4", strides=(4, 4, 4), ptr=BASE["w_scale"])})
-    assert "scale 'w_scale' must have shape [8, 1, 1], got [8, 32, 1]" in msg
+    n, k = 7168, 2048  # a down-projection
+    args = {
+        "h": FakeCuda((T, k), "|u1", ptr=BASE["x"]),
+        "h_scale": FakeCuda((1, 1), "<f4", ptr=BASE["x_scale"]),
+        "w": FakeCuda((E, n, k), "|u1", ptr=BASE["w"]),
+        "w_scale": FakeCuda((E, 1, 1), "<f4", ptr=BASE["w_scale"]),
+        "y": FakeCuda((T, n), "<u2", ptr=BASE["y"]),
+        "expert_offsets": FakeCuda((E + 1,), "<i4", ptr=BASE["expert_offsets"]),
+    }
+
+    def refused(**changes) -> str:
+        with pytest.raises(ArgumentError) as info:
+            per_tensor(**{**args, **changes})
+        return str(info.value)
+
+    msg = refused(h_scale=FakeCuda((T, 1), "<f4", ptr=BASE["x_scale"]))
+    assert "scale 'h_scale' must have shape [1, 1], got [512, 1]" in msg
+    msg = refused(w_scale=FakeCuda((E, n // 128, 1), "<f4", strides=(4, 4, 4), ptr=BASE["w_scale"]))
+    assert "scale 'w_scale' must have shape [8, 1, 1], got [8, 56, 1]" in msg
