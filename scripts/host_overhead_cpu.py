@@ -3,10 +3,13 @@
 Runs the default call path (`exe(**args)`, `gemmspec.torch.op`, and `enqueue()` of a
 prepared run) on torch CPU tensors that pass for CUDA tensors, with every driver call
 stubbed: buffers get fake addresses, kernels are never compiled or loaded, the
-context switch and the launch itself do nothing. The real `LoadedKernel` argument
-handling runs up to the driver call. So the numbers are gemmspec's Python overhead
-per call, *without* the driver's launch cost (a few us per kernel on a real GPU;
-scripts/host_path_probe.py measures the whole thing there).
+launch itself does nothing, and the driver's context query answers at once that the
+device's primary context is current (as under torch). The real `LoadedKernel`
+argument handling and context switch run up to the driver calls. So the numbers are
+gemmspec's Python overhead per call, *without* the driver's launch cost (a few us per
+kernel on a real GPU; scripts/host_path_probe.py measures the whole thing there).
+
+It measures the gemmspec of the checkout it is in, whatever is installed.
 
     python scripts/host_overhead_cpu.py            # per-call medians
     python scripts/host_overhead_cpu.py --profile  # and a cProfile breakdown per call
@@ -15,7 +18,6 @@ scripts/host_path_probe.py measures the whole thing there).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import pstats
 import statistics
@@ -26,10 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import gemmspec
-from gemmspec.runtime import executor, launch, plan, streams
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import gemmspec  # noqa: E402
+from gemmspec.runtime import executor, launch, plan, streams  # noqa: E402
+
 CUDA0 = torch.device("cuda", 0)
 
 
@@ -84,6 +88,22 @@ class FakeLoadedKernel(launch.LoadedKernel):
         return super().bind(grid, block, smem, stream, args, slots)
 
 
+class FakeContextDriver:
+    """The driver calls of `streams.on_device`: device 0's primary context is current
+    (a new handle object per query, as the driver's bindings return)."""
+
+    CUresult = launch.driver.CUresult
+    PRIMARY = 0x5000
+
+    @classmethod
+    def cuCtxGetCurrent(cls):
+        return cls.CUresult.CUDA_SUCCESS, launch.driver.CUcontext(cls.PRIMARY)
+
+    @staticmethod
+    def cuCtxSetCurrent(ctx):
+        raise AssertionError("the primary context is current: nothing to switch")
+
+
 def install_fakes() -> None:
     """Stub every driver call; torch CPU tensors pass for CUDA tensors on device 0."""
     executor.DeviceBuffer = FakeBuffer
@@ -92,7 +112,9 @@ def install_fakes() -> None:
     executor.num_sms = lambda device=0: 132
     executor.caller_stream = lambda s, objects, device: FakeStream()
     executor.is_capturing = lambda s: False
-    executor.on_device = lambda device: contextlib.nullcontext()
+    streams.driver = FakeContextDriver
+    primary = launch.driver.CUcontext(FakeContextDriver.PRIMARY)
+    streams._CONTEXTS[0] = (primary, int(primary))
     plan.encode_tile_map = lambda dtype, rows, inner, address: bytes(128)
     launch.DeviceBuffer = FakeBuffer
     launch._cuda_launch = lambda *a: None  # the cuda.core launch
@@ -172,7 +194,7 @@ def main() -> None:
     ]
     print(
         f"{exe.spec.name}: {launches} launches per call; fake driver (no launch cost, "
-        "no context switch): gemmspec's host overhead only"
+        "context already current): gemmspec's host overhead only"
     )
     for title, fn in cases:
         per_call(fn, ns.n // 10)  # warm
