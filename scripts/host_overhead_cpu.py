@@ -82,10 +82,10 @@ class FakeLoadedKernel(launch.LoadedKernel):
             self._param_sizes = self._sizes(args)
         super().launch(grid, block, smem, stream, *args)
 
-    def bind(self, grid, block, smem, stream, args, slots):
+    def bind(self, grid, block, smem, stream, args, slots, cells):
         if self._param_sizes is None:
             self._param_sizes = self._sizes(args)
-        return super().bind(grid, block, smem, stream, args, slots)
+        return super().bind(grid, block, smem, stream, args, slots, cells)
 
 
 class FakeContextDriver:

@@ -41,7 +41,7 @@ from ..lower.schedule import Schedule
 from ..spec import Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
 from .checks import check_outputs, check_sizes, check_written_layouts
-from .launch import LoadedKernel, num_sms
+from .launch import ArgumentCells, LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
 from .plan import plan_steps
 from .streams import caller_stream, is_capturing, on_device, stream_key, torch_stream
@@ -676,9 +676,10 @@ class PreparedRun:
     dims: dict = field(default_factory=dict)
     names: tuple = ()  # the arguments, in the order of the pointers `launch` takes
     guard: _PointerGuard | None = None  # the pointer checks of a cached plan
-    # The launches with their parameters packed, for this run's stream (made when first
-    # launched; a plan taken over by a capture packs its own).
-    _bound: list | None = field(default=None, init=False, repr=False, compare=False)
+    # The cells of the pointers and the launches, with their parameters packed, that read
+    # them, for this run's stream (made when first launched; a plan taken over by a
+    # capture packs its own). One attribute, so two threads never mix two packings.
+    _bound: tuple[ArgumentCells, list] | None = field(default=None, init=False, repr=False, compare=False)
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN, device=self.device, stream=self.stream)
@@ -702,21 +703,26 @@ class PreparedRun:
     def launch(self, pointers: tuple[int, ...]) -> None:
         """Issue every kernel with `pointers` for the arguments (in `names` order)."""
         with on_device(self.device):
-            launches = self._bound
-            if launches is None:
-                launches = self._bound = self._pack()
-            for launch in launches:
-                launch.launch(pointers)
+            bound = self._bound
+            if bound is None:
+                bound = self._bound = self._pack()
+            cells, launches = bound
+            with cells.lock:
+                cells.write(pointers)
+                for launch in launches:
+                    launch.launch()
 
-    def _pack(self) -> list:
-        """Each launch's arguments checked and packed once; user arrays become slots."""
+    def _pack(self) -> tuple[ArgumentCells, list]:
+        """Each launch's arguments checked and packed once; user arrays become slots that
+        read the run's argument cells."""
         index = {n: i for i, n in enumerate(self.names)}
+        cells = ArgumentCells(len(self.names))
         packed = []
         for kernel, grid, block, smem, args in self.launches:
             slots = {p: index[a.name] for p, a in enumerate(args) if type(a) is _Arg}
             values = [None if p in slots else a for p, a in enumerate(args)]
-            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots))
-        return packed
+            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots, cells))
+        return cells, packed
 
     def synchronize(self) -> None:
         self.stream.sync()

@@ -227,49 +227,76 @@ class HandleStream:
     handle = 1234
 
 
-def test_bound_launch_packs_once_and_patches_pointers(monkeypatch):
+def recording_driver(monkeypatch, count):
+    """The driver's launch, recording grid, block, smem, stream and the values of the
+    first `count` parameters."""
     seen = []
 
     def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        cells = [ctypes.c_uint64.from_address(params + 8 * i).value for i in range(4)]
+        cells = [ctypes.c_uint64.from_address(params + 8 * i).value for i in range(count)]
         values = [ctypes.c_uint64.from_address(c).value for c in cells]
         seen.append(((gx, gy, gz), (bx, by, bz), smem, int(stream), values))
         return (launch.driver.CUresult.CUDA_SUCCESS,)
 
     monkeypatch.setattr(launch, "_launch_kernel", fake_launch)
     monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
+    return seen
+
+
+def test_bound_launch_packs_once_and_reads_pointers_from_its_cells(monkeypatch):
+    seen = recording_driver(monkeypatch, 4)
     k = bare_kernel([8, 4, 8, 8])
     buf = DeviceArray(0x7000, (4,), (1,), "f32", 0)
-    bound = k.bind((3, 2), 128, 0, HandleStream(), [None, np.int32(-2), np.int64(5), buf], {0: 1})
-    bound.launch((0x1000, 0x2000))
-    bound.launch((0x1000, 0x3000))
+    cells = launch.ArgumentCells(2)
+    bound = k.bind((3, 2), 128, 0, HandleStream(), [None, np.int32(-2), np.int64(5), buf], {0: 1}, cells)
+    cells.write((0x1000, 0x2000))
+    bound.launch()
+    cells.write((0x1000, 0x3000))
+    bound.launch()
     assert seen[0][:4] == ((3, 2, 1), (128, 1, 1), 0, 1234)
     assert seen[0][4] == [0x2000, 0xFFFFFFFE, 5, 0x7000]
     assert seen[1][4] == [0x3000, 0xFFFFFFFE, 5, 0x7000]
 
 
+def test_launches_bound_to_one_set_of_cells_share_each_pointer(monkeypatch):
+    seen = recording_driver(monkeypatch, 2)
+    cells = launch.ArgumentCells(3)
+    first = bare_kernel([8, 8]).bind(1, 32, 0, HandleStream(), [None, None], {0: 0, 1: 2}, cells)
+    second = bare_kernel([8, 4]).bind(1, 32, 0, HandleStream(), [None, np.int32(7)], {0: 2}, cells)
+    for pointers in ((16, 32, 48), (16, 32, 48), (64, 80, 96)):  # the same ones twice
+        cells.write(pointers)
+        first.launch()
+        second.launch()
+    assert [values for *_, values in seen] == [[16, 48], [48, 7]] * 2 + [[64, 96], [96, 7]]
+
+
 def test_bind_checks_what_launch_checks(monkeypatch):
     monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
     k = bare_kernel([8, 4])
+    cells = launch.ArgumentCells(1)
     with pytest.raises(ArgumentError, match="takes 2 arguments, got 3"):
-        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1), np.int32(2)], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1), np.int32(2)], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="argument 1 of 'k' is a 4-byte parameter; got 8"):
-        k.bind(1, 32, 0, HandleStream(), [None, np.int64(1)], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [None, np.int64(1)], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="python int|Python int"):
-        k.bind(1, 32, 0, HandleStream(), [None, 3], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [None, 3], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="slot"):
-        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 0), np.int32(1)], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 0), np.int32(1)], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="lives on device 1"):
-        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 1), np.int32(1)], {})
+        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 1), np.int32(1)], {}, cells)
+    with pytest.raises(ArgumentError, match="reads cell 1 of 1"):
+        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1)], {0: 1}, cells)
 
 
 def test_a_failed_launch_raises(monkeypatch):
     monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
     failed = launch.driver.CUresult.CUDA_ERROR_INVALID_VALUE
     monkeypatch.setattr(launch, "_launch_kernel", lambda *a: (failed,))
-    bound = bare_kernel([8]).bind(1, 32, 0, HandleStream(), [None], {0: 0})
+    cells = launch.ArgumentCells(1)
+    bound = bare_kernel([8]).bind(1, 32, 0, HandleStream(), [None], {0: 0}, cells)
+    cells.write((16,))
     with pytest.raises(GemmspecError, match="launching k .* failed: CUDA_ERROR_INVALID_VALUE"):
-        bound.launch((16,))
+        bound.launch()
 
 
 def test_a_dropped_executable_frees_its_plans_without_the_cyclic_collector(offline):
