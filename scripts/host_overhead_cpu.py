@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import itertools
 import pstats
 import statistics
 import sys
@@ -104,6 +106,12 @@ class FakeContextDriver:
         raise AssertionError("the primary context is current: nothing to switch")
 
 
+def _constant(value):
+    """A C callable of one argument that returns `value` (next() of an endless repeat,
+    the argument being next's unused default)."""
+    return functools.partial(next, itertools.repeat(value))
+
+
 def install_fakes() -> None:
     """Stub every driver call; torch CPU tensors pass for CUDA tensors on device 0."""
     executor.DeviceBuffer = FakeBuffer
@@ -122,15 +130,17 @@ def install_fakes() -> None:
     if hasattr(launch, "_launch_kernel"):  # the driver's cuLaunchKernel, where used
         launch._launch_kernel = lambda *a: (launch.driver.CUresult.CUDA_SUCCESS,)
     # torch: CPU tensors claim to be on cuda:0, and the current stream is the default.
-    torch.Tensor.is_cuda = property(lambda self: True)
-    torch.Tensor.device = property(lambda self: torch.device("cuda", 0))
-    torch.Tensor.get_device = lambda self: 0
+    # The stand-ins are C callables, as torch's own getters are: a Python lambda costs
+    # several times more and would be counted as gemmspec's.
+    torch.Tensor.is_cuda = property(_constant(True))
+    torch.Tensor.device = property(_constant(CUDA0))
+    torch.Tensor.get_device = staticmethod(int)  # int() is 0
 
     class _TorchStream:
         cuda_stream = 0
 
     torch.cuda.current_stream = lambda device=None: _TorchStream()
-    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    torch._C._cuda_getCurrentRawStream = _constant(0)
     streams._STREAMS.clear()
 
 
