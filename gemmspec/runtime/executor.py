@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,9 +53,21 @@ ALIGN = 16
 PLAN_CACHE = 32  # plans kept per executable; a plan captured in a CUDA graph is never dropped
 
 
+_CHECK_VARIABLE = "GEMMSPEC_CHECK"
+_CHECK_KEY = os.environ.encodekey(_CHECK_VARIABLE)
+_CHECK_OFF = (None, "", "0", b"", b"0")  # unset, empty or 0, as str or as bytes
+
+
 def debug_checks() -> bool:
-    """GEMMSPEC_CHECK=1 makes every call behave as if passed check=True."""
-    return os.environ.get("GEMMSPEC_CHECK", "") not in ("", "0")
+    """GEMMSPEC_CHECK=1 makes every call behave as if passed check=True (read on every
+    call, so it can be switched at run time)."""
+    # os.environ.get encodes the name and decodes the value in Python each time, most of
+    # a microsecond on a call path of a few; the table behind os.environ, keyed by the
+    # encoded name, holds the same value.
+    table = getattr(os.environ, "_data", None)
+    if table is None:  # os.environ replaced by a plain mapping
+        return os.environ.get(_CHECK_VARIABLE) not in _CHECK_OFF
+    return table.get(_CHECK_KEY) not in _CHECK_OFF
 
 
 def _ceil(a: int, b: int) -> int:
@@ -173,13 +187,18 @@ class Executable:
     def _names(self) -> tuple[str, ...]:
         return tuple(self.argument_names())
 
+    @functools.cached_property
+    def _take(self) -> Callable[[dict], tuple]:
+        """The arguments of a call's keywords in `argument_names()` order (KeyError for
+        one missing), in one C call."""
+        return take(self._names)
+
     def _ordered(self, tensors: dict[str, object]) -> tuple:
         """The arguments in `argument_names()` order; ArgumentError for a name missing
         or unknown."""
-        names = self._names
-        if len(tensors) == len(names):
+        if len(tensors) == len(self._names):
             try:
-                return tuple([tensors[n] for n in names])
+                return self._take(tensors)
             except KeyError:
                 pass
         self._check_names(tensors)
@@ -746,6 +765,14 @@ class PreparedRun:
                     exe._check_scale(t, arrays, self.dims, offsets)
         dims = ", ".join(f"{d} = {n}" for d, n in self.dims.items())
         raise ArgumentError("; ".join(c.message for c in failed) + (f" ({dims})" if dims else ""))
+
+
+def take(names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
+    """`mapping -> tuple(mapping[n] for n in names)`, in one C call (KeyError for a name
+    missing)."""
+    if len(names) == 1:  # itemgetter of one name returns the bare value
+        return lambda mapping: (mapping[names[0]],)
+    return operator.itemgetter(*names)
 
 
 def _signature(arrays: dict[str, DeviceArray]) -> tuple:
