@@ -195,6 +195,38 @@ def test_debug_mode_checks_every_call(exe, offline, monkeypatch):
     assert stream.waits == 2
 
 
+def test_debug_mode_is_read_on_every_call(exe, offline, monkeypatch):
+    stream = Stream()
+    monkeypatch.setattr(executor, "caller_stream", lambda s, objects, device: stream)
+    monkeypatch.setattr(executor.DeviceBuffer, "to_numpy", flags_reading([0, 0]), raising=False)
+    monkeypatch.delenv("GEMMSPEC_CHECK", raising=False)
+    waits = []
+    for value in (None, "1", "0", "", "yes", None):
+        if value is None:
+            monkeypatch.delenv("GEMMSPEC_CHECK", raising=False)
+        else:
+            monkeypatch.setenv("GEMMSPEC_CHECK", value)
+        exe(**forward_args())  # planned once, then from the plan
+        waits.append(stream.waits)
+    assert waits == [0, 1, 1, 1, 2, 2]
+    assert len(exe._plans) == 1
+
+
+def test_torch_stream_is_asked_on_every_call(monkeypatch):
+    torch = pytest.importorskip("torch")
+    handles = iter([5, 7])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: next(handles), raising=False)
+    monkeypatch.setattr(streams, "_torch_raw_stream", None)
+    assert [streams.torch_stream(0), streams.torch_stream(0)] == [5, 7]
+
+
+def test_take_puts_names_in_order():
+    assert executor.take(("b", "a"))({"a": 1, "b": 2}) == (2, 1)
+    assert executor.take(("a",))({"a": 1}) == (1,)
+    with pytest.raises(KeyError):
+        executor.take(("a", "c"))({"a": 1})
+
+
 def test_anchored_scale_rows_checked_against_their_range(offline):
     exe = gemmspec.build(EXAMPLES[0].parent / "moe_fp8_wgrad.gspec")
     t = 1000
