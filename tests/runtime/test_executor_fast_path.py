@@ -101,6 +101,52 @@ def test_changed_metadata_is_checked_again_or_planned_anew(exe, offline):
     assert len(exe._plans) == 2
 
 
+def test_alternating_signatures_each_launch_their_own_plan(exe, offline):
+    for t in (T, T + 8, T, T, T + 8):
+        exe(**forward_args(t=t))
+    assert len(exe._plans) == 2
+    # The offsets check takes T after its buffers and the offsets' pointers.
+    sizes = [int(args[3]) for name, _, args in launches() if name.startswith("gs_validate")]
+    assert sizes == [T, T + 8, T, T, T + 8]
+
+
+def test_a_dropped_recent_plan_is_not_used_again(exe, offline, monkeypatch):
+    monkeypatch.setattr(executor, "PLAN_CACHE", 1)
+    exe(**forward_args())
+    exe(**forward_args(t=T + 8))  # drops the first plan
+    exe(**forward_args())  # planned again, not taken from the dropped one
+    assert len(exe._plans) == 1
+    (key,) = exe._plans
+    assert exe._recent == (key, exe._plans[key])
+    # Every plan pinned: a new one is made, used and dropped at once.
+    exe._plans[key].pinned = True
+    exe(**forward_args(t=T + 8))
+    assert list(exe._plans) == [key] and exe._recent[0] == key
+    exe(**forward_args(t=T + 8))
+    sizes = [int(args[3]) for name, _, args in launches() if name.startswith("gs_validate")]
+    assert sizes == [T, T + 8, T, T + 8, T + 8]
+
+
+def reference_guard(guard, p):
+    """The pointer rules of `_PointerGuard`, spelt out."""
+    if any(p[i] % a for i, a in guard.aligned) or any(not p[i] for i in guard.present):
+        return False
+    return not any(p[i] + lo < p[j] + hi2 and p[j] + lo2 < p[i] + hi for i, lo, hi, j, lo2, hi2 in guard.apart)
+
+
+def test_pointer_guard_expression_keeps_the_rules():
+    guard = executor._PointerGuard(
+        aligned=((0, 16), (1, 4)),
+        present=(0, 2),
+        apart=((0, 0, 64, 1, 0, 32), (0, 0, 64, 2, -48, 16)),  # the third has negative strides
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        p = tuple(int(x) for x in rng.integers(0, 40, 3) * 4)
+        assert guard.check(p) == reference_guard(guard, p), p
+    assert executor._PointerGuard((), (), ()).check((0, 3))
+
+
 def test_unknown_and_missing_names_say_so(exe, offline):
     exe(**forward_args())
     args = forward_args()
