@@ -745,10 +745,11 @@ class PreparedRun:
     dims: dict = field(default_factory=dict)
     names: tuple = ()  # the arguments, in the order of the pointers `launch` takes
     guard: _PointerGuard | None = None  # the pointer checks of a cached plan
-    # The cells of the pointers and the launches, with their parameters packed, that read
-    # them, for this run's stream (made when first launched; a plan taken over by a
-    # capture packs its own). One attribute, so two threads never mix two packings.
-    _bound: tuple[ArgumentCells, list] | None = field(default=None, init=False, repr=False, compare=False)
+    # The cells of the pointers, the launches that read them, with their parameters
+    # packed for this run's stream, and the switch to the run's device (made when first
+    # launched; a plan taken over by a capture packs its own). One attribute, so two
+    # threads never mix two packings.
+    _bound: tuple[ArgumentCells, list, object] | None = field(default=None, init=False, repr=False, compare=False)
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN, device=self.device, stream=self.stream)
@@ -771,17 +772,19 @@ class PreparedRun:
 
     def launch(self, pointers: tuple[int, ...]) -> None:
         """Issue every kernel with `pointers` for the arguments (in `names` order)."""
-        with on_device(self.device):
-            bound = self._bound
-            if bound is None:
+        bound = self._bound
+        if bound is None:
+            with on_device(self.device):
                 bound = self._bound = self._pack()
-            cells, launches = bound
-            with cells.lock:
-                cells.write(pointers)
-                for launch in launches:
-                    launch.launch()
+        cells, launches, switch = bound
+        # The switch keeps the caller's context while the body runs: one entry at a time,
+        # which the cells' lock ensures.
+        with cells.lock, switch:
+            cells.write(pointers)
+            for launch in launches:
+                launch.launch()
 
-    def _pack(self) -> tuple[ArgumentCells, list]:
+    def _pack(self) -> tuple[ArgumentCells, list, object]:
         """Each launch's arguments checked and packed once; user arrays become slots that
         read the run's argument cells."""
         index = {n: i for i, n in enumerate(self.names)}
@@ -791,7 +794,7 @@ class PreparedRun:
             slots = {p: index[a.name] for p, a in enumerate(args) if type(a) is _Arg}
             values = [None if p in slots else a for p, a in enumerate(args)]
             packed.append(kernel.bind(grid, block, smem, self.stream, values, slots, cells))
-        return cells, packed
+        return cells, packed, on_device(self.device)
 
     def synchronize(self) -> None:
         self.stream.sync()

@@ -113,7 +113,9 @@ def _primary(device: int) -> tuple[driver.CUcontext, int]:
 class on_device:  # lower case: used like a function, `with on_device(d):`
     """Run the body with `device`'s primary context current, then restore the caller's.
 
-    A class rather than a generator: it is entered on every call of a spec."""
+    A class rather than a generator: it is entered on every call of a spec, and a
+    planned run keeps one to enter again and again. One entry at a time: the context to
+    restore is the entry's own."""
 
     __slots__ = ("_target", "_handle", "_before")
 
