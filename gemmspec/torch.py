@@ -24,6 +24,7 @@ import torch
 
 from . import ast
 from .errors import ArgumentError, GemmspecError
+from .runtime.executor import take
 
 __all__ = ["GemmFunction", "GemmOp", "function", "op", "quantize", "torch_dtype"]
 
@@ -68,6 +69,15 @@ class GemmOp:
         self.outputs = tuple(written)
         self.inputs = tuple(n for n in exe.argument_names() if n not in written)
         self.shapes = tuple(self._output_shape(name) for name in self.outputs)
+        # The op's arguments are its inputs, then its outputs; the executable's come in
+        # `argument_names()` order.
+        every = self.inputs + self.outputs
+        self._take_inputs = take(self.inputs)
+        self._to_executable = take(tuple(every.index(n) for n in exe.argument_names()))
+        self._output_dims = tuple(  # per output, each dim: a size or (input index, axis)
+            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), d[1]) for d in s.dims)
+            for s in self.shapes
+        )
         self._define()
 
     # ---- shapes -------------------------------------------------------------------------
@@ -92,17 +102,20 @@ class GemmOp:
         return OutputShape(name, t.dtype, tuple(dims), accumulate)
 
     def output_sizes(self, inputs: dict[str, torch.Tensor]) -> list[list]:
-        return [
-            [d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in s.dims]
-            for s in self.shapes
-        ]
+        return self._sizes_of(self._take_inputs(inputs))
 
-    def _allocate(self, inputs: dict[str, torch.Tensor], device) -> list[torch.Tensor]:
+    def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
+        """The size of each output, from the inputs in the op's order."""
+        return [[d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in dims] for dims in self._output_dims]
+
+    def _allocate(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Fresh outputs for `inputs` (in the op's order), on their device."""
+        device = inputs[0].device
         out = []
-        for s, size in zip(self.shapes, self.output_sizes(inputs)):
+        for s, size in zip(self.shapes, self._sizes_of(inputs)):
             make = torch.zeros if s.zero else torch.empty
             out.append(make(size, dtype=_DTYPES[s.dtype], device=device))
-        return out
+        return tuple(out)
 
     # ---- registration --------------------------------------------------------------------
     def _define(self) -> None:
@@ -119,19 +132,17 @@ class GemmOp:
         self.in_place = getattr(torch.ops.gemmspec, f"{self.name}_out").default
 
     def _run(self, *args: torch.Tensor):
-        inputs = dict(zip(self.inputs, args))
-        outs = self._allocate(inputs, args[0].device)
-        self.exe(**inputs, **dict(zip(self.outputs, outs)))
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        outs = self._allocate(args)
+        self.exe._call(self._to_executable(args + outs), None, None)
+        return outs[0] if len(outs) == 1 else outs
 
     def _run_out(self, *args: torch.Tensor) -> None:
-        self.exe(**dict(zip(self.inputs + self.outputs, args)))
+        self.exe._call(self._to_executable(args), None, None)
 
     def _fake(self, *args: torch.Tensor):
-        inputs = dict(zip(self.inputs, args))
         outs = [
             torch.empty(size, dtype=_DTYPES[s.dtype], device=args[0].device)
-            for s, size in zip(self.shapes, self.output_sizes(inputs))
+            for s, size in zip(self.shapes, self._sizes_of(args))
         ]
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -28,7 +28,7 @@ import os
 import sys
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -590,12 +590,20 @@ class Executable:
         return (signature, device, handle), pointers
 
     def _call_planned(self, objects: tuple, stream: object, check: bool | None) -> bool:
-        """The call on a cached plan, if one fits: the arguments' signature and stream
-        are its own and the pointers pass its checks (every other check held when it
-        was made). False, with nothing done, when none fits."""
+        """The call on a cached plan, if one fits; False, with nothing done, when none does."""
+        planned = self._planned(objects, stream)
+        if planned is None:
+            return False
+        self._launch_planned(*planned, objects, check)
+        return True
+
+    def _planned(self, objects: tuple, stream: object) -> tuple[PreparedRun, tuple[int, ...]] | None:
+        """The cached plan that fits a call, and the call's pointers: the arguments'
+        signature and stream are the plan's and the pointers pass its checks (every other
+        check held when it was made). Launches nothing."""
         found = self._key(objects, stream)
         if found is None:
-            return False
+            return None
         key, pointers = found
         # Calls mostly repeat the last one's key: one comparison, no hashing.
         recent = self._recent
@@ -604,16 +612,16 @@ class Executable:
         else:
             run = self._plans.get(key)
             if run is None:
-                return False
+                return None
             self._plans.move_to_end(key)
             self._recent = (key, run)
-        if not run.guard.check(pointers):
-            return False
+        return (run, pointers) if run.guard.check(pointers) else None
+
+    def _launch_planned(self, run: PreparedRun, pointers: tuple[int, ...], objects: tuple, check) -> None:
         if run.launches:
             run.launch(pointers)
             if check or (check is None and debug_checks()):
                 run.check(self._arrays(dict(zip(self._names, objects))))
-        return True
 
     def _call_checked(self, objects: tuple, stream: object, check: bool | None) -> None:
         """The call with every check, planning it when its signature or stream is new."""
@@ -820,12 +828,12 @@ class PreparedRun:
         raise ArgumentError("; ".join(c.message for c in failed) + (f" ({dims})" if dims else ""))
 
 
-def take(names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
-    """`mapping -> tuple(mapping[n] for n in names)`, in one C call (KeyError for a name
-    missing)."""
-    if len(names) == 1:  # itemgetter of one name returns the bare value
-        return lambda mapping: (mapping[names[0]],)
-    return operator.itemgetter(*names)
+def take(keys: tuple) -> Callable[[Mapping | Sequence], tuple]:
+    """`items -> tuple(items[k] for k in keys)`, in one C call (KeyError or IndexError for
+    a key missing)."""
+    if len(keys) == 1:  # itemgetter of one key returns the bare value
+        return lambda items: (items[keys[0]],)
+    return operator.itemgetter(*keys)
 
 
 def _signature(arrays: dict[str, DeviceArray]) -> tuple:
