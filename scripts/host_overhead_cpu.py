@@ -1,7 +1,7 @@
 """Host time of a planned call with no GPU: what gemmspec's own Python costs per call.
 
-Runs the default call path (`exe(**args)`, `gemmspec.torch.op`, and `enqueue()` of a
-prepared run) on torch CPU tensors that pass for CUDA tensors, with every driver call
+Runs the default call path (`exe(**args)`, `gemmspec.torch.op` called eagerly and
+through torch's dispatcher, and `enqueue()` of a prepared run) on torch CPU tensors that pass for CUDA tensors, with every driver call
 stubbed: buffers get fake addresses, kernels are never compiled or loaded, the
 launch itself does nothing, and the driver's context query answers at once that the
 device's primary context is current (as under torch). The real `LoadedKernel`
@@ -197,9 +197,12 @@ def main() -> None:
     op(**args)
     prepared = exe.prepare(None, check=False, **args)  # reads no offsets
     launches = len(prepared.launches)
+    in_place = [args[n] for n in op.inputs + op.outputs]
     cases = [
         ("exe(**args)", lambda: exe(**args)),
         ("gemmspec.torch op(**args)", lambda: op(**args)),
+        # What torch.compile's graphs call, and the op when anything watches it.
+        ("op via the dispatcher", lambda: op.in_place(*in_place)),
         ("prepared.enqueue()", prepared.enqueue),
     ]
     print(
@@ -211,7 +214,7 @@ def main() -> None:
         median, low = per_call(fn, ns.n)
         print(f"  {title:28s} median {median:7.2f} us   min {low:7.2f} us")
     if ns.profile:
-        for title, fn in cases[:2]:
+        for title, fn in cases[:3]:
             profile(fn, ns.n, title, ns.top)
 
 

@@ -362,3 +362,142 @@ def test_a_dropped_executable_frees_its_plans_without_the_cyclic_collector(offli
         assert all(ref() is None for ref in buffers)
     finally:
         gc.enable()
+
+
+# ---- gemmspec.torch ops ------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_op(exe, offline, torch_cuda, monkeypatch):
+    """The torch op of the forward spec, calling `exe`, with CPU kernels standing in for
+    its CUDA ones (the tensors are CPU tensors underneath); `op.dispatched` records each
+    call that went through the dispatcher."""
+    import gemmspec.torch as gt
+
+    torch = torch_cuda
+    op = gt.op(FORWARD)
+    monkeypatch.setattr(op, "exe", exe)
+    monkeypatch.setattr(op, "dispatched", [], raising=False)
+
+    def run_out(*args):
+        op.dispatched.append("in place")
+        op._run_out(*args)
+
+    def run(*args):
+        op.dispatched.append("functional")
+        return op._run(*args)
+
+    lib = torch.library.Library("gemmspec", "IMPL")
+    lib.impl(f"{op.name}_out", run_out, "CPU")
+    lib.impl(op.name, run, "CPU")
+    yield op
+    lib._destroy()
+
+
+def test_a_planned_op_call_skips_the_dispatcher(torch_op, torch_cuda):
+    op, args = torch_op, torch_args(torch_cuda)
+    assert op(**args) is args["y"]
+    assert op.dispatched == ["in place"] and len(launches()) == 3  # planned there
+    moved = torch_args(torch_cuda)
+    assert op(**moved) is moved["y"]
+    assert op.dispatched == ["in place"]
+    (_, _, check), (_, _, table), _ = launches()
+    assert check[1] == moved["expert_offsets"].data_ptr() and moved["y"].data_ptr() in table
+
+
+def test_op_calls_the_plan_does_not_fit_take_the_dispatcher(torch_op, torch_cuda):
+    torch = torch_cuda
+    op, args = torch_op, torch_args(torch)
+    op(**args)
+    op(**torch_args(torch, t=72))  # other shapes: planned through the dispatcher
+    assert op.dispatched == ["in place"] * 2 and len(op.exe._plans) == 2
+    bad = dict(args, y=torch.empty(64, N, dtype=torch.float32))
+    with pytest.raises(ArgumentError, match="'y', which holds f32 data"):
+        op(**bad)
+    storage = torch.empty(64 * N + 8, dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="'y' must be 16-byte aligned"):
+        op(**dict(args, y=storage[1:].as_strided((64, N), (N, 1))))
+    assert op.dispatched == ["in place"] * 4
+    sparse = torch.zeros(E + 1, dtype=torch.int32).to_sparse()
+    with pytest.raises(NotImplementedError, match="SparseCPU"):  # the dispatcher's word
+        op(**dict(args, expert_offsets=sparse))
+
+
+class PassingDispatchMode(__import__("torch").utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class PassingFunctionMode(__import__("torch").overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+WATCHERS = {
+    "dispatch mode": PassingDispatchMode,
+    "function mode": PassingFunctionMode,
+    "profiler": lambda: __import__("torch").autograd.profiler.profile(),
+}
+
+
+@pytest.mark.parametrize("watcher", sorted(WATCHERS))
+def test_watched_op_calls_take_the_dispatcher(torch_op, torch_cuda, watcher):
+    op, args = torch_op, torch_args(torch_cuda)
+    op(**args)
+    with WATCHERS[watcher]():
+        op(**args)
+    assert op.dispatched == ["in place"] * 2
+    op(**args)
+    assert op.dispatched == ["in place"] * 2
+
+
+def test_op_calls_autograd_would_see_take_the_dispatcher(torch_op, torch_cuda, monkeypatch):
+    torch = torch_cuda
+    op, args = torch_op, torch_args(torch)
+    args["w_scale"].requires_grad_(True)
+    op(**args)
+    op(**args)
+    with torch.no_grad():
+        op(**args)  # no grad mode: nothing to record
+    assert op.dispatched == ["in place"] * 2
+    monkeypatch.setattr(op, "direct", False)
+    args["w_scale"].requires_grad_(False)
+    op(**args)
+    assert op.dispatched == ["in place"] * 3
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.trace. is deprecated")
+def test_transforms_and_tracing_count_as_watchers(torch_cuda):
+    import gemmspec.torch as gt
+
+    torch = torch_cuda
+    seen = []
+
+    def probe(t):
+        seen.append(gt._unwatched())
+        return t + 1
+
+    probe(torch.ones(2))
+    torch.func.vmap(probe)(torch.ones(2, 3))
+    torch.jit.trace(probe, torch.ones(2), check_trace=False)
+    assert seen == [True, False, False]
+
+
+def test_fresh_outputs_without_the_dispatcher(torch_op, torch_cuda, monkeypatch):
+    torch = torch_cuda
+    op = torch_op
+    inputs = torch_args(torch)
+    del inputs["y"]
+    # The outputs would be allocated on the inputs' device, which is a CPU one here.
+    made = []
+
+    def allocate(ins):
+        made.append([torch.empty(size, dtype=torch.bfloat16) for size in op._sizes_of(ins)])
+        return tuple(made[-1])
+
+    monkeypatch.setattr(op, "_allocate", allocate)
+    first, second = op(**inputs), op(**inputs)
+    assert op.dispatched == ["in place"]  # the first one planned there, with the outputs made
+    assert first is made[0][0] and second is made[1][0] and tuple(second.shape) == (64, N)
+    (_, _, table), _ = launches()[4:]
+    assert second.data_ptr() in table
