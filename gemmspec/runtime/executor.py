@@ -14,9 +14,11 @@ A call plans its launches once per argument signature (dtypes, shapes, strides,
 device) and stream, and reuses that plan, with its workspaces, for every later
 call of the same shapes: only the pointers change. Such a call reads each tensor's
 metadata (torch tensors and DeviceArrays directly, without converting them), finds
-the plan by it, checks what depends on the pointers (alignment, null pointers,
-outputs overlapping other arguments) against ranges the plan computed once, and
-launches kernels whose parameters were packed when the plan was first launched.
+the plan by it (the last call's by one comparison), checks what depends on the
+pointers (alignment, null pointers, outputs overlapping other arguments) with an
+expression the plan compiled from ranges it computed once, writes the pointers into
+cells its launches share, and launches kernels whose parameters were packed when
+the plan was first launched.
 """
 
 from __future__ import annotations
@@ -618,6 +620,7 @@ class Executable:
         return (run, pointers) if run.guard.check(pointers) else None
 
     def _launch_planned(self, run: PreparedRun, pointers: tuple[int, ...], objects: tuple, check) -> None:
+        """Launch a plan `_planned` found for `objects`; wait and check if asked to."""
         if run.launches:
             run.launch(pointers)
             if check or (check is None and debug_checks()):
