@@ -423,6 +423,17 @@ def test_op_calls_the_plan_does_not_fit_take_the_dispatcher(torch_op, torch_cuda
         op(**dict(args, expert_offsets=sparse))
 
 
+def test_op_calls_on_another_torch_stream_get_their_own_plan(torch_op, torch_cuda, monkeypatch):
+    current = [0]
+    monkeypatch.setattr(executor, "torch_stream", lambda device: current[0])
+    op, args = torch_op, torch_args(torch_cuda)
+    for stream in (0, 0, 9, 9, 0):
+        current[0] = stream
+        op(**args)
+    assert op.dispatched == ["in place"] * 2  # each stream's first call plans
+    assert sorted(key[2] for key in op.exe._plans) == [0, 9]
+
+
 class PassingDispatchMode(__import__("torch").utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
