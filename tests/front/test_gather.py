@@ -219,3 +219,35 @@ def test_i32_is_an_element_type_of_index_tensors_only():
     base = BASE.replace("tensor rw : f32 [T]", "tensor rw : i32 [T]")
     err = first_error("y[t, n] = rw[t] * sum[k] h[t, k] * wb[expert(t), n, k]", base)
     assert "'rw' is i32, an index tensor" in err.message
+
+
+def test_explain_says_which_loader_each_launch_uses_and_why(capsys, tmp_path):
+    import json
+
+    from gemmspec.cli import main
+    from gemmspec.explain import explain_text
+    from gemmspec.pipeline import lower_file
+
+    text = spec_with("ys[src[t], n] = sum[k] x[idx[t], k] * w[expert(t), n, k]")
+    (x,) = lower_file(text)
+    out = explain_text(x.spec, x.schedule)
+    assert "A gathered through idx: rows copied by the producer" in out  # the kernel line
+    assert "because a TMA box cannot follow a row number per row" in out  # the reason
+    assert "its [1, 128] scales read through idx too" in out
+    assert "one CTA per tile (A's rows are gathered row by row" in out
+    assert "D scattered through src: rows stored from registers" in out
+    assert "the entries of src must be distinct" in out
+    assert "A x(m, k) = x_base[0 + idx[start.m + m]*(512) + k*(1)]" in out
+    assert "reads at run time: offs, idx, src" in out
+    assert "not derived: it reads or writes rows through an index tensor" in out
+
+    path = tmp_path / "gather.gspec"
+    path.write_text(text)
+    assert main(["explain", "--json", str(path)]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    (launch,) = doc["launches"]
+    assert launch["operands"]["A"]["rows_through"] == {"tensor": "idx", "offset": "start.m", "bound": "S"}
+    assert launch["operands"]["D"]["rows_through"]["tensor"] == "src"
+    assert launch["scales"]["A"]["rows_through"]["tensor"] == "idx"
+    assert "rows_through" not in launch["operands"]["B"] and launch["signature"]["cluster"] == 1
+    assert launch["runtime_tensors"] == ["offs", "idx", "src"]
