@@ -386,7 +386,9 @@ class Executable:
         for x in read:
             if x.tensor not in values:
                 shape = self._shape(self.spec.tensor(x.tensor), dims)
-                values[x.tensor] = copy_to_host(arrays[x.tensor], shape).astype(np.int64).reshape(-1)
+                a = arrays[x.tensor]
+                host = copy_to_host(a, shape) if a.size else np.zeros(0)
+                values[x.tensor] = host.astype(np.int64).reshape(-1)
             v = values[x.tensor][: self._index_entries_read(x, dims, offsets)]
             bound = self._dim_size(x.bound, dims)
             bad = np.flatnonzero((v < 0) | (v >= bound))

@@ -349,3 +349,23 @@ def test_gathered_and_scattered_capacity(lengths, spare, seed):
     direct = run_direct(spec, rt, data, init)
     assert_same(direct, run_schedule(spec, rt, lowered.schedule, data, init))
     assert np.isnan(direct["y"]).all(axis=1).sum() == spare
+
+
+SPLIT = """
+gemm split_gather {
+  dim T = 256, S
+  dim N = 32, K = 128
+  group part[P = 2] = split(T, sizes = [100, 156])
+  tensor idx : i32 [T]
+  tensor x : bf16 [S, K]
+  tensor w : bf16 [P, N, K]
+  tensor y : bf16 [S, N]
+  y[idx[t], n] = sum[k] x[idx[t], k] * w[part(t), n, k]
+}
+"""
+
+
+@SETTINGS
+@given(extra=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_gathered_and_scattered_split_rows(extra, seed):
+    assert_same(*run_both(SPLIT, seed, dims={"S": 256 + extra})[3:])
