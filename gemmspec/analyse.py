@@ -35,7 +35,6 @@ class LaunchPlan:
     tile_m: int
     tile_n: int
     why: str = ""
-    cluster: int = 1
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,6 @@ class NestDecision:
                 f"  launch: statement #{p.statement}"
                 + (f" [{pinned}]" if pinned else "")
                 + f" tile {p.tile_m}x{p.tile_n}"
-                + (f" cluster {p.cluster}" if p.cluster > 1 else "")
             )
         return "\n".join(lines)
 
@@ -311,7 +309,7 @@ def tile_bound(
                 break
             grp = spec.group(grp.within)
         rows = min(rows, -(-m * max(g.leaf_count // chain, 1) // plan.tile_m) + leaves_each)
-    return rows * -(-n // (plan.tile_n * plan.cluster))
+    return rows * -(-n // plan.tile_n)
 
 
 def _check_tiles(spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int) -> None:
@@ -322,7 +320,7 @@ def _check_tiles(spec: Spec, g: Gemm, plan: LaunchPlan, leaves_each: int) -> Non
     if tiles is not None and tiles > MAX_TILES_PER_LAUNCH:
         raise SpecError(
             f"a launch of statement #{g.index} can have up to {tiles} output tiles of "
-            f"{plan.tile_m}x{plan.tile_n * plan.cluster}, more than 2^31 - 1: the kernels "
+            f"{plan.tile_m}x{plan.tile_n}, more than 2^31 - 1: the kernels "
             "count tiles in 32-bit signed integers",
             _where(spec, g.where),
             "use smaller dims or fewer leaves",
@@ -434,9 +432,7 @@ def _plan_launches(
                 f"{waste:.0%} of the tile area, so each segment gets its own tile width"
             )
             return [
-                LaunchPlan(
-                    g.index, ((g.n.group, i),), tile_m, tiles[i].tile_n, f"N = {extents[i]}", tiles[i].cluster
-                )
+                LaunchPlan(g.index, ((g.n.group, i),), tile_m, tiles[i].tile_n, f"N = {extents[i]}")
                 for i in sorted(tiles)
             ]
         reasons.append(
@@ -450,7 +446,7 @@ def _plan_launches(
             f"{' x '.join(str(a) for a in g.leaf_axes[1:])} leaves"
         )
         return [
-            LaunchPlan(g.index, ((outer.name, i),), tile_m, widest, "", choice.cluster)
+            LaunchPlan(g.index, ((outer.name, i),), tile_m, widest, "")
             for i in range(outer.count)
         ]
     if forced == "split" and single:
@@ -473,4 +469,4 @@ def _plan_launches(
     )
     reasons.append(f"{prefix}tile choice: {choice.reason}")
     _check_launches(spec, g, 1, leaves, planned, False)
-    return [LaunchPlan(g.index, (), tile_m, widest, "", choice.cluster)]
+    return [LaunchPlan(g.index, (), tile_m, widest, "")]

@@ -24,12 +24,12 @@ the wgmma limit. The choice trades three things, in this order:
    the unscaled main loop and scale once in the epilogue: the unscaled widths up to 192
    (at 256 the epilogue's scale loads beside the accumulators spill).
 
-4. **L2 traffic.** At full tensor-core rate a 128 x 128 FP8 tile streams about 64 bytes
-   per cycle per SM out of L2, more than L2 can feed all 132 SMs. Two CTAs of a cluster
-   that own neighbouring column blocks of the same rows share their A tile: each loads
-   half of it and the copy engine multicasts it to both (a quarter less L2 traffic).
-   Pairs are used when every leaf has an even number of column blocks (N fixed), so no
-   CTA ever computes a column block past N.
+4. **One CTA per tile.** The kernels can pair CTAs into clusters that own neighbouring
+   column blocks of the same rows and share (multicast) their A tile, a quarter less L2
+   traffic. Measured on the H200 against single CTAs in the same runs, pairs were 1.5-2 %
+   slower on the FP8 headline, 0-2.4 % on the other M-grouped FP8 shapes and 3 % on BF16
+   (the kernels are not L2-bound, and a pair's CTAs wait on each other's stages), so the
+   heuristic never pairs; `GemmKernelConfig(cluster=2)` keeps the option for probes.
 
 The ring depth is then as many stages as shared memory holds (see GemmKernelConfig).
 """
@@ -52,7 +52,6 @@ class TileChoice:
     tile_m: int
     tile_n: int
     reason: str
-    cluster: int = 1  # CTAs sharing (multicasting) one A tile along N
 
 
 MAX_BIAS_WIDTH = 128
@@ -120,9 +119,7 @@ def choose_tile(
             f"{', '.join(str(n) for n in sorted(set(known)))} among widths "
             f"{', '.join(map(str, widths))})"
         )
-    cluster, why_c = 1, "one CTA per tile"
+    why_c = "one CTA per tile"
     if gather:
-        why_c = "one CTA per tile (A's rows are gathered row by row: no shared A tile to multicast)"
-    elif known and len(known) == len(n_extents) and all(-(-n // tile_n) % 2 == 0 for n in known):
-        cluster, why_c = 2, "CTA pairs multicast the shared A tile (even column-block counts)"
-    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}, {why_c}", cluster)
+        why_c += " (A's rows are gathered row by row: no shared A tile to multicast)"
+    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}, {why_c}")

@@ -13,11 +13,20 @@ Both have a fake (meta) implementation that allocates outputs of the right shape
 dtype from the input shapes, which is all torch.compile needs to trace. The object
 `op` returns picks one: called without outputs it returns them, with all of them it
 fills them. Only this module imports torch; the rest of gemmspec does not need it.
+
+Called eagerly with nothing watching the dispatcher (not compiling or tracing, no
+torch-function or dispatch mode, no functorch transform, no profiler, no input that
+needs a gradient) and arguments that fit a plan the spec already made, the object
+launches that plan itself: what the dispatcher would add is a few microseconds of
+argument boxing and fallbacks that do nothing for such a call. Everything else (a
+first call, a bad argument, torch.compile's graphs) goes through the dispatcher, and
+so does every call of an op whose `direct` is set to False.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +34,7 @@ import torch
 
 from . import ast
 from .errors import ArgumentError, GemmspecError
+from .runtime.executor import take
 
 __all__ = ["GemmFunction", "GemmOp", "function", "op", "quantize", "torch_dtype"]
 
@@ -38,6 +48,50 @@ _DTYPES = {
 }
 _LIB = torch.library.Library("gemmspec", "FRAGMENT")  # kept alive: it owns the registrations
 _OPS: dict[str, GemmOp] = {}
+
+
+def _torch_watchers() -> tuple | None:
+    """Torch's queries of what could watch an op call besides autograd, or None where this
+    torch lacks one (its calls then always take the dispatcher)."""
+    try:
+        return (
+            torch.compiler.is_compiling,  # torch.compile and export (first: dynamo folds it)
+            torch._C._is_torch_function_mode_enabled,
+            torch._C._len_torch_dispatch_stack,  # fake tensors, make_fx, debug modes
+            torch._C._are_functorch_transforms_active,  # vmap, grad, functionalize
+            torch._C._get_tracing_state,  # torch.jit.trace
+            torch._C._autograd._profiler_enabled,
+        )
+    except AttributeError:
+        return None
+
+
+_WATCHERS = _torch_watchers()
+
+
+def _unwatched() -> bool:
+    """Whether an op call may skip the dispatcher, as far as anything but autograd goes:
+    nothing but the kernel would run for it."""
+    if _WATCHERS is None:
+        return False
+    compiling, function_mode, dispatch_modes, transforms, tracing, profiling = _WATCHERS
+    return not (
+        compiling()
+        or function_mode()
+        or dispatch_modes()
+        or transforms()
+        or tracing() is not None
+        or profiling()
+    )
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+def _need_grad(tensors) -> bool:
+    """Whether autograd would record a call on `tensors` (its fallback for an op with no
+    derivative then marks the outputs, or refuses)."""
+    return torch.is_grad_enabled() and any(map(_requires_grad, tensors))
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -56,7 +110,13 @@ class OutputShape:
 
 
 class GemmOp:
-    """A spec as a torch operator; call it with the spec's argument names."""
+    """A spec as a torch operator; call it with the spec's argument names.
+
+    `direct` (default True) lets an eager call launch a plan the spec already made
+    without the dispatcher, when nothing watches it (see the module's docstring).
+    """
+
+    direct = True
 
     def __init__(self, exe, opname: str):
         self.exe = exe
@@ -69,6 +129,16 @@ class GemmOp:
         self.outputs = tuple(written)
         self.inputs = tuple(n for n in exe.argument_names() if n not in written)
         self.shapes = tuple(self._output_shape(name) for name in self.outputs)
+        # The op's arguments are its inputs, then its outputs; the executable's come in
+        # `argument_names()` order.
+        every = self.inputs + self.outputs
+        self._take_every = take(every)
+        self._take_inputs = take(self.inputs)
+        self._to_executable = take(tuple(every.index(n) for n in exe.argument_names()))
+        self._output_dims = tuple(  # per output, each dim: a size or (input index, axis)
+            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), d[1]) for d in s.dims)
+            for s in self.shapes
+        )
         self._define()
 
     # ---- shapes -------------------------------------------------------------------------
@@ -95,17 +165,20 @@ class GemmOp:
         return OutputShape(name, t.dtype, tuple(dims), zero)
 
     def output_sizes(self, inputs: dict[str, torch.Tensor]) -> list[list]:
-        return [
-            [d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in s.dims]
-            for s in self.shapes
-        ]
+        return self._sizes_of(self._take_inputs(inputs))
 
-    def _allocate(self, inputs: dict[str, torch.Tensor], device) -> list[torch.Tensor]:
+    def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
+        """The size of each output, from the inputs in the op's order."""
+        return [[d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in dims] for dims in self._output_dims]
+
+    def _allocate(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Fresh outputs for `inputs` (in the op's order), on their device."""
+        device = inputs[0].device
         out = []
-        for s, size in zip(self.shapes, self.output_sizes(inputs)):
+        for s, size in zip(self.shapes, self._sizes_of(inputs)):
             make = torch.zeros if s.zero else torch.empty
             out.append(make(size, dtype=_DTYPES[s.dtype], device=device))
-        return out
+        return tuple(out)
 
     # ---- registration --------------------------------------------------------------------
     def _define(self) -> None:
@@ -122,19 +195,17 @@ class GemmOp:
         self.in_place = getattr(torch.ops.gemmspec, f"{self.name}_out").default
 
     def _run(self, *args: torch.Tensor):
-        inputs = dict(zip(self.inputs, args))
-        outs = self._allocate(inputs, args[0].device)
-        self.exe(**inputs, **dict(zip(self.outputs, outs)))
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        outs = self._allocate(args)
+        self.exe._call(self._to_executable(args + outs), None, None)
+        return outs[0] if len(outs) == 1 else outs
 
     def _run_out(self, *args: torch.Tensor) -> None:
-        self.exe(**dict(zip(self.inputs + self.outputs, args)))
+        self.exe._call(self._to_executable(args), None, None)
 
     def _fake(self, *args: torch.Tensor):
-        inputs = dict(zip(self.inputs, args))
         outs = [
             torch.empty(size, dtype=_DTYPES[s.dtype], device=args[0].device)
-            for s, size in zip(self.shapes, self.output_sizes(inputs))
+            for s, size in zip(self.shapes, self._sizes_of(args))
         ]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -144,7 +215,53 @@ class GemmOp:
     # ---- calling -------------------------------------------------------------------------
     def __call__(self, **tensors: torch.Tensor):
         """Without the outputs: returns them (one tensor, or a tuple in statement order).
-        With every output: writes them in place and returns them."""
+        With every output: writes them in place and returns them. Either way through the
+        dispatcher, unless the call may launch a plan of the spec directly."""
+        if self.direct and _unwatched():
+            done = self._call_direct(tensors)
+            if done is not None:
+                return done
+        return self._call_dispatched(tensors)
+
+    def _call_direct(self, tensors: dict[str, torch.Tensor]):
+        """The call without the dispatcher, if its arguments fit a plan made before
+        (what it returns); None when they do not, with nothing launched."""
+        n_inputs = len(self.inputs)
+        if len(tensors) == n_inputs + len(self.outputs):
+            try:
+                args = self._take_every(tensors)
+            except KeyError:
+                return None
+            if _need_grad(args) or not self._launch_planned(args):
+                return None
+            return args[n_inputs] if len(args) == n_inputs + 1 else args[n_inputs:]
+        if len(tensors) == n_inputs:
+            try:
+                inputs = self._take_inputs(tensors)
+            except KeyError:
+                return None
+            # Outputs are allocated for CUDA inputs only (a plan never fits others).
+            if _need_grad(inputs) or inputs[0].device.type != "cuda":
+                return None
+            outs = self._allocate(inputs)
+            if not self._launch_planned(inputs + outs):
+                self.in_place(*inputs, *outs)  # the outputs are made: the in-place op fills them
+            return outs[0] if len(outs) == 1 else outs
+        return None
+
+    def _launch_planned(self, args: tuple[torch.Tensor, ...]) -> bool:
+        """Launch the plan that fits `args` (the op's order), if any; False otherwise."""
+        objects = self._to_executable(args)
+        try:
+            planned = self.exe._planned(objects, None)
+        except RuntimeError:  # torch cannot describe a tensor so (sparse, nested): the dispatcher says
+            return False
+        if planned is None:
+            return False
+        self.exe._launch_planned(*planned, objects, None)
+        return True
+
+    def _call_dispatched(self, tensors: dict[str, torch.Tensor]):
         missing = [n for n in self.inputs if n not in tensors]
         if missing:
             raise ArgumentError(f"{self.exe.spec.name}: missing tensor(s): {', '.join(missing)}")

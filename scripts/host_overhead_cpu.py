@@ -1,12 +1,15 @@
 """Host time of a planned call with no GPU: what gemmspec's own Python costs per call.
 
-Runs the default call path (`exe(**args)`, `gemmspec.torch.op`, and `enqueue()` of a
-prepared run) on torch CPU tensors that pass for CUDA tensors, with every driver call
+Runs the default call path (`exe(**args)`, `gemmspec.torch.op` called eagerly and
+through torch's dispatcher, and `enqueue()` of a prepared run) on torch CPU tensors that pass for CUDA tensors, with every driver call
 stubbed: buffers get fake addresses, kernels are never compiled or loaded, the
-context switch and the launch itself do nothing. The real `LoadedKernel` argument
-handling runs up to the driver call. So the numbers are gemmspec's Python overhead
-per call, *without* the driver's launch cost (a few us per kernel on a real GPU;
-scripts/host_path_probe.py measures the whole thing there).
+launch itself does nothing, and the driver's context query answers at once that the
+device's primary context is current (as under torch). The real `LoadedKernel`
+argument handling and context switch run up to the driver calls. So the numbers are
+gemmspec's Python overhead per call, *without* the driver's launch cost (a few us per
+kernel on a real GPU; scripts/host_path_probe.py measures the whole thing there).
+
+It measures the gemmspec of the checkout it is in, whatever is installed.
 
     python scripts/host_overhead_cpu.py            # per-call medians
     python scripts/host_overhead_cpu.py --profile  # and a cProfile breakdown per call
@@ -15,8 +18,9 @@ scripts/host_path_probe.py measures the whole thing there).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
+import functools
+import itertools
 import pstats
 import statistics
 import sys
@@ -26,10 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import gemmspec
-from gemmspec.runtime import executor, launch, plan, streams
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import gemmspec  # noqa: E402
+from gemmspec.runtime import executor, launch, plan, streams  # noqa: E402
+
 CUDA0 = torch.device("cuda", 0)
 
 
@@ -78,10 +84,32 @@ class FakeLoadedKernel(launch.LoadedKernel):
             self._param_sizes = self._sizes(args)
         super().launch(grid, block, smem, stream, *args)
 
-    def bind(self, grid, block, smem, stream, args, slots):
+    def bind(self, grid, block, smem, stream, args, slots, cells):
         if self._param_sizes is None:
             self._param_sizes = self._sizes(args)
-        return super().bind(grid, block, smem, stream, args, slots)
+        return super().bind(grid, block, smem, stream, args, slots, cells)
+
+
+class FakeContextDriver:
+    """The driver calls of `streams.on_device`: device 0's primary context is current
+    (a new handle object per query, as the driver's bindings return)."""
+
+    CUresult = launch.driver.CUresult
+    PRIMARY = 0x5000
+
+    @classmethod
+    def cuCtxGetCurrent(cls):
+        return cls.CUresult.CUDA_SUCCESS, launch.driver.CUcontext(cls.PRIMARY)
+
+    @staticmethod
+    def cuCtxSetCurrent(ctx):
+        raise AssertionError("the primary context is current: nothing to switch")
+
+
+def _constant(value):
+    """A C callable of one argument that returns `value` (next() of an endless repeat,
+    the argument being next's unused default)."""
+    return functools.partial(next, itertools.repeat(value))
 
 
 def install_fakes() -> None:
@@ -92,7 +120,9 @@ def install_fakes() -> None:
     executor.num_sms = lambda device=0: 132
     executor.caller_stream = lambda s, objects, device: FakeStream()
     executor.is_capturing = lambda s: False
-    executor.on_device = lambda device: contextlib.nullcontext()
+    streams.driver = FakeContextDriver
+    primary = launch.driver.CUcontext(FakeContextDriver.PRIMARY)
+    streams._CONTEXTS[0] = (primary, int(primary))
     plan.encode_tile_map = lambda dtype, rows, inner, address: bytes(128)
     launch.DeviceBuffer = FakeBuffer
     launch._cuda_launch = lambda *a: None  # the cuda.core launch
@@ -100,15 +130,17 @@ def install_fakes() -> None:
     if hasattr(launch, "_launch_kernel"):  # the driver's cuLaunchKernel, where used
         launch._launch_kernel = lambda *a: (launch.driver.CUresult.CUDA_SUCCESS,)
     # torch: CPU tensors claim to be on cuda:0, and the current stream is the default.
-    torch.Tensor.is_cuda = property(lambda self: True)
-    torch.Tensor.device = property(lambda self: torch.device("cuda", 0))
-    torch.Tensor.get_device = lambda self: 0
+    # The stand-ins are C callables, as torch's own getters are: a Python lambda costs
+    # several times more and would be counted as gemmspec's.
+    torch.Tensor.is_cuda = property(_constant(True))
+    torch.Tensor.device = property(_constant(CUDA0))
+    torch.Tensor.get_device = staticmethod(int)  # int() is 0
 
     class _TorchStream:
         cuda_stream = 0
 
     torch.cuda.current_stream = lambda device=None: _TorchStream()
-    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    torch._C._cuda_getCurrentRawStream = _constant(0)
     streams._STREAMS.clear()
 
 
@@ -165,21 +197,24 @@ def main() -> None:
     op(**args)
     prepared = exe.prepare(None, check=False, **args)  # reads no offsets
     launches = len(prepared.launches)
+    in_place = [args[n] for n in op.inputs + op.outputs]
     cases = [
         ("exe(**args)", lambda: exe(**args)),
         ("gemmspec.torch op(**args)", lambda: op(**args)),
+        # What torch.compile's graphs call, and the op when anything watches it.
+        ("op via the dispatcher", lambda: op.in_place(*in_place)),
         ("prepared.enqueue()", prepared.enqueue),
     ]
     print(
         f"{exe.spec.name}: {launches} launches per call; fake driver (no launch cost, "
-        "no context switch): gemmspec's host overhead only"
+        "context already current): gemmspec's host overhead only"
     )
     for title, fn in cases:
         per_call(fn, ns.n // 10)  # warm
         median, low = per_call(fn, ns.n)
         print(f"  {title:28s} median {median:7.2f} us   min {low:7.2f} us")
     if ns.profile:
-        for title, fn in cases[:2]:
+        for title, fn in cases[:3]:
             profile(fn, ns.n, title, ns.top)
 
 

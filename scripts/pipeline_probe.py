@@ -8,7 +8,7 @@ is not the spec's result, it only shows what the load pipeline and wgmma sustain
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING] [--bf16] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora] [--idle MS]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
+from gemmspec.bench import LORA, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
 from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -34,7 +34,7 @@ VARIANTS = {
     "192 wide, scales loaded in their own K block": {"tile_n": 192, "prefetch_scales": False},
     "192 wide, scales staged by the producer": {"tile_n": 192, "consumer_scales": False},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
-    "192 wide, no CTA pairs": {"tile_n": 192, "cluster": 1},
+    "192 wide, CTA pairs multicasting A": {"tile_n": 192, "cluster": 2},
     "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},
@@ -49,14 +49,46 @@ BF16_VARIANTS = {
     "192 wide, staged epilogue": {"tile_n": 192, "store_tma": True},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
     "128 wide, staged epilogue": {"tile_n": 128, "store_tma": True},
+    "256 wide, CTA pairs multicasting A": {"tile_n": 256, "cluster": 2},
 }
+
+
+# The memory-bound nested LoRA shrink (64 x 16 tiles, two blocks per SM): how its time
+# depends on the independent wgmma accumulator chains, the ring depth and the blocks per
+# SM. Times include the offsets check and the leaf-table builder.
+LORA_VARIANTS = {
+    "as compiled": {},
+    "one accumulator chain": {"acc_chains": 1},
+    "two accumulator chains": {"acc_chains": 2},
+    "one block per SM": {"ctas_per_sm": 1},
+    "two blocks per SM, 4 stages": {"stages": 4},
+    "two blocks per SM, 6 stages": {"stages": 6},
+    "two blocks per SM, 8 stages": {"stages": 8},
+}
+
+
+def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
+    """The benchmark's LoRA shrink: tokens split evenly over adapters, randomly over experts."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    per = t // loras
+    inner = []
+    for i in range(loras):
+        cuts = sorted(torch.randint(0, per + 1, (experts - 1,), generator=g).tolist())
+        inner.append([i * per + b for b in (0, *cuts, per)])
+    return {
+        "x": torch.randn((t, k), device="cuda", dtype=torch.bfloat16),
+        "wa": torch.randn((loras, experts, r, k), device="cuda", dtype=torch.bfloat16),
+        "lora_offsets": torch.tensor([i * per for i in range(loras + 1)], dtype=torch.int32, device="cuda"),
+        "expert_offsets": torch.tensor(inner, dtype=torch.int32, device="cuda"),
+    }
 
 
 def variant(exe, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
     x = exe.program.launches[0]
     base = gemm_config(x.launch)
-    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None, "lean_registers": None}
+    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None, "lean_registers": None,
+             "acc_chains": 0}
     cfg = dataclasses.replace(base, **{**fresh, **changes})
     launch = emit_launch(exe.spec, x.launch, cfg)
     exe.program = dataclasses.replace(exe.program, launches=(launch,))
@@ -66,8 +98,9 @@ def variant(exe, **changes):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8,4096,4096,7168", help="E,M,N,K (M rows per expert)")
-    ap.add_argument("--only", default="", help="run the variants whose label contains this")
+    ap.add_argument("--only", default="", help="run the variants whose label contains one of these (comma-separated)")
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
+    ap.add_argument("--lora", action="store_true", help="probe the memory-bound nested LoRA shrink instead")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
         help="time 60 launches each after MS ms of GPU idling (the card's power and thermal state "
@@ -76,7 +109,11 @@ def main() -> int:
     args = ap.parse_args()
     e, m, n, k = map(int, args.shape.split(","))
     t = e * m
-    if args.bf16:
+    if args.lora:
+        tensors, variants = lora_inputs(), LORA_VARIANTS
+        spec = LORA.format(k=4096, r=16, l=4, e=8)
+        t, n, k = 8192, 16, 4096
+    elif args.bf16:
         x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
         w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
         tensors, variants = {"x": x, "w": w}, BF16_VARIANTS
@@ -90,7 +127,7 @@ def main() -> int:
     flops = 2.0 * t * n * k
     reference = None
     for label, changes in variants.items():
-        if args.only not in label:
+        if not any(part in label for part in args.only.split(",")):
             continue
         exe = gemmspec.build(spec)
         try:
@@ -98,12 +135,14 @@ def main() -> int:
         except ValueError as err:
             print(f"{label:40} skipped: {err}", flush=True)
             continue
-        y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        run = exe.prepare(torch.cuda.current_stream(), y=y, offs=offs, **tensors)
+        out_dtype = torch.float32 if args.lora else torch.bfloat16
+        y = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
+        extra = {} if args.lora else {"offs": offs}
+        run = exe.prepare(torch.cuda.current_stream(), y=y, **extra, **tensors)
         run.enqueue()
         torch.cuda.synchronize()
         check = ""
-        if cfg.scaled or args.bf16:
+        if cfg.scaled or args.bf16 or args.lora:
             if reference is None:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
@@ -112,7 +151,8 @@ def main() -> int:
             ms = timed_launches(run.enqueue, 60, args.idle)
         else:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
-        print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {flops / ms / 1e9:8.1f} TFLOPS {check}", flush=True)
+        rate = f"{ms * 1e3:8.1f} us" if args.lora else f"{flops / ms / 1e9:8.1f} TFLOPS"
+        print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {rate} {check}", flush=True)
     return 0
 
 

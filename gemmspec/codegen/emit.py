@@ -30,6 +30,8 @@ from .kernels import (
 )
 from .names import gemm_symbol, prepass_symbol, table_symbol
 
+TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
+
 HEADER = '#include "gemmspec_ptx.cuh"\n'
 # Per-leaf records after a leaf table's sentinel (docs/kernel-abi.md): sizeof(GsEpilogue),
 # then sizeof(GsGather) (defined in the kernels that gather or scatter rows).
@@ -297,6 +299,7 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
         launch_index=launch.index,
         statement=launch.statement_text,
         leaf_count=pg.leaf_count,
+        threads=TABLE_THREADS,
         tensor_params=params,
         dim_params=dims,
         free_axes=_mixed_radix(pg),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
 from ..spec import INDEX_TYPE, Spec, Tensor
-from .emit import EmittedLaunch, EmittedPrePass, EmittedProgram
+from .emit import TABLE_THREADS, EmittedLaunch, EmittedPrePass, EmittedProgram
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, map_specs
 from .names import file_stem, host_prefix
@@ -27,7 +27,6 @@ GATHER_BYTES = 32  # sizeof(GsGather): per leaf, after those, with rows through 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
-TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
 # cuTensorMapEncodeTiled's element type per dtype: FP8 moves as bytes (TMA only copies).
 TENSOR_MAP_DATA_TYPE = {
     "e4m3": "CU_TENSOR_MAP_DATA_TYPE_UINT8",

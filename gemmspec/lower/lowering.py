@@ -211,7 +211,6 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         b_k_major=_is_k_major(b),
         tile_m=plan.tile_m,
         tile_n=plan.tile_n,
-        cluster=plan.cluster,
         tile_k=128 if fp8 else 64,
         epilogue=tuple((e.kind, e.dtype) for e in epilogue),
         swiglu=gemm.swiglu,

@@ -54,13 +54,8 @@ def check_sizes(spec: Spec, schedule: Schedule, manifest: Manifest, dims: dict[s
     for launch in schedule.launches:
         g = spec.gemms[launch.statement]
         sig = launch.signature
-        plan = LaunchPlan(
-            launch.statement,
-            launch.problems.fixed_axes,
-            sig.tile_m,
-            sig.tile_n,
-            cluster=sig.cluster,
-        )
+        # A work unit of a cluster spans its CTAs' neighbouring column blocks.
+        plan = LaunchPlan(launch.statement, launch.problems.fixed_axes, sig.tile_m, sig.tile_n * sig.cluster)
         tiles = tile_bound(spec, g, plan, launch.leaf_count, dims)
         if tiles is not None and tiles > MAX_TILES_PER_LAUNCH:
             raise ArgumentError(

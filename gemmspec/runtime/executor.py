@@ -14,19 +14,23 @@ A call plans its launches once per argument signature (dtypes, shapes, strides,
 device) and stream, and reuses that plan, with its workspaces, for every later
 call of the same shapes: only the pointers change. Such a call reads each tensor's
 metadata (torch tensors and DeviceArrays directly, without converting them), finds
-the plan by it, checks what depends on the pointers (alignment, null pointers,
-outputs overlapping other arguments) against ranges the plan computed once, and
-launches kernels whose parameters were packed when the plan was first launched.
+the plan by it (the last call's by one comparison), checks what depends on the
+pointers (alignment, null pointers, outputs overlapping other arguments) with an
+expression the plan compiled from ranges it computed once, writes the pointers into
+cells its launches share, and launches kernels whose parameters were packed when
+the plan was first launched.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +45,7 @@ from ..lower.schedule import Schedule
 from ..spec import INDEX_TYPE, Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
 from .checks import check_outputs, check_sizes, check_written_layouts
-from .launch import LoadedKernel, num_sms
+from .launch import ArgumentCells, LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
 from .plan import plan_steps
 from .streams import caller_stream, is_capturing, on_device, stream_key, torch_stream
@@ -51,9 +55,21 @@ ALIGN = 16
 PLAN_CACHE = 32  # plans kept per executable; a plan captured in a CUDA graph is never dropped
 
 
+_CHECK_VARIABLE = "GEMMSPEC_CHECK"
+_CHECK_KEY = os.environ.encodekey(_CHECK_VARIABLE)
+_CHECK_OFF = (None, "", "0", b"", b"0")  # unset, empty or 0, as str or as bytes
+
+
 def debug_checks() -> bool:
-    """GEMMSPEC_CHECK=1 makes every call behave as if passed check=True."""
-    return os.environ.get("GEMMSPEC_CHECK", "") not in ("", "0")
+    """GEMMSPEC_CHECK=1 makes every call behave as if passed check=True (read on every
+    call, so it can be switched at run time)."""
+    # os.environ.get encodes the name and decodes the value in Python each time, most of
+    # a microsecond on a call path of a few; the table behind os.environ, keyed by the
+    # encoded name, holds the same value.
+    table = getattr(os.environ, "_data", None)
+    if table is None:  # os.environ replaced by a plain mapping
+        return os.environ.get(_CHECK_VARIABLE) not in _CHECK_OFF
+    return table.get(_CHECK_KEY) not in _CHECK_OFF
 
 
 def _ceil(a: int, b: int) -> int:
@@ -83,25 +99,33 @@ class _PointerGuard:
 
     The plan's arrays fix each argument's byte range relative to its pointer, so a
     later call of the same signature only needs its pointers: each aligned, none null
-    where there are elements, no output's range meeting another argument's. False sends
-    the call through the full checks, which say what is wrong.
+    where there are elements, no output's range meeting another argument's. `check`
+    says whether pointers pass; False sends the call through the full checks, which say
+    what is wrong.
     """
 
     aligned: tuple[tuple[int, int], ...]  # (argument index, alignment in bytes)
     present: tuple[int, ...]  # arguments with elements: a null pointer is an error
     apart: tuple[tuple[int, int, int, int, int, int], ...]  # (i, lo, hi, j, lo, hi)
+    check: Callable[[tuple[int, ...]], bool] = field(init=False, repr=False, compare=False)
 
-    def __call__(self, p) -> bool:
-        for i, alignment in self.aligned:
-            if p[i] % alignment:
-                return False
-        for i in self.present:
-            if not p[i]:
-                return False
-        for i, lo, hi, j, lo2, hi2 in self.apart:
-            if p[i] + lo < p[j] + hi2 and p[j] + lo2 < p[i] + hi:
-                return False
-        return True
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check", self._compile())
+
+    def _compile(self) -> Callable[[tuple[int, ...]], bool]:
+        """The checks as one expression over the pointers `p`, with the numbers written
+        in: a third of the time a loop over the tuples takes, on every call."""
+        failures = [f"p[{int(i)}] % {int(a)}" for i, a in self.aligned]
+        failures += [f"not p[{int(i)}]" for i in self.present]
+        # [p[i] + lo, p[i] + hi) meets [p[j] + lo2, p[j] + hi2) when
+        # lo - hi2 < p[j] - p[i] < hi - lo2.
+        failures += [
+            f"{int(lo - hi2)} < p[{int(j)}] - p[{int(i)}] < {int(hi - lo2)}"
+            for i, lo, hi, j, lo2, hi2 in self.apart
+        ]
+        if not failures:
+            return lambda p: True
+        return eval(f"lambda p: not ({' or '.join(failures)})", {"__builtins__": {}})
 
 
 _TORCH_TENSORS: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter once torch is loaded
@@ -115,26 +139,33 @@ def _torch_tensor_types() -> tuple[type, ...]:
     return _TORCH_TENSORS
 
 
-def _read(objects: tuple) -> tuple[tuple, tuple[int, ...], bool] | None:
-    """(signature, pointers, whether any is a torch tensor) of a call's arguments, read
-    without converting them; None when one is neither a torch CUDA tensor nor a
-    DeviceArray (the call then converts every argument). A signature holds what a
-    plan depends on: dtype as the object names it, shape, strides, device (and the
-    read-only flag a DeviceArray carries); the device is each entry's fourth item."""
-    torch_types = _torch_tensor_types()
+def _read(objects: tuple) -> tuple[tuple, tuple[int, ...], int, bool] | None:
+    """(signature, pointers, device, whether any is a torch tensor) of a call's arguments,
+    read without converting them; None when one is neither a torch tensor nor a
+    DeviceArray, or the first is not on a CUDA device (the call then converts every
+    argument, which says what is wrong). A signature holds what a plan depends on: dtype
+    as the object names it, shape, strides, device (a torch tensor's torch.device, which
+    also says whether it is a CUDA one; a DeviceArray's ordinal), and the read-only flag
+    a DeviceArray carries. `device` is the first argument's ordinal."""
+    torch_types = _TORCH_TENSORS or _torch_tensor_types()
     signature, pointers, from_torch = [], [], False
     for o in objects:
         kind = type(o)
-        if kind is DeviceArray:
-            signature.append((o.dtype, o.shape, o.strides, o.device, o.readonly))
-            pointers.append(o.ptr)
-        elif kind in torch_types and o.is_cuda:
-            signature.append((o.dtype, o.shape, o.stride(), o.get_device()))
+        if kind in torch_types:
+            signature.append((o.dtype, o.shape, o.stride(), o.device))
             pointers.append(o.data_ptr())
             from_torch = True
+        elif kind is DeviceArray:
+            signature.append((o.dtype, o.shape, o.strides, o.device, o.readonly))
+            pointers.append(o.ptr)
         else:
             return None
-    return tuple(signature), tuple(pointers), from_torch
+    device = signature[0][3]
+    if type(device) is not int:  # a torch.device
+        if device.type != "cuda":
+            return None
+        device = device.index
+    return tuple(signature), tuple(pointers), device, from_torch
 
 
 class Executable:
@@ -145,6 +176,7 @@ class Executable:
         self._kernels: dict[tuple[int, str], LoadedKernel] = {}
         self._cubins: dict[str, CompiledCubin] = {}
         self._plans: OrderedDict[tuple, PreparedRun] = OrderedDict()
+        self._recent: tuple[tuple, PreparedRun] | None = None  # the last call's key and plan
         self._validation: ValidationKernel | None = validation_kernel(spec)
 
     @property
@@ -173,13 +205,18 @@ class Executable:
     def _names(self) -> tuple[str, ...]:
         return tuple(self.argument_names())
 
+    @functools.cached_property
+    def _take(self) -> Callable[[dict], tuple]:
+        """The arguments of a call's keywords in `argument_names()` order (KeyError for
+        one missing), in one C call."""
+        return take(self._names)
+
     def _ordered(self, tensors: dict[str, object]) -> tuple:
         """The arguments in `argument_names()` order; ArgumentError for a name missing
         or unknown."""
-        names = self._names
-        if len(tensors) == len(names):
+        if len(tensors) == len(self._names):
             try:
-                return tuple([tensors[n] for n in names])
+                return self._take(tensors)
             except KeyError:
                 pass
         self._check_names(tensors)
@@ -592,33 +629,73 @@ class Executable:
 
     def _call(self, objects: tuple, stream: object, check: bool | None) -> None:
         """A call on `objects`, the arguments in `argument_names()` order."""
+        if not self._call_planned(objects, stream, check):
+            self._call_checked(objects, stream, check)
+
+    def _key(self, objects: tuple, stream: object) -> tuple[tuple, tuple[int, ...]] | None:
+        """The plan key of a call (signature, device, stream handle) and its pointers, read
+        from torch tensors and DeviceArrays without converting them; None for any other
+        argument."""
         read = _read(objects)
-        if read is not None:
-            signature, pointers, from_torch = read
-            device = signature[0][3]
-            if stream is None:
-                handle = torch_stream(device) if from_torch else 0
-            else:
-                handle = stream_key(stream, objects, device)
-            key = (signature, device, handle)
+        if read is None:
+            return None
+        signature, pointers, device, from_torch = read
+        if stream is None:
+            handle = torch_stream(device) if from_torch else 0
+        else:
+            handle = stream_key(stream, objects, device)
+        return (signature, device, handle), pointers
+
+    def _call_planned(self, objects: tuple, stream: object, check: bool | None) -> bool:
+        """The call on a cached plan, if one fits; False, with nothing done, when none does."""
+        planned = self._planned(objects, stream)
+        if planned is None:
+            return False
+        self._launch_planned(*planned, objects, check)
+        return True
+
+    def _planned(self, objects: tuple, stream: object) -> tuple[PreparedRun, tuple[int, ...]] | None:
+        """The cached plan that fits a call, and the call's pointers: the arguments'
+        signature and stream are the plan's and the pointers pass its checks (every other
+        check held when it was made). Launches nothing."""
+        found = self._key(objects, stream)
+        if found is None:
+            return None
+        key, pointers = found
+        # Calls mostly repeat the last one's key: one comparison, no hashing.
+        recent = self._recent
+        if recent is not None and recent[0] == key:
+            run = recent[1]
+        else:
             run = self._plans.get(key)
-            if run is not None and run.guard is not None and run.guard(pointers):
-                # Same signature and stream: every check but the pointers' holds.
-                self._plans.move_to_end(key)
-                if run.launches:
-                    run.launch(pointers)
-                    if check or (check is None and debug_checks()):
-                        run.check(self._arrays(dict(zip(self._names, objects))))
-                return
+            if run is None:
+                return None
+            self._plans.move_to_end(key)
+            self._recent = (key, run)
+        return (run, pointers) if run.guard.check(pointers) else None
+
+    def _launch_planned(self, run: PreparedRun, pointers: tuple[int, ...], objects: tuple, check) -> None:
+        """Launch a plan `_planned` found for `objects`; wait and check if asked to."""
+        if run.launches:
+            run.launch(pointers)
+            if check or (check is None and debug_checks()):
+                run.check(self._arrays(dict(zip(self._names, objects))))
+
+    def _call_checked(self, objects: tuple, stream: object, check: bool | None) -> None:
+        """The call with every check, planning it when its signature or stream is new."""
         arrays = self._arrays(dict(zip(self._names, objects)))
         device = next(iter(arrays.values())).device
-        if read is None:
+        found = self._key(objects, stream)
+        if found is None:
             key = (_signature(arrays), device, stream_key(stream, objects, device))
+        else:
+            key = found[0]
         run = self._plans.get(key)
         if run is None:
             run = self._plan_call(key, arrays, stream, objects)
         else:
             self._plans.move_to_end(key)
+            self._recent = (key, run)
             self._check_pointers(arrays)
         if not run.launches:
             return
@@ -640,6 +717,7 @@ class Executable:
                     # their addresses, so this plan is never dropped.
                     captured = dataclasses.replace(run, stream=stream, pinned=True)
                     self._plans[key] = captured
+                    self._recent = (key, captured)
                     return captured
             raise GemmspecError(
                 f"{self.spec.name}: first call with these shapes is inside a CUDA-graph "
@@ -653,6 +731,8 @@ class Executable:
             if old is None:
                 break
             del self._plans[old]  # its buffers are freed in order on their own stream
+        if key in self._plans:  # (not when every other plan is pinned)
+            self._recent = (key, run)
         return run
 
     def prepare(self, stream: object = None, *, check: bool = True, **tensors: object) -> PreparedRun:
@@ -732,9 +812,11 @@ class PreparedRun:
     dims: dict = field(default_factory=dict)
     names: tuple = ()  # the arguments, in the order of the pointers `launch` takes
     guard: _PointerGuard | None = None  # the pointer checks of a cached plan
-    # The launches with their parameters packed, for this run's stream (made when first
-    # launched; a plan taken over by a capture packs its own).
-    _bound: list | None = field(default=None, init=False, repr=False, compare=False)
+    # The cells of the pointers, the launches that read them, with their parameters
+    # packed for this run's stream, and the switch to the run's device (made when first
+    # launched; a plan taken over by a capture packs its own). One attribute, so two
+    # threads never mix two packings.
+    _bound: tuple[ArgumentCells, list, object] | None = field(default=None, init=False, repr=False, compare=False)
 
     def allocate(self, nbytes: int) -> DeviceBuffer:
         buf = DeviceBuffer(_ceil(nbytes, ALIGN) * ALIGN, device=self.device, stream=self.stream)
@@ -757,22 +839,29 @@ class PreparedRun:
 
     def launch(self, pointers: tuple[int, ...]) -> None:
         """Issue every kernel with `pointers` for the arguments (in `names` order)."""
-        with on_device(self.device):
-            launches = self._bound
-            if launches is None:
-                launches = self._bound = self._pack()
+        bound = self._bound
+        if bound is None:
+            with on_device(self.device):
+                bound = self._bound = self._pack()
+        cells, launches, switch = bound
+        # The switch keeps the caller's context while the body runs: one entry at a time,
+        # which the cells' lock ensures.
+        with cells.lock, switch:
+            cells.write(pointers)
             for launch in launches:
-                launch.launch(pointers)
+                launch.launch()
 
-    def _pack(self) -> list:
-        """Each launch's arguments checked and packed once; user arrays become slots."""
+    def _pack(self) -> tuple[ArgumentCells, list, object]:
+        """Each launch's arguments checked and packed once; user arrays become slots that
+        read the run's argument cells."""
         index = {n: i for i, n in enumerate(self.names)}
+        cells = ArgumentCells(len(self.names))
         packed = []
         for kernel, grid, block, smem, args in self.launches:
             slots = {p: index[a.name] for p, a in enumerate(args) if type(a) is _Arg}
             values = [None if p in slots else a for p, a in enumerate(args)]
-            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots))
-        return packed
+            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots, cells))
+        return cells, packed, on_device(self.device)
 
     def synchronize(self) -> None:
         self.stream.sync()
@@ -801,6 +890,14 @@ class PreparedRun:
             exe._check_index_values(arrays, self.dims, offsets)
         dims = ", ".join(f"{d} = {n}" for d, n in self.dims.items())
         raise ArgumentError("; ".join(c.message for c in failed) + (f" ({dims})" if dims else ""))
+
+
+def take(keys: tuple) -> Callable[[Mapping | Sequence], tuple]:
+    """`items -> tuple(items[k] for k in keys)`, in one C call (KeyError or IndexError for
+    a key missing)."""
+    if len(keys) == 1:  # itemgetter of one key returns the bare value
+        return lambda items: (items[keys[0]],)
+    return operator.itemgetter(*keys)
 
 
 def _signature(arrays: dict[str, DeviceArray]) -> tuple:

@@ -6,8 +6,10 @@ cuda.core passes a Python int as a pointer and cannot tell an int32 from an int6
 one's size against the kernel's parameter table before launching.
 
 `LoadedKernel.bind` does those checks once for a launch that is repeated with new
-pointers: its arguments are packed into a parameter block when bound, and each
-launch writes the new pointers into their slots and calls the driver directly.
+pointers: its arguments are packed into a parameter block when bound, and the
+pointers that change from call to call are read from `ArgumentCells` that every
+launch of a run shares, so a call writes each pointer once and calls the driver
+directly for each kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from gemmspec.errors import ArgumentError, GemmspecError
 from gemmspec.runtime.arrays import DeviceArray, DeviceBuffer, get_device
 from gemmspec.runtime.nvrtc import CompiledCubin
 
-__all__ = ["BoundLaunch", "LoadedKernel", "current_stream", "num_sms"]
+__all__ = ["ArgumentCells", "BoundLaunch", "LoadedKernel", "current_stream", "num_sms"]
 
 _MAX_DYNAMIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _STATIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
@@ -198,20 +200,23 @@ class LoadedKernel:
         stream: object,
         args: tuple | list,
         slots: dict[int, int],
+        cells: ArgumentCells,
     ) -> BoundLaunch:
         """A launch whose arguments are checked and packed now, for launching many times.
 
-        `slots` maps a parameter index to an index into the pointer sequence each launch
-        gets; those parameters are pointers, and what `args` holds for them (None) is a
-        placeholder. Everything `launch` checks is checked here, once.
+        `slots` maps a parameter index to the cell of `cells` it reads: those parameters
+        are pointers written into the cells before each launch, and what `args` holds for
+        them (None) is a placeholder. Everything `launch` checks is checked here, once.
         """
         if self._param_sizes is not None and len(args) != len(self._param_sizes):
             raise ArgumentError(
                 f"kernel {self.name!r} takes {len(self._param_sizes)} arguments, got {len(args)}"
             )
-        for index in slots:
+        for index, cell in slots.items():
             if args[index] is not None:
                 raise ArgumentError(f"argument {index} of {self.name!r} is a slot; pass None there")
+            if not 0 <= cell < len(cells):
+                raise ArgumentError(f"argument {index} of {self.name!r} reads cell {cell} of {len(cells)}")
         values = [_cell(self._kernel_arg(i, a)) for i, a in enumerate(args)]
         if smem_bytes > self._smem_limit:
             self.set_max_dynamic_smem(smem_bytes)
@@ -220,7 +225,7 @@ class LoadedKernel:
         except ValueError as e:
             raise ArgumentError(f"bad launch configuration for {self.name}: {e}") from e
         handle = int(current_stream(stream, device=self.device).handle)
-        return BoundLaunch(self, _dim3(grid), _dim3(block), smem_bytes, handle, values, slots)
+        return BoundLaunch(self, _dim3(grid), _dim3(block), smem_bytes, handle, values, slots, cells)
 
 
 def _dim3(dims: int | tuple[int, ...]) -> tuple[int, int, int]:
@@ -236,28 +241,47 @@ def _cell(value: object) -> int:
     return int(value)  # a pointer
 
 
-class BoundLaunch:
-    """One kernel launch with its parameters packed: `launch(pointers)` writes the
-    pointers of this call into their slots and launches, with no other work.
+class ArgumentCells:
+    """The pointers of a run's arguments, one 8-byte cell each, that every launch bound
+    to them reads: a call writes each pointer once, however many kernels take it.
 
-    The driver copies the parameters when the launch is issued (or captured), so the
-    block is reused at once; a lock keeps two threads from interleaving their pointers.
+    Write and launch under `lock`: the driver copies the parameters when a launch is
+    issued (or captured), so the cells are free again once the last launch returns,
+    and the lock keeps two threads from interleaving their pointers.
     """
 
-    __slots__ = (
-        "kernel",
-        "grid",
-        "block",
-        "smem",
-        "stream",
-        "_values",
-        "_params",
-        "_slots",
-        "_call",
-        "_lock",
-    )
+    __slots__ = ("_cells", "_written", "lock")
 
-    def __init__(self, kernel, grid, block, smem: int, stream: int, values: list[int], slots):
+    def __init__(self, count: int):
+        self._cells = array("Q", bytes(8 * count))  # never resized: launches hold addresses
+        self._written: tuple[int, ...] | None = None
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    def __getitem__(self, index: int) -> int:
+        return self._cells[index]
+
+    def address(self, index: int) -> int:
+        return self._cells.buffer_info()[0] + 8 * index
+
+    def write(self, pointers: tuple[int, ...]) -> None:
+        """One pointer per cell; the same pointers as the last call's are already there."""
+        if pointers != self._written:
+            cells = self._cells
+            for index, pointer in enumerate(pointers):
+                cells[index] = pointer
+            self._written = pointers
+
+
+class BoundLaunch:
+    """One kernel launch with its parameters packed: `launch()` calls the driver with
+    the pointers its `ArgumentCells` hold, and does no other work."""
+
+    __slots__ = ("kernel", "grid", "block", "smem", "stream", "_values", "_params", "_cells", "_call")
+
+    def __init__(self, kernel, grid, block, smem: int, stream: int, values: list[int], slots, cells):
         self.kernel, self.grid, self.block, self.smem, self.stream = (
             kernel,
             grid,
@@ -267,18 +291,15 @@ class BoundLaunch:
         )
         self._values = array("Q", values)  # one 8-byte cell per parameter
         base = self._values.buffer_info()[0]
-        self._params = array("Q", (base + 8 * i for i in range(len(values))))  # void*[]
-        self._slots = tuple(slots.items())
+        self._params = array(  # void*[]: this launch's own cells, or the shared ones
+            "Q", (cells.address(slots[i]) if i in slots else base + 8 * i for i in range(len(values)))
+        )
+        self._cells = cells  # kept alive as long as the parameter block points into it
         address = self._params.buffer_info()[0] if values else 0
         self._call = (kernel._cu_function, *grid, *block, smem, driver.CUstream(stream), address, 0)
-        self._lock = threading.Lock()
 
-    def launch(self, pointers) -> None:
-        values, call = self._values, self._call
-        with self._lock:
-            for param, arg in self._slots:
-                values[param] = pointers[arg]
-            (err,) = _launch_kernel(*call)
+    def launch(self) -> None:
+        (err,) = _launch_kernel(*self._call)
         if err:
             raise GemmspecError(
                 f"launching {self.kernel.name} (grid={self.grid}, block={self.block}, "

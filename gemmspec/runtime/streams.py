@@ -43,13 +43,20 @@ def _framework_stream(objects: Iterable[object], device: int) -> int | None:
     return None
 
 
+_torch_raw_stream = None  # torch's own query of the current stream, found once
+
+
 def torch_stream(device: int) -> int:
     """Torch's current stream on `device`, as a handle (0: the default stream)."""
-    torch = sys.modules["torch"]
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object made
-    if raw is not None:
-        return int(raw(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
+    global _torch_raw_stream
+    raw = _torch_raw_stream
+    if raw is None:
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object made
+        if raw is None:
+            return int(torch.cuda.current_stream(device).cuda_stream)
+        _torch_raw_stream = raw
+    return int(raw(device))
 
 
 def stream_key(stream: object, objects: Iterable[object], device: int) -> int:
@@ -106,7 +113,9 @@ def _primary(device: int) -> tuple[driver.CUcontext, int]:
 class on_device:  # lower case: used like a function, `with on_device(d):`
     """Run the body with `device`'s primary context current, then restore the caller's.
 
-    A class rather than a generator: it is entered on every call of a spec."""
+    A class rather than a generator: it is entered on every call of a spec, and a
+    planned run keeps one to enter again and again. One entry at a time: the context to
+    restore is the entry's own."""
 
     __slots__ = ("_target", "_handle", "_before")
 

@@ -16,27 +16,28 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
     "n, m_bound, scaled, sb_bn, want",
     [
         # FP8 1x128/128x128: 192 columns straddle at most one B scale block boundary
-        # (two scales per tile) and move the fewest bytes; 22 column blocks pair up.
-        ([4096], None, True, 128, (128, 192, 2)),
+        # (two scales per tile) and move the fewest bytes.
+        ([4096], None, True, 128, (128, 192)),
         # BF16: the widest tile moves the fewest bytes per output.
-        ([4096], None, False, 1, (128, 256, 2)),
+        ([4096], None, False, 1, (128, 256)),
         # Per-column B scales (WGRAD 128x1): at most 128 columns.
-        ([7168], None, True, 1, (128, 128, 2)),
+        ([7168], None, True, 1, (128, 128)),
         # A skinny memory-bound GEMM: 64-row tiles, 16 columns, an odd column-block count.
-        ([16], None, False, 1, (64, 16, 1)),
+        ([16], None, False, 1, (64, 16)),
         # Leaves of at most 64 rows (masked M = 64).
-        ([4096], 64, True, 128, (64, 192, 2)),
-        # N known only at run time: the widest candidate, no pairs.
-        ([None], None, False, 1, (128, 256, 1)),
-        # 200 columns: two 128-wide blocks beat four 64-wide ones; they pair up.
-        ([200], None, True, 128, (128, 128, 2)),
-        # 136 columns, unscaled: one 192-wide block, nothing to pair.
-        ([136], None, False, 1, (128, 192, 1)),
+        ([4096], 64, True, 128, (64, 192)),
+        # N known only at run time: the widest candidate.
+        ([None], None, False, 1, (128, 256)),
+        # 200 columns: two 128-wide blocks beat four 64-wide ones.
+        ([200], None, True, 128, (128, 128)),
+        # 136 columns, unscaled: one 192-wide block.
+        ([136], None, False, 1, (128, 192)),
     ],
 )
 def test_choose_tile(n, m_bound, scaled, sb_bn, want):
     t = choose_tile(n, m_bound, scaled, sb_bn)
-    assert (t.tile_m, t.tile_n, t.cluster) == want, t.reason
+    assert (t.tile_m, t.tile_n) == want, t.reason
+    assert t.reason.endswith("one CTA per tile")
     assert t.reason
 
 
@@ -51,7 +52,7 @@ def test_scaled_widths_straddle_at_most_one_b_scale_boundary():
 def test_explain_states_the_tile_choice_and_loader():
     text = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec").explain()
     assert "tile choice: 128-row tiles, 192 columns" in text
-    assert "CTA pairs multicast the shared A tile" in text
+    assert "one CTA per tile" in text
     assert "loads: TMA through a tensor map per leaf and operand" in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
     assert "segments whose length is not a multiple of 16 bytes take that path" in wgrad
@@ -61,13 +62,13 @@ def test_explain_names_the_emitted_kernel_and_its_configuration():
     exe = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")
     (launch,) = exe.program.launches
     text = exe.explain()
-    assert f"kernel {launch.gemm.name} (128x192 tiles, {launch.gemm.stages} stages, CTA pairs" in text
+    assert f"kernel {launch.gemm.name} (128x192 tiles, {launch.gemm.stages} stages" in text
     assert "output staged and stored by TMA, two B scales per tile and K block, read by the consumers a K block ahead)" in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
     assert "a B scale per column and K block, staged by the producer)" in wgrad
 
 
-def test_tile_directive_pins_the_tile_without_pairs():
+def test_tile_directive_pins_the_tile():
     spec = (EXAMPLES / "moe_fp8_forward.gspec").read_text().rstrip().rstrip("}") + "  tile(64, 64)\n}\n"
     exe = gemmspec.build(spec)
     (launch,) = exe.program.launches

@@ -8,8 +8,7 @@ repeats where the index has more entries than the rows it picks from); FP8 with 
 activation and 128x128 weight scales (also 128x128 blocks over the gathered rows, and
 MN-major activation scales), BF16 and FP32 outputs; gathered rows whose stride TMA could
 not describe (K = 200), 64-row and 192-column tiles; scattered outputs beside a router
-weight, a bias and a SwiGLU, in CTA pairs (A is not gathered there); gathered and
-scattered together; a capacity group; and indices the checks must refuse.
+weight, a bias and a SwiGLU; gathered and scattered together; a capacity group; and indices the checks must refuse.
 
 tests/reference/test_gather_gpu_cases.py runs every case of CASES through the same
 run_random on the CPU, with the schedule executor standing in for the GPU, so the cases
@@ -70,7 +69,7 @@ CASES = {
     "bf16_gather_deepseek_width": (GATHER_BF16, {"k": 7168, "n": 512}, [*RAGGED, 300, 1000, 0, 513], 0),
     "bf16_gather_f32_out": (GATHER_BF16, {"out": "f32"}, RAGGED, 9),
     "bf16_scatter_row_weight": (SCATTER_BF16, {}, RAGGED, 50),
-    "bf16_scatter_pairs": (SCATTER_BF16, {"n": 512}, RAGGED, 0),  # CTA pairs: A is not gathered
+    "bf16_scatter_wide": (SCATTER_BF16, {"n": 512}, RAGGED, 0),
     "f32_scatter_bias": (
         "ys[src[t], n] = sum[k] h[t, k] * wb[expert(t), n, k] + bias[expert(t), n]", {"out": "f32"}, RAGGED, 20,
     ),

@@ -80,8 +80,8 @@ def test_pipeline_row_edges(k, fp8):
 
 
 # An FP8 operand whose row stride (K = 200 bytes) TMA cannot describe: the producer
-# copies it with masked loads, beside [1, 128] scales with a short last K block; with
-# CTA pairs (N = 264: two column blocks) and without (N = 100: one).
+# copies it with masked loads, beside [1, 128] scales with a short last K block; two
+# column blocks (N = 264) and one (N = 100).
 @pytest.mark.parametrize("n", [264, 100])
 @pytest.mark.parametrize("k", [200, 328])
 def test_fp8_rows_not_16_byte_aligned(k, n):
@@ -103,6 +103,22 @@ def test_scaled_wide_tiles(tile_n, n):
     (launch,) = exe.program.launches
     assert launch.gemm.tile_n == tile_n and launch.gemm.sb_mode == 1
     report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=tile_n + n, repeats=0))
+
+
+# CTA pairs that multicast their shared A tile: a kernel option the tile heuristic does
+# not choose (measured slower), kept correct on ragged row edges.
+@pytest.mark.parametrize("fp8, n", [(True, 768), (False, 512)], ids=["fp8", "bf16"])
+def test_cta_pairs_option(fp8, n):
+    import dataclasses
+
+    from gemmspec.codegen.emit import emit_launch, gemm_config
+
+    exe = gemmspec.build(moe(n, 576, len(PIPELINE_EDGE), fp8))
+    (x,) = exe.program.launches
+    cfg = dataclasses.replace(gemm_config(x.launch), name="", cluster=2)
+    exe.program = dataclasses.replace(exe.program, launches=(emit_launch(exe.spec, x.launch, cfg),))
+    assert exe.program.launches[0].gemm.cluster == 2
+    report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=n + fp8, repeats=0))
 
 
 def test_pipeline_64_row_tiles():

@@ -34,22 +34,23 @@ class FakeKernel:
     def launch(self, grid, block, smem, stream, *args):
         FakeKernel.launched.append((self.name, stream, args))
 
-    def bind(self, grid, block, smem, stream, args, slots):
-        return FakeLaunch(self.name, stream, args, slots)
+    def bind(self, grid, block, smem, stream, args, slots, cells):
+        return FakeLaunch(self.name, stream, args, slots, cells)
 
 
 class FakeLaunch:
-    """A bound launch: each launch records the arguments with this call's pointers (ints)
-    in the slots."""
+    """A bound launch: each launch records the arguments with the pointers (ints) its
+    argument cells hold in the slots."""
 
-    def __init__(self, name, stream, args, slots):
+    def __init__(self, name, stream, args, slots, cells):
         assert all(args[p] is None for p in slots)
         self.name, self.stream, self.args, self.slots = name, stream, tuple(args), dict(slots)
+        self.cells = cells
 
-    def launch(self, pointers):
+    def launch(self):
         args = list(self.args)
-        for param, arg in self.slots.items():
-            args[param] = pointers[arg]
+        for param, cell in self.slots.items():
+            args[param] = self.cells[cell]
         FakeKernel.launched.append((self.name, self.stream, tuple(args)))
 
 

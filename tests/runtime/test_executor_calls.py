@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda.bindings import driver
 
 import gemmspec
 from gemmspec.bench import moe_spec
@@ -193,6 +194,85 @@ def test_debug_mode_checks_every_call(exe, offline, monkeypatch):
     exe(**forward_args())
     exe(**forward_args())
     assert stream.waits == 2
+
+
+def test_debug_mode_is_read_on_every_call(exe, offline, monkeypatch):
+    stream = Stream()
+    monkeypatch.setattr(executor, "caller_stream", lambda s, objects, device: stream)
+    monkeypatch.setattr(executor.DeviceBuffer, "to_numpy", flags_reading([0, 0]), raising=False)
+    monkeypatch.delenv("GEMMSPEC_CHECK", raising=False)
+    waits = []
+    for value in (None, "1", "0", "", "yes", None):
+        if value is None:
+            monkeypatch.delenv("GEMMSPEC_CHECK", raising=False)
+        else:
+            monkeypatch.setenv("GEMMSPEC_CHECK", value)
+        exe(**forward_args())  # planned once, then from the plan
+        waits.append(stream.waits)
+    assert waits == [0, 1, 1, 1, 2, 2]
+    assert len(exe._plans) == 1
+
+
+def test_torch_stream_is_asked_on_every_call(monkeypatch):
+    torch = pytest.importorskip("torch")
+    handles = iter([5, 7])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: next(handles), raising=False)
+    monkeypatch.setattr(streams, "_torch_raw_stream", None)
+    assert [streams.torch_stream(0), streams.torch_stream(0)] == [5, 7]
+
+
+class ContextDriver:
+    """The driver's current context, per the test's one thread."""
+
+    CUresult = driver.CUresult
+
+    def __init__(self, current):
+        self.current, self.switches = current, []
+
+    def cuCtxGetCurrent(self):
+        return self.CUresult.CUDA_SUCCESS, driver.CUcontext(self.current)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.current = int(ctx)
+        self.switches.append(self.current)
+
+
+def test_a_kept_device_switch_restores_the_caller_each_time(monkeypatch):
+    fake = ContextDriver(current=0x100)
+    monkeypatch.setattr(streams, "driver", fake)
+    monkeypatch.setitem(streams._CONTEXTS, 7, (driver.CUcontext(0x700), 0x700))
+    switch = streams.on_device(7)
+    for caller in (0x100, 0x200, 0x700, 0):
+        fake.current = caller
+        with switch:
+            assert fake.current == 0x700
+        assert fake.current == (caller or 0x700)  # no context before: the device's stays
+    assert fake.switches == [0x700, 0x100, 0x700, 0x200, 0x700]
+
+
+def test_a_run_launches_under_its_kept_switch(exe, offline, monkeypatch):
+    entered = []
+
+    class Switch:
+        def __enter__(self):
+            entered.append(self)
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(executor, "on_device", lambda device: Switch())
+    exe(**forward_args())
+    exe(**forward_args(base=64 * GIB))
+    run = next(iter(exe._plans.values()))
+    # Planning and packing enter a switch of their own; both launches the run's.
+    assert len(entered) == 4 and entered[2] is entered[3] is run._bound[2]
+
+
+def test_take_puts_names_in_order():
+    assert executor.take(("b", "a"))({"a": 1, "b": 2}) == (2, 1)
+    assert executor.take(("a",))({"a": 1}) == (1,)
+    with pytest.raises(KeyError):
+        executor.take(("a", "c"))({"a": 1})
 
 
 def test_anchored_scale_rows_checked_against_their_range(offline):

@@ -101,6 +101,52 @@ def test_changed_metadata_is_checked_again_or_planned_anew(exe, offline):
     assert len(exe._plans) == 2
 
 
+def test_alternating_signatures_each_launch_their_own_plan(exe, offline):
+    for t in (T, T + 8, T, T, T + 8):
+        exe(**forward_args(t=t))
+    assert len(exe._plans) == 2
+    # The offsets check takes T after its buffers and the offsets' pointers.
+    sizes = [int(args[3]) for name, _, args in launches() if name.startswith("gs_validate")]
+    assert sizes == [T, T + 8, T, T, T + 8]
+
+
+def test_a_dropped_recent_plan_is_not_used_again(exe, offline, monkeypatch):
+    monkeypatch.setattr(executor, "PLAN_CACHE", 1)
+    exe(**forward_args())
+    exe(**forward_args(t=T + 8))  # drops the first plan
+    exe(**forward_args())  # planned again, not taken from the dropped one
+    assert len(exe._plans) == 1
+    (key,) = exe._plans
+    assert exe._recent == (key, exe._plans[key])
+    # Every plan pinned: a new one is made, used and dropped at once.
+    exe._plans[key].pinned = True
+    exe(**forward_args(t=T + 8))
+    assert list(exe._plans) == [key] and exe._recent[0] == key
+    exe(**forward_args(t=T + 8))
+    sizes = [int(args[3]) for name, _, args in launches() if name.startswith("gs_validate")]
+    assert sizes == [T, T + 8, T, T + 8, T + 8]
+
+
+def reference_guard(guard, p):
+    """The pointer rules of `_PointerGuard`, spelt out."""
+    if any(p[i] % a for i, a in guard.aligned) or any(not p[i] for i in guard.present):
+        return False
+    return not any(p[i] + lo < p[j] + hi2 and p[j] + lo2 < p[i] + hi for i, lo, hi, j, lo2, hi2 in guard.apart)
+
+
+def test_pointer_guard_expression_keeps_the_rules():
+    guard = executor._PointerGuard(
+        aligned=((0, 16), (1, 4)),
+        present=(0, 2),
+        apart=((0, 0, 64, 1, 0, 32), (0, 0, 64, 2, -48, 16)),  # the third has negative strides
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        p = tuple(int(x) for x in rng.integers(0, 40, 3) * 4)
+        assert guard.check(p) == reference_guard(guard, p), p
+    assert executor._PointerGuard((), (), ()).check((0, 3))
+
+
 def test_unknown_and_missing_names_say_so(exe, offline):
     exe(**forward_args())
     args = forward_args()
@@ -227,49 +273,76 @@ class HandleStream:
     handle = 1234
 
 
-def test_bound_launch_packs_once_and_patches_pointers(monkeypatch):
+def recording_driver(monkeypatch, count):
+    """The driver's launch, recording grid, block, smem, stream and the values of the
+    first `count` parameters."""
     seen = []
 
     def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        cells = [ctypes.c_uint64.from_address(params + 8 * i).value for i in range(4)]
+        cells = [ctypes.c_uint64.from_address(params + 8 * i).value for i in range(count)]
         values = [ctypes.c_uint64.from_address(c).value for c in cells]
         seen.append(((gx, gy, gz), (bx, by, bz), smem, int(stream), values))
         return (launch.driver.CUresult.CUDA_SUCCESS,)
 
     monkeypatch.setattr(launch, "_launch_kernel", fake_launch)
     monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
+    return seen
+
+
+def test_bound_launch_packs_once_and_reads_pointers_from_its_cells(monkeypatch):
+    seen = recording_driver(monkeypatch, 4)
     k = bare_kernel([8, 4, 8, 8])
     buf = DeviceArray(0x7000, (4,), (1,), "f32", 0)
-    bound = k.bind((3, 2), 128, 0, HandleStream(), [None, np.int32(-2), np.int64(5), buf], {0: 1})
-    bound.launch((0x1000, 0x2000))
-    bound.launch((0x1000, 0x3000))
+    cells = launch.ArgumentCells(2)
+    bound = k.bind((3, 2), 128, 0, HandleStream(), [None, np.int32(-2), np.int64(5), buf], {0: 1}, cells)
+    cells.write((0x1000, 0x2000))
+    bound.launch()
+    cells.write((0x1000, 0x3000))
+    bound.launch()
     assert seen[0][:4] == ((3, 2, 1), (128, 1, 1), 0, 1234)
     assert seen[0][4] == [0x2000, 0xFFFFFFFE, 5, 0x7000]
     assert seen[1][4] == [0x3000, 0xFFFFFFFE, 5, 0x7000]
 
 
+def test_launches_bound_to_one_set_of_cells_share_each_pointer(monkeypatch):
+    seen = recording_driver(monkeypatch, 2)
+    cells = launch.ArgumentCells(3)
+    first = bare_kernel([8, 8]).bind(1, 32, 0, HandleStream(), [None, None], {0: 0, 1: 2}, cells)
+    second = bare_kernel([8, 4]).bind(1, 32, 0, HandleStream(), [None, np.int32(7)], {0: 2}, cells)
+    for pointers in ((16, 32, 48), (16, 32, 48), (64, 80, 96)):  # the same ones twice
+        cells.write(pointers)
+        first.launch()
+        second.launch()
+    assert [values for *_, values in seen] == [[16, 48], [48, 7]] * 2 + [[64, 96], [96, 7]]
+
+
 def test_bind_checks_what_launch_checks(monkeypatch):
     monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
     k = bare_kernel([8, 4])
+    cells = launch.ArgumentCells(1)
     with pytest.raises(ArgumentError, match="takes 2 arguments, got 3"):
-        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1), np.int32(2)], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1), np.int32(2)], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="argument 1 of 'k' is a 4-byte parameter; got 8"):
-        k.bind(1, 32, 0, HandleStream(), [None, np.int64(1)], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [None, np.int64(1)], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="python int|Python int"):
-        k.bind(1, 32, 0, HandleStream(), [None, 3], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [None, 3], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="slot"):
-        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 0), np.int32(1)], {0: 0})
+        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 0), np.int32(1)], {0: 0}, cells)
     with pytest.raises(ArgumentError, match="lives on device 1"):
-        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 1), np.int32(1)], {})
+        k.bind(1, 32, 0, HandleStream(), [DeviceArray(16, (1,), (1,), "f32", 1), np.int32(1)], {}, cells)
+    with pytest.raises(ArgumentError, match="reads cell 1 of 1"):
+        k.bind(1, 32, 0, HandleStream(), [None, np.int32(1)], {0: 1}, cells)
 
 
 def test_a_failed_launch_raises(monkeypatch):
     monkeypatch.setattr(launch, "current_stream", lambda stream, device=0: stream)
     failed = launch.driver.CUresult.CUDA_ERROR_INVALID_VALUE
     monkeypatch.setattr(launch, "_launch_kernel", lambda *a: (failed,))
-    bound = bare_kernel([8]).bind(1, 32, 0, HandleStream(), [None], {0: 0})
+    cells = launch.ArgumentCells(1)
+    bound = bare_kernel([8]).bind(1, 32, 0, HandleStream(), [None], {0: 0}, cells)
+    cells.write((16,))
     with pytest.raises(GemmspecError, match="launching k .* failed: CUDA_ERROR_INVALID_VALUE"):
-        bound.launch((16,))
+        bound.launch()
 
 
 def test_a_dropped_executable_frees_its_plans_without_the_cyclic_collector(offline):
@@ -289,3 +362,153 @@ def test_a_dropped_executable_frees_its_plans_without_the_cyclic_collector(offli
         assert all(ref() is None for ref in buffers)
     finally:
         gc.enable()
+
+
+# ---- gemmspec.torch ops ------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_op(exe, offline, torch_cuda, monkeypatch):
+    """The torch op of the forward spec, calling `exe`, with CPU kernels standing in for
+    its CUDA ones (the tensors are CPU tensors underneath); `op.dispatched` records each
+    call that went through the dispatcher."""
+    import gemmspec.torch as gt
+
+    torch = torch_cuda
+    op = gt.op(FORWARD)
+    monkeypatch.setattr(op, "exe", exe)
+    monkeypatch.setattr(op, "dispatched", [], raising=False)
+
+    def run_out(*args):
+        op.dispatched.append("in place")
+        op._run_out(*args)
+
+    def run(*args):
+        op.dispatched.append("functional")
+        return op._run(*args)
+
+    lib = torch.library.Library("gemmspec", "IMPL")
+    lib.impl(f"{op.name}_out", run_out, "CPU")
+    lib.impl(op.name, run, "CPU")
+    yield op
+    lib._destroy()
+
+
+def test_a_planned_op_call_skips_the_dispatcher(torch_op, torch_cuda):
+    op, args = torch_op, torch_args(torch_cuda)
+    assert op(**args) is args["y"]
+    assert op.dispatched == ["in place"] and len(launches()) == 3  # planned there
+    moved = torch_args(torch_cuda)
+    assert op(**moved) is moved["y"]
+    assert op.dispatched == ["in place"]
+    (_, _, check), (_, _, table), _ = launches()
+    assert check[1] == moved["expert_offsets"].data_ptr() and moved["y"].data_ptr() in table
+
+
+def test_op_calls_the_plan_does_not_fit_take_the_dispatcher(torch_op, torch_cuda):
+    torch = torch_cuda
+    op, args = torch_op, torch_args(torch)
+    op(**args)
+    op(**torch_args(torch, t=72))  # other shapes: planned through the dispatcher
+    assert op.dispatched == ["in place"] * 2 and len(op.exe._plans) == 2
+    bad = dict(args, y=torch.empty(64, N, dtype=torch.float32))
+    with pytest.raises(ArgumentError, match="'y', which holds f32 data"):
+        op(**bad)
+    storage = torch.empty(64 * N + 8, dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="'y' must be 16-byte aligned"):
+        op(**dict(args, y=storage[1:].as_strided((64, N), (N, 1))))
+    assert op.dispatched == ["in place"] * 4
+    sparse = torch.zeros(E + 1, dtype=torch.int32).to_sparse()
+    with pytest.raises(NotImplementedError, match="SparseCPU"):  # the dispatcher's word
+        op(**dict(args, expert_offsets=sparse))
+
+
+def test_op_calls_on_another_torch_stream_get_their_own_plan(torch_op, torch_cuda, monkeypatch):
+    current = [0]
+    monkeypatch.setattr(executor, "torch_stream", lambda device: current[0])
+    op, args = torch_op, torch_args(torch_cuda)
+    for stream in (0, 0, 9, 9, 0):
+        current[0] = stream
+        op(**args)
+    assert op.dispatched == ["in place"] * 2  # each stream's first call plans
+    assert sorted(key[2] for key in op.exe._plans) == [0, 9]
+
+
+class PassingDispatchMode(__import__("torch").utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class PassingFunctionMode(__import__("torch").overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+WATCHERS = {
+    "dispatch mode": PassingDispatchMode,
+    "function mode": PassingFunctionMode,
+    "profiler": lambda: __import__("torch").autograd.profiler.profile(),
+}
+
+
+@pytest.mark.parametrize("watcher", sorted(WATCHERS))
+def test_watched_op_calls_take_the_dispatcher(torch_op, torch_cuda, watcher):
+    op, args = torch_op, torch_args(torch_cuda)
+    op(**args)
+    with WATCHERS[watcher]():
+        op(**args)
+    assert op.dispatched == ["in place"] * 2
+    op(**args)
+    assert op.dispatched == ["in place"] * 2
+
+
+def test_op_calls_autograd_would_see_take_the_dispatcher(torch_op, torch_cuda, monkeypatch):
+    torch = torch_cuda
+    op, args = torch_op, torch_args(torch)
+    args["w_scale"].requires_grad_(True)
+    op(**args)
+    op(**args)
+    with torch.no_grad():
+        op(**args)  # no grad mode: nothing to record
+    assert op.dispatched == ["in place"] * 2
+    monkeypatch.setattr(op, "direct", False)
+    args["w_scale"].requires_grad_(False)
+    op(**args)
+    assert op.dispatched == ["in place"] * 3
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.trace. is deprecated")
+def test_transforms_and_tracing_count_as_watchers(torch_cuda):
+    import gemmspec.torch as gt
+
+    torch = torch_cuda
+    seen = []
+
+    def probe(t):
+        seen.append(gt._unwatched())
+        return t + 1
+
+    probe(torch.ones(2))
+    torch.func.vmap(probe)(torch.ones(2, 3))
+    torch.jit.trace(probe, torch.ones(2), check_trace=False)
+    assert seen == [True, False, False]
+
+
+def test_fresh_outputs_without_the_dispatcher(torch_op, torch_cuda, monkeypatch):
+    torch = torch_cuda
+    op = torch_op
+    inputs = torch_args(torch)
+    del inputs["y"]
+    # The outputs would be allocated on the inputs' device, which is a CPU one here.
+    made = []
+
+    def allocate(ins):
+        made.append([torch.empty(size, dtype=torch.bfloat16) for size in op._sizes_of(ins)])
+        return tuple(made[-1])
+
+    monkeypatch.setattr(op, "_allocate", allocate)
+    first, second = op(**inputs), op(**inputs)
+    assert op.dispatched == ["in place"]  # the first one planned there, with the outputs made
+    assert first is made[0][0] and second is made[1][0] and tuple(second.shape) == (64, N)
+    (_, _, table), _ = launches()[4:]
+    assert second.data_ptr() in table

@@ -51,6 +51,28 @@ def test_fake_outputs_have_the_declared_shapes_and_dtypes(path):
         assert out.dtype == gt.torch_dtype(t.dtype) and out.device.type == "meta"
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_fresh_outputs_are_sized_from_the_inputs_in_op_order(path):
+    op = gt.op(path)
+    inputs, _ = meta_inputs(op)
+    outs = op._allocate(op._take_inputs(inputs))
+    assert [list(o.shape) for o in outs] == op.output_sizes(inputs)
+    assert [o.dtype for o in outs] == [gt.torch_dtype(s.dtype) for s in op.shapes]
+    assert all(o.device.type == "meta" for o in outs)
+
+
+def test_the_op_hands_the_executable_its_arguments_in_order(monkeypatch):
+    op = gt.op(EXAMPLES[0].parent / "linear_fp8_training.gspec")
+    names = op.inputs + op.outputs
+    calls = []
+    monkeypatch.setattr(op.exe, "_call", lambda objects, stream, check: calls.append((objects, stream, check)))
+    values = tuple(object() for _ in names)
+    op._run_out(*values)
+    ((objects, stream, check),) = calls
+    assert objects == tuple(values[names.index(n)] for n in op.exe.argument_names())
+    assert stream is None and check is None
+
+
 def test_fake_tensors_on_cuda_keep_their_device():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
