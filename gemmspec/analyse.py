@@ -70,7 +70,9 @@ def describe_signature(spec: Spec, g: Gemm) -> str:
         ops = f"{a.dtype} x {b.dtype} with scales {a.scale.block_text} x {b.scale.block_text}"
     else:
         ops = f"{a.dtype} x {b.dtype}"
-    return f"{ops} -> {d.dtype}{' (+=)' if g.accumulate else ''}"
+    rows = f", A's rows through {g.gather}" if g.gather else ""
+    rows += f", D's rows through {g.scatter}" if g.scatter else ""
+    return f"{ops} -> {d.dtype}{' (+=)' if g.accumulate else ''}{rows}"
 
 
 def n_extents(spec: Spec, g: Gemm) -> dict[int, int | None]:
@@ -109,7 +111,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     bias = g.epilogue_of("bias") is not None
     return choose_tile(
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
-        per_channel=spec.per_channel(g),
+        per_channel=spec.per_channel(g), gather=g.gather is not None,
     )
 
 
@@ -377,6 +379,17 @@ def _plan_launches(
             "the segment length as row stride, so segments whose length is not a multiple of "
             "16 bytes take that path"
         )
+    if g.gather:
+        sa = spec.tensor(g.a.tensor).scale
+        loader = (
+            f"{prefix}loads: A ('{g.a.tensor}') gathered through {g.gather}: rows copied by the "
+            f"producer warpgroup (16-byte loads into the swizzled stage, each row's address taken from "
+            f"{g.gather}, rows past the leaf skipped), because a TMA box cannot follow a row number per "
+            "row; one CTA per tile (no A tile to multicast)"
+            + (f"; its {list(sa.block)} scales read through {g.gather} too, staged by the producer" if sa else "")
+            + f"; B ('{g.b.tensor}') by TMA through a tensor map per leaf built on the device (copied "
+            "by hand where its base or row stride is not a multiple of 16 bytes)"
+        )
     reasons.append(loader)
     if g.swiglu:
         reasons.append(
@@ -385,7 +398,13 @@ def _plan_launches(
             "tile is half the GEMM tile's width; stores straight from registers, masked at the "
             "leaf's edges (neighbouring lanes swap halves so each stores two adjacent columns)"
         )
-    else:
+    if g.scatter:
+        reasons.append(
+            f"{prefix}stores: D ('{g.out.tensor}') scattered through {g.scatter}: each row stored "
+            f"straight from registers at the row {g.scatter} names (masked at the leaf's edges); the "
+            f"entries of {g.scatter} must be distinct, or two rows would race for one"
+        )
+    elif not g.swiglu:
         reasons.append(
             f"{prefix}stores: each consumer warpgroup stages its output rows in shared memory and "
             "stores them by TMA through a per-leaf map of the output (reduce-add for f32 +=), when the "

@@ -163,16 +163,23 @@ class TensorDecl:
 
 @dataclass(frozen=True)
 class Index:
-    """`t` or `lora(t)` inside a tensor reference."""
+    """`t`, `lora(t)` or `idx[t]` inside a tensor reference.
+
+    `idx[t]` (`via` the int32 index tensor `idx`) reads the position at row `idx[t]`:
+    `t` is the statement's row index, the position's dim is the tensor's own.
+    """
 
     var: Name
     group: Name | None = None
+    via: Name | None = None  # `idx[t]`: the index tensor
 
     @property
     def pos(self) -> Pos:
-        return (self.group or self.var).pos
+        return (self.group or self.via or self.var).pos
 
     def __str__(self) -> str:
+        if self.via:
+            return f"{self.via}[{self.var}]"
         return f"{self.group}({self.var})" if self.group else self.var.text
 
 

@@ -141,6 +141,11 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
             "it has a fused epilogue (scalar, row weight, bias or SwiGLU); only plain products "
             "are derived"
         )
+    if g.gather or g.scatter:
+        return (
+            "it reads or writes rows through an index tensor; their gradients would scatter-add "
+            "(several rows into one), which no statement expresses yet"
+        )
     read_later = {t for x in spec.gemms for t in x.reads}
     if g.out.tensor in read_later:
         return f"its output '{g.out.tensor}' is read by another statement"

@@ -23,6 +23,7 @@ from .spec import (
     EPILOGUE_KINDS,
     EPILOGUE_TYPES,
     FP8_TYPES,
+    INDEX_TYPE,
     KERNEL_K_BLOCK,
     MAX_EXTENT,
     MAX_FIXED_SEGMENTS,
@@ -417,6 +418,8 @@ class _Checker:
                 )
             seen.add(n.text)
         layout = self.layout(t.layout, t.shape, t.name.text, ELEMENT_BYTES[t.dtype.text], t.name.pos)
+        if t.dtype.text == INDEX_TYPE:
+            self.check_index_tensor(t, layout)
         scale = self.scale(t) if t.scale else None
         derived = None
         if t.derived:
@@ -426,6 +429,26 @@ class _Checker:
             t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line
         )
         self.tensor_ast[t.name.text] = t
+
+    def check_index_tensor(self, t: ast.TensorDecl, layout: Layout) -> None:
+        """An i32 tensor is an index tensor: one row number per row of a statement, read
+        through `x[idx[t], k]` or written through `y[idx[t], n] = ...`; contiguous."""
+        usage = f"read rows through it as `x[{t.name.text}[t], k]`"
+        if len(t.shape) != 1:
+            raise self.error(
+                f"'{t.name.text}' is {INDEX_TYPE}, an index tensor, but has {len(t.shape)} dims "
+                f"[{', '.join(n.text for n in t.shape)}]; an index tensor has one: an entry per row",
+                t.shape[min(1, len(t.shape) - 1)].pos,
+                f"declare it `tensor {t.name.text} : {INDEX_TYPE} [T]` over the rows it indexes, "
+                f"and {usage}",
+            )
+        if layout.kind != "strided" or layout.strides != (ONE,):
+            assert t.layout is not None
+            raise self.error(
+                f"index tensor '{t.name.text}' is stored {layout}; index tensors are contiguous",
+                t.layout.pos,
+                "drop the layout",
+            )
 
     def layout(
         self,
@@ -846,6 +869,7 @@ class _Checker:
                 )
             binding.setdefault(var.text, (dim, var.pos))
 
+        self.check_gather_positions(s, refs)
         # Pass 1: tensors, ranks, plain index bindings.
         for ref in refs:
             if ref.tensor.text not in self.tensors:
@@ -854,6 +878,14 @@ class _Checker:
                     f"declared tensors: {', '.join(self.tensors) or 'none'}",
                 )
             t = self.tensors[ref.tensor.text]
+            if t.dtype == INDEX_TYPE:
+                raise self.error(
+                    f"'{t.name}' is {INDEX_TYPE}, an index tensor: it picks rows of another "
+                    "tensor, it is not an operand or an output",
+                    ref.tensor.pos,
+                    f"read rows through it, e.g. x[{t.name}[t], k], or write them, "
+                    f"y[{t.name}[t], n] = ...",
+                )
             if len(ref.indices) != t.rank:
                 raise self.error(
                     f"'{t.name}' has {t.rank} dims [{', '.join(t.dims)}] but is indexed with "
@@ -872,6 +904,10 @@ class _Checker:
                     used.add(idx.var.text)
                     if pair is not None and ref is s.rhs and axis == pair.axis:
                         continue  # 2*j and 2*j + 1 range over the weight's rows, j over the output's
+                    if idx.via is not None:
+                        # `idx[t]`: t ranges over the index tensor's dim, the position over t's own.
+                        bind(idx.var, self.index_tensor(idx).dims[0], f"{idx.via.text}[...]")
+                        continue
                     bind(idx.var, dim, f"{t.name}[...]")
         for sm in s.sums:
             if sm.var.text not in binding:
@@ -1016,7 +1052,8 @@ class _Checker:
                 if idx.group is not None:
                     uses.append(AxisUse("leaf", axis=idx.group.text))
                 elif v in role_of:
-                    uses.append(AxisUse("role", role=role_of[v]))
+                    via = idx.via.text if idx.via is not None else None
+                    uses.append(AxisUse("role", role=role_of[v], index=via))
                 elif v in batch_use:
                     uses.append(AxisUse("leaf", axis=batch_use[v]))
                 else:
@@ -1067,6 +1104,118 @@ class _Checker:
                 "use 128-wide scale blocks along K, or apply the SwiGLU in a separate pass",
             )
         return replace(gemm, epilogue=epilogue) if epilogue else gemm
+
+    # ---- gathered rows and scattered outputs -------------------------------------------
+    def index_tensor(self, idx: ast.Index) -> Tensor:
+        """The tensor of `idx[t]`: a declared i32 tensor of one dim."""
+        assert idx.via is not None
+        name = idx.via.text
+        if name not in self.tensors:
+            raise self.error(
+                f"unknown index tensor '{name}'", idx.via.pos,
+                f"declare it, e.g. `tensor {name} : {INDEX_TYPE} [T]` (one row number per row t)",
+            )
+        t = self.tensors[name]
+        if t.dtype != INDEX_TYPE:
+            raise self.error(
+                f"'{name}' is {t.dtype}, but {name}[{idx.var.text}] reads it as an index tensor; "
+                f"index tensors are {INDEX_TYPE} (int32 row numbers)",
+                idx.via.pos,
+                f"declare `tensor {name} : {INDEX_TYPE} [{', '.join(t.dims)}]`",
+            )
+        return t  # one dim: checked at its declaration
+
+    def check_gather_positions(self, s: ast.Statement, refs) -> None:
+        """`idx[t]` stands only at the row position of the first factor (gathered rows) and
+        of an `=` output (scattered rows), with t the statement's row index. Decided from
+        the indices as written, before any binding, so that the message names the role."""
+
+        def plain(ref: ast.Ref) -> set[str]:
+            return {i.var.text for i in ref.indices if isinstance(i, ast.Index) and i.group is None}
+
+        out_v, lhs_v, rhs_v = plain(s.out), plain(s.lhs), plain(s.rhs)
+        summed = {sm.var.text for sm in s.sums}
+        for ref in refs:
+            for idx in ref.indices:
+                if not isinstance(idx, ast.Index) or idx.via is None:
+                    continue
+                v = idx.var.text
+                shown = f"{idx.via.text}[{v}]"
+                is_row = v in out_v and v in lhs_v and v not in rhs_v and v not in summed
+                if is_row and ref is s.lhs:
+                    continue
+                if is_row and ref is s.out:
+                    if s.accumulate:
+                        raise self.error(
+                            f"'{s.out.tensor.text}' is written through {shown} with +=: rows t "
+                            f"with one {shown} would add into the same elements at once (a race), "
+                            "so scattered outputs are stored with `=` only",
+                            idx.via.pos,
+                            f"store with `=` (the entries of '{idx.via.text}' distinct), or write "
+                            f"'{s.out.tensor.text}' in row order and combine the rows in a separate pass",
+                        )
+                    continue
+                if is_row:
+                    where = f"the epilogue operand '{ref.tensor.text}' along the row index '{v}'"
+                elif v in summed:
+                    where = f"'{ref.tensor.text}' along the contracted index '{v}'"
+                elif v in out_v and v in rhs_v and v in lhs_v:
+                    where = f"'{ref.tensor.text}' along the batch index '{v}'"
+                elif v in out_v and v in rhs_v:
+                    where = f"'{ref.tensor.text}' along the column index '{v}'"
+                else:
+                    where = f"'{ref.tensor.text}' along '{v}'"
+                rows = sorted(out_v & lhs_v - rhs_v - summed)
+                row = rows[0] if len(rows) == 1 else "t"
+                raise self.error(
+                    f"{shown} reads {where}; only rows go through an index tensor: the row "
+                    f"position of the first factor (gathered rows) and of the output (scattered "
+                    f"rows), indexed by the statement's row index",
+                    idx.via.pos,
+                    f"gather the rows of the first factor (e.g. {s.lhs.tensor.text}[{idx.via.text}[{row}], "
+                    f"...]) or index '{ref.tensor.text}' by '{v}' itself",
+                )
+
+    def check_gathered(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
+        """A tensor whose rows go through an index tensor is strided (each row found by its
+        number), and its scales are read through the same index: the scale of x[idx[t], k]
+        is x_scale at row idx[t] (block idx[t] / b along the gathered dim), so blocks must
+        count from the dim's origin (no `per GROUP`) and span K in 128-wide blocks."""
+        axis = acc.axis_of_role("m")
+        assert axis is not None
+        idx = ref.indices[axis]
+        assert isinstance(idx, ast.Index) and idx.via is not None
+        shown = f"{idx.via.text}[{idx.var.text}]"
+        what = "gathered" if acc is gemm.a else "scattered"
+        if t.layout.kind != "strided":
+            raise self.error(
+                f"'{t.name}' is stored {t.layout}, but its rows are {what} through {shown}: a row "
+                "picked by number needs one row stride",
+                ref.tensor.pos,
+                "store it row_major, major(...) or strides(...)",
+            )
+        sc = t.scale
+        if sc is None:
+            return
+        dim = t.dims[axis]
+        decl = self.tensor_ast[t.name].scale
+        if sc.anchor is not None and self.groups[sc.anchor].dim == dim:
+            raise self.error(
+                f"the scale blocks of '{t.name}' restart at each '{sc.anchor}' segment along {dim}, "
+                f"but {shown} reads its rows in another order: the scale of row {shown} could not "
+                f"be found through the same index",
+                decl.anchor.pos,
+                f"drop `per {sc.anchor}`: the scale of {t.name}[{shown}, k] is "
+                f"{sc.name}[{shown} / {sc.block[axis]}, k / 128]",
+            )
+        if self._per_channel(gemm):
+            raise self.error(
+                f"'{t.name}' has per-channel scales (one along the whole of K), which a {what} "
+                "operand does not support yet",
+                idx.via.pos,
+                f"use [1, 128] blocks on '{t.name}': the scale of row {shown} is then read through "
+                "the same index",
+            )
 
     # ---- SwiGLU ------------------------------------------------------------------------
     def check_index_exprs(self, s: ast.Statement) -> None:
@@ -1481,6 +1630,10 @@ class _Checker:
                     f"does not split {t.dims[t.layout.seg_axis]} by '{t.layout.group}' per leaf",
                     ref.tensor.pos,
                 )
+        if gemm.gather:
+            self.check_gathered(gemm, gemm.a, s.lhs, a_t)
+        if gemm.scatter:
+            self.check_gathered(gemm, gemm.out, s.out, out_t)
         a_fp8, b_fp8 = a_t.dtype in FP8_TYPES, b_t.dtype in FP8_TYPES
         if a_t.dtype == "f32" or b_t.dtype == "f32":
             bad = s.lhs if a_t.dtype == "f32" else s.rhs
@@ -1596,6 +1749,8 @@ class _Checker:
                         pos,
                     )
                 continue
+            if use.index is not None:
+                continue  # rows read through an index tensor: their scales too (check_gathered)
             role = gemm.role(use.role)
             size = self.dims[dim].size
             whole = isinstance(b, str)  # one block over the whole of a run-time dim

@@ -66,6 +66,8 @@ def _map_json(m) -> dict:
     if hasattr(m, "block"):
         doc["block"] = dict(zip(m.roles, m.block))
         doc["anchored_per"] = {r: a for r, a in zip(m.roles, m.anchors) if a}
+    if m.rows is not None:  # rows read or written through an index tensor
+        doc["rows_through"] = {"tensor": m.rows.tensor, "offset": str(m.rows.offset), "bound": str(m.rows.bound)}
     return doc
 
 
@@ -126,6 +128,11 @@ def _kernel_line(spec: Spec, launch) -> str:
     if cfg.acc_chains > 1:
         parts.append(f"{cfg.acc_chains} independent accumulator chains")
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
+    pg = launch.problems
+    if cfg.gather:
+        parts.append(f"A gathered through {pg.a.rows.tensor}: rows copied by the producer")
+    if cfg.scatter:
+        parts.append(f"D scattered through {pg.d.rows.tensor}: rows stored from registers")
     if cfg.per_channel:
         parts.append("per-channel scales: the unscaled main loop, SA(row) * SB(column) in the epilogue")
     elif cfg.scaled:

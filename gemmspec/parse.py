@@ -37,7 +37,7 @@ MAX_EXPR_DEPTH = 32
 _TERMINAL_WORDS = {
     "NAME": "a name",
     "INT": "an integer",
-    "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32)",
+    "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32, i32)",
     "ASSIGN": "'=' or '+='",
     "DERIVE_OP": "'requantize', 'transpose' or 'quantize'",
     "LBRACE": "'{'",
@@ -225,7 +225,12 @@ class _ToAst(Transformer_NonRecursive):
         return ("tensor", ast.TensorDecl(name, dtype, shape, layout, scale, derived))
 
     # -- statements
+    def gather(self, items):
+        return ast.Index(_name(items[1]), via=_name(items[0]))
+
     def index(self, items):
+        if len(items) == 1 and isinstance(items[0], ast.Index):  # `idx[t]`
+            return items[0]
         if len(items) == 2:
             return ast.Index(_name(items[1]), group=_name(items[0]))
         (item,) = items

@@ -15,7 +15,9 @@ from .expr import Poly
 
 FP8_TYPES = ("e4m3", "e5m2")
 SIXTEEN_BIT_TYPES = ("bf16", "f16")
-ELEMENT_BYTES = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
+ELEMENT_BYTES = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+# The element type of index tensors (`x[idx[t], k]`): one int32 row number per row t.
+INDEX_TYPE = "i32"
 KERNEL_K_BLOCK = 128  # FP8 scales must be constant over K blocks of this width
 
 # ---- limits: what the kernels' integer types and the compiler can hold ----------
@@ -184,12 +186,15 @@ class AxisUse:
     """What indexes one dim of a tensor inside a statement.
 
     kind "role": the GEMM's m, n or k index; kind "leaf": a leaf axis (group
-    index or batch index), constant inside one leaf.
+    index or batch index), constant inside one leaf. A role read through an index
+    tensor (`x[idx[t], k]`, rows only) names it in `index`: row t of the GEMM is
+    position idx[t] of this dim.
     """
 
     kind: str
     role: str | None = None  # "m", "n", "k"
     axis: str | None = None  # leaf axis name
+    index: str | None = None  # role "m" gathered (or scattered) through this int32 tensor
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,12 @@ class Access:
             if u.kind == "role" and u.role == role:
                 return i
         return None
+
+    @property
+    def row_index(self) -> str | None:
+        """The index tensor its rows (role m) are read or written through, if any."""
+        axis = self.axis_of_role("m")
+        return None if axis is None else self.uses[axis].index
 
 
 @dataclass(frozen=True)
@@ -277,6 +288,21 @@ class Gemm:
     def reads(self) -> tuple[str, ...]:
         """Every tensor the statement reads: both factors, then its epilogue operands."""
         return (self.a.tensor, self.b.tensor, *(e.access.tensor for e in self.epilogue))
+
+    @property
+    def gather(self) -> str | None:
+        """The index tensor A's rows are gathered through (`x[idx[t], k]`), if any."""
+        return self.a.row_index
+
+    @property
+    def scatter(self) -> str | None:
+        """The index tensor D's rows are scattered through (`y[idx[t], n] = ...`), if any."""
+        return self.out.row_index
+
+    @property
+    def index_tensors(self) -> tuple[str, ...]:
+        """The index tensors the statement reads, A's first."""
+        return tuple(dict.fromkeys(t for t in (self.gather, self.scatter) if t))
 
     def epilogue_of(self, kind: str) -> EpilogueOperand | None:
         return next((e for e in self.epilogue if e.kind == kind), None)
@@ -358,5 +384,7 @@ class Spec:
                 f"    m={g.m.var}:{g.m.dim} n={g.n.var}:{g.n.dim} k={g.k.var}:{g.k.dim}"
                 f" leaves={' x '.join(str(a) for a in g.leaf_axes) or '1'}"
                 + (" swiglu" if g.swiglu else "")
+                + (f" gather={g.gather}" if g.gather else "")
+                + (f" scatter={g.scatter}" if g.scatter else "")
             )
         return "\n".join(lines)

@@ -83,10 +83,12 @@ def choose_tile(
     bias: bool = False,
     swiglu: bool = False,
     per_channel: bool = False,
+    gather: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
     `m_bound`: the most rows any leaf can have (None: unbounded or run-time); `swiglu`:
-    columns pair up (gate 2j, up 2j + 1), so a tile must hold whole pairs."""
+    columns pair up (gate 2j, up 2j + 1), so a tile must hold whole pairs; `gather`: A's
+    rows come through an index tensor, copied row by row (no A tile to multicast)."""
     known = [n for n in n_extents if n is not None]
     skinny = bool(known) and len(known) == len(n_extents) and max(known) <= 32
     if m_bound is not None and m_bound <= 64:
@@ -117,4 +119,7 @@ def choose_tile(
             f"{', '.join(str(n) for n in sorted(set(known)))} among widths "
             f"{', '.join(map(str, widths))})"
         )
-    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}, one CTA per tile")
+    why_c = "one CTA per tile"
+    if gather:
+        why_c += " (A's rows are gathered row by row: no shared A tile to multicast)"
+    return TileChoice(tile_m, tile_n, f"{why_m}, {why_n}, {why_c}")

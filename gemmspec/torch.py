@@ -3,8 +3,9 @@
 `op(spec)` registers the spec as two `torch.library` custom ops, so `torch.compile`
 (fullgraph=True included) sees one opaque node per call and CUDA graphs capture it:
 
-- `gemmspec::<name>`: the inputs (tensors, scales, offsets/counts) in, every output
-  returned, freshly allocated (an output that a statement `+=` starts from zeros);
+- `gemmspec::<name>`: the inputs (tensors, scales, offsets/counts, index tensors) in,
+  every output returned, freshly allocated (an output that a statement `+=` or scatters
+  rows into starts from zeros);
 - `gemmspec::<name>_out`: the inputs and the outputs in, the outputs written in place
   (declared as mutated, so torch.compile functionalizes it).
 
@@ -105,7 +106,7 @@ class OutputShape:
     name: str
     dtype: str
     dims: tuple[int | tuple[str, int], ...]
-    zero: bool  # a statement adds into it: a fresh one starts from zeros
+    zero: bool  # a statement adds into it or scatters rows into it: a fresh one starts from zeros
 
 
 class GemmOp:
@@ -158,8 +159,10 @@ class GemmOp:
                     "tensor has, so a fresh output cannot be sized; pass it in"
                 )
             dims.append(size if size is not None else where[d])
-        accumulate = any(g.accumulate and g.out.tensor == name for g in spec.gemms)
-        return OutputShape(name, t.dtype, tuple(dims), accumulate)
+        # A statement adds into it, or writes only the rows an index tensor names: a fresh
+        # one starts from zeros.
+        zero = any((g.accumulate or g.scatter) and g.out.tensor == name for g in spec.gemms)
+        return OutputShape(name, t.dtype, tuple(dims), zero)
 
     def output_sizes(self, inputs: dict[str, torch.Tensor]) -> list[list]:
         return self._sizes_of(self._take_inputs(inputs))

@@ -33,6 +33,10 @@ from .names import gemm_symbol, prepass_symbol, table_symbol
 TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
 
 HEADER = '#include "gemmspec_ptx.cuh"\n'
+# Per-leaf records after a leaf table's sentinel (docs/kernel-abi.md): sizeof(GsEpilogue),
+# then sizeof(GsGather) (defined in the kernels that gather or scatter rows).
+EPILOGUE_RECORD_BYTES = 48
+GATHER_RECORD_BYTES = 32
 
 
 class EmitError(GemmspecError):
@@ -221,6 +225,8 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         cluster=sig.cluster,
         epilogue=sig.epilogue,
         swiglu=sig.swiglu,
+        gather=sig.gather,
+        scatter=sig.scatter,
     )
 
 
@@ -275,6 +281,15 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
             epilogue_fields.append((kind, where))
             if stride:
                 epilogue_fields.append((stride, c_expr(e.stride) if e else "0LL"))
+    gather_fields: list[tuple[str, str]] = []
+    if pg.index_maps:
+        # Each leaf's first row number (the index tensor at the leaf's first row), and the
+        # rows of the operand it picks from; null and 0 for an operand not gathered.
+        for prefix, rows in (("a", pg.a.rows), ("d", pg.d.rows)):
+            where = f"{tensor_param(rows.tensor)} + {c_expr(rows.offset)}" if rows else "nullptr"
+            gather_fields.append((f"{prefix}_rows", where))
+        for prefix, rows in (("a", pg.a.rows), ("d", pg.d.rows)):
+            gather_fields.append((f"{prefix}_bound", f"static_cast<int>({c_expr(rows.bound)})" if rows else "0"))
     table_name = table_symbol(spec.name, launch.index)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
@@ -299,6 +314,9 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
         store_tma=cfg.store_tma,
         maps_per_leaf=len(map_specs(cfg)),
         epilogue_fields=epilogue_fields,
+        gather_fields=gather_fields,
+        gather_a=pg.a.rows is not None,
+        gather_at=pg.leaf_count * EPILOGUE_RECORD_BYTES if pg.epilogue else 0,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)

@@ -27,8 +27,9 @@ CTYPES: dict[str, str] = {
     "bf16": "__nv_bfloat16",
     "f16": "__half",
     "f32": "float",
+    "i32": "int",  # index tensors
 }
-ELEMENT_BYTES: dict[str, int] = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
+ELEMENT_BYTES: dict[str, int] = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 FP8_TYPES = frozenset({"e4m3", "e5m2"})
 EPILOGUE_KINDS = ("alpha", "row", "bias")  # the order the epilogue applies them
 OPERAND_TYPES = frozenset({"e4m3", "e5m2", "bf16", "f16"})
@@ -127,6 +128,12 @@ class GemmKernelConfig:
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
 
+    ``gather``: A's rows are read through an index tensor (each leaf's row numbers in its
+    GsGather record): the producer copies them with 16-byte loads, never by TMA, and stages
+    their scales itself (``consumer_scales`` False), one CTA per tile (``cluster`` 1: there
+    is no A tile to multicast). ``scatter``: D's rows are written through an index tensor,
+    from registers (``store_tma`` False), with `=` only.
+
     ``sa_bk == sb_bk == 0`` (scaled) means one scale along the whole of K: per-channel
     scales. Such a kernel runs the unscaled main loop (no promotion per K block, one
     accumulator tile, no scales staged) and multiplies the finished accumulators by
@@ -161,6 +168,9 @@ class GemmKernelConfig:
     # SwiGLU: tile columns 2j (gate) and 2j + 1 (up) become D's column j, silu(gate) * up,
     # before the epilogue operands; D is addressed by its own (half as many) columns.
     swiglu: bool = False
+    # Rows through index tensors: A's gathered (copied by the producer), D's scattered.
+    gather: bool = False
+    scatter: bool = False
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -174,9 +184,12 @@ class GemmKernelConfig:
             object.__setattr__(self, "ctas_per_sm", 2 if memory_bound else 1)
         self._validate()
         if self.consumer_scales is None:
-            object.__setattr__(self, "consumer_scales", self.blockwise and self.sb_mode != 2)
+            # Gathered rows: the producer that copies them reads their scales too.
+            object.__setattr__(self, "consumer_scales", self.blockwise and self.sb_mode != 2 and not self.gather)
         elif self.consumer_scales and (not self.blockwise or self.sb_mode == 2):
             raise ValueError("consumers read scales only when a tile needs at most two B scales")
+        elif self.consumer_scales and self.gather:
+            raise ValueError("a gathered A's scales are staged by the producer, which reads its row numbers")
         if self.prefetch_scales is None:
             object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self.bias_crowds_registers())
         elif not self.consumer_scales:
@@ -195,6 +208,8 @@ class GemmKernelConfig:
             )
         if self.store_tma is None:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
+        elif self.store_tma and self.scatter:
+            raise ValueError("a scattered D is stored from registers, row by row through its index")
         elif self.store_tma and not self.store_tma_possible:
             raise ValueError(
                 f"a TMA-stored epilogue needs whole {self.box_cols}-column boxes and, for D +=, "
@@ -262,6 +277,10 @@ class GemmKernelConfig:
                 raise ValueError("a SwiGLU tile holds whole gate/up column pairs: tile_n must be even")
             if self.store_tma:
                 raise ValueError("a SwiGLU stores from registers (its output tile is half the tile's width)")
+        if self.gather and (self.cluster != 1 or self.per_channel):
+            raise ValueError("a gathered A is copied row by row: one CTA per tile (no multicast), no per-channel scales")
+        if self.scatter and self.accumulate:
+            raise ValueError("a scattered D is stored (=), never added into: rows sharing an index would race")
 
     @property
     def k_steps(self) -> int:
@@ -337,9 +356,16 @@ class GemmKernelConfig:
         return self.tile_m * self.tile_n * ELEMENT_BYTES[self.d_type]
 
     def _stages_beside(self, staging: int) -> int:
-        """Ring stages (operands, scales, an mbarrier pair) that fit beside `staging` bytes."""
+        """Ring stages (operands, scales, an mbarrier pair) that fit beside `staging` bytes
+        (and a gathered tile's row numbers)."""
         per_stage = self.stage_bytes + self.scale_bytes + 16
-        return (self.smem_limit - SMEM_ALIGN - staging) // per_stage
+        return (self.smem_limit - SMEM_ALIGN - staging - self.rows_bytes) // per_stage
+
+    @property
+    def rows_bytes(self) -> int:
+        """Shared memory of a gathered tile's row numbers: an int per tile row (the producer
+        reads them once per tile, then copies rows and scales from them)."""
+        return 4 * self.tile_m if self.gather else 0
 
     @property
     def smem_limit(self) -> int:
@@ -353,7 +379,7 @@ class GemmKernelConfig:
         return self.blockwise and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
 
     def _store_tma_pays(self) -> bool:
-        if not self.store_tma_possible or self.swiglu:
+        if not self.store_tma_possible or self.swiglu or self.scatter:
             # A SwiGLU's output tile is TILE_N / 2 columns wide, which the staging boxes (and
             # the D map's box width) do not describe; from registers it needs no shared memory,
             # so the ring keeps those stages.
@@ -382,10 +408,11 @@ class GemmKernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block; the template static_asserts the same sum:
-        alignment slack, the ring's operands, the epilogue staging, the ring's scales and a
-        full/empty mbarrier pair per stage."""
+        alignment slack, the ring's operands, the epilogue staging, the ring's scales, a
+        full/empty mbarrier pair per stage and, when A is gathered, the tile's row numbers."""
         return (
             SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
+            + self.rows_bytes
         )
 
     def tiles(self, m: int, n: int) -> int:
@@ -439,6 +466,10 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
     if cfg.swiglu:
         staged += "_swiglu"
+    if cfg.gather:
+        staged += "_gather"
+    if cfg.scatter:
+        staged += "_scatter"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -563,6 +594,8 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         mma=wgmma_struct(cfg.tile_n, cfg.a_type, cfg.b_type),
         epilogue=dict(cfg.epilogue),
         swiglu=cfg.swiglu,
+        gather=cfg.gather,
+        scatter=cfg.scatter,
     )
 
 

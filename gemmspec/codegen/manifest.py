@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
-from ..spec import Spec, Tensor
+from ..spec import INDEX_TYPE, Spec, Tensor
 from .emit import TABLE_THREADS, EmittedLaunch, EmittedPrePass, EmittedProgram
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, map_specs
@@ -23,6 +23,7 @@ MANIFEST_VERSION = 1
 TARGET = "sm_90a"
 LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
 EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
+GATHER_BYTES = 32  # sizeof(GsGather): per leaf, after those, with rows through index tensors
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
@@ -52,7 +53,7 @@ class Argument:
     """One run-time argument of a call: a field of `<prefix>_args`, a keyword in Python."""
 
     name: str
-    role: str  # "input", "output", "scale", "offsets" or "counts"
+    role: str  # "input", "output", "scale", "offsets", "counts" or "index"
     dtype: str  # element type; "f32" for scales, "i32" for offsets and counts
     ctype: str  # the field's C++ type
     dims: tuple[str, ...] = ()  # tensors: dims as declared
@@ -191,7 +192,7 @@ class Manifest:
 
 def _argument_json(a: Argument) -> dict:
     doc: dict = {"name": a.name, "role": a.role, "dtype": a.dtype, "ctype": a.ctype}
-    if a.role in ("input", "output"):
+    if a.role in ("input", "output", "index"):
         doc["dims"] = list(a.dims)
     if a.scale_of is not None:
         doc["scale_of"] = a.scale_of
@@ -247,13 +248,14 @@ def _ptr(dtype: str, const: bool = True) -> str:
 
 def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
     """Every run-time tensor of a call, in the order the Python API lists them: each
-    tensor no pass derives (then its scale), then each group's offsets or counts."""
+    tensor no pass derives (then its scale), then each group's offsets or counts. An
+    i32 tensor is an index tensor (role "index": rows read or written through it)."""
     written = {g.out.tensor for g in spec.gemms}
     out: list[Argument] = []
     for t in spec.tensors:
         if t.derived is not None:
             continue
-        role = "output" if t.name in written else "input"
+        role = "output" if t.name in written else "index" if t.dtype == INDEX_TYPE else "input"
         out.append(Argument(t.name, role, t.dtype, _ptr(t.dtype, role != "output"), t.dims))
         if t.scale is not None:
             out.append(Argument(t.scale.name, "scale", "f32", "const float*", scale_of=t.name))
@@ -454,9 +456,14 @@ class _Builder:
         # A fused epilogue's per-leaf addresses follow the table's sentinel (the GEMM
         # kernel finds them from `leaves`, so its parameters stay as they are).
         epilogue_bytes = x.leaf_count * EPILOGUE_BYTES if pg.epilogue else 0
+        # Rows read or written through index tensors: each leaf's row numbers after those.
+        gather_bytes = x.leaf_count * GATHER_BYTES if pg.index_maps else 0
         leaves = self.workspace(
-            f"launch{i}.leaves", Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes),
-            "the leaf table" + (" and its epilogue addresses" if pg.epilogue else ""),
+            f"launch{i}.leaves",
+            Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes),
+            "the leaf table"
+            + (" and its epilogue addresses" if pg.epilogue else "")
+            + (" and its row numbers (index tensors)" if pg.index_maps else ""),
         )
         maps_ws = self.workspace(
             f"launch{i}.maps",

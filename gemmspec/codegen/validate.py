@@ -9,6 +9,14 @@ writes one flag per check (0 or 1, every run, so no flag is stale) and a copy of
 tensor for the launches to read: the tensor itself when every check passed, zeros
 otherwise, which makes every segment empty. A call with bad offsets therefore
 computes no leaf, and `check=True` reads the flags back to raise a clear error.
+
+It also reads every index tensor (rows read or written through it, `x[idx[t], k]`) over
+the rows the statements use and flags a row number outside the rows it picks from. The
+launches read index tensors as they are: the kernels skip such a row themselves (read
+as zeros, not stored), so a bad index never reaches memory outside its tensor; the
+flag, like the others, empties every ragged segment and gives `check=True` its error.
+Distinct row numbers (a scattered `=` output) are the caller's to keep; the host checks
+them when it reads the index back (`prepare(check=True)`, `check=True`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,19 @@ class AnchoredRows:
 
 
 @dataclass(frozen=True)
+class IndexRows:
+    """Index tensor `tensor` (one entry per row of `rows`) picks rows of `bound`'s dim for
+    the tensors `of`; `limit` is the group whose offsets end (a capacity group) or counts
+    (a masked group) bound the entries that statements read, None for all of them."""
+
+    tensor: str
+    rows: str
+    bound: str
+    of: tuple[str, ...]
+    limit: str | None
+
+
+@dataclass(frozen=True)
 class ValidationKernel:
     name: str
     source: str
@@ -47,6 +68,7 @@ class ValidationKernel:
     sizes: tuple[str, ...]  # dims whose size the kernel compares against, in parameter order
     anchored: tuple[AnchoredRows, ...]  # one `long long` row count each, after the sizes
     checks: tuple[Check, ...]  # flags[i] is 1 when checks[i] failed
+    indices: tuple[str, ...] = ()  # index tensors, one pointer each after the pairs
 
 
 def group_chain_count(spec: Spec, group: str) -> int:
@@ -73,10 +95,47 @@ def anchored_rows(spec: Spec, t: Tensor) -> tuple[AnchoredRows, ...]:
     )
 
 
+def _rows_limit(spec: Spec, group: str | None, masked: str | None) -> str | None:
+    """The group bounding the rows a statement reads: a masked group, or the outermost
+    ragged group of its rows when that is a capacity (rows past its end are not read)."""
+    if masked is not None:
+        return masked
+    if group is None:
+        return None
+    g = spec.group(group)
+    while g.within:
+        g = spec.group(g.within)
+    return g.name if g.capacity else None
+
+
+def index_rows(spec: Spec) -> tuple[IndexRows, ...]:
+    """Every (index tensor, dim it picks rows of), with the tensors it picks them of and
+    the rows the statements read: all of them if any statement reads all."""
+    found: dict[tuple[str, str], IndexRows] = {}
+    for g in spec.gemms:
+        for acc, name in ((g.a, g.gather), (g.out, g.scatter)):
+            if name is None:
+                continue
+            bound = spec.tensor(acc.tensor).dims[acc.axis_of_role("m")]
+            limit = _rows_limit(spec, g.m.group, g.m.masked_by)
+            key = (name, bound)
+            if key in found:
+                old = found[key]
+                same = old.limit == limit
+                found[key] = IndexRows(
+                    name, old.rows, bound, tuple(dict.fromkeys((*old.of, acc.tensor))), limit if same else None
+                )
+            else:
+                found[key] = IndexRows(name, spec.tensor(name).dims[0], bound, (acc.tensor,), limit)
+    return tuple(found.values())
+
+
 def validation_kernel(spec: Spec) -> ValidationKernel | None:
-    """The check kernel of a spec, or None when no group is known only at run time."""
+    """The check kernel of a spec, or None when no group is known only at run time and no
+    index tensor picks rows."""
     groups = [g for g in spec.groups if g.tensor]
-    if not groups:
+    indexed = index_rows(spec)
+    if not groups and not indexed:
         return None
     name = f"gs_validate_{spec.name}"
     index = {g.name: i for i, g in enumerate(groups)}
@@ -137,6 +196,38 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
             flag("ends", Check(g.tensor, f"'{g.tensor}': each row must span its '{g.within}' segment exactly"))
         body.append("  }")
 
+    indices = tuple(dict.fromkeys(x.tensor for x in indexed))
+    for x in indexed:
+        j = indices.index(x.tensor)
+        for d in (x.rows, x.bound):
+            if d not in sizes:
+                sizes.append(d)
+        n, bound = f"size{sizes.index(x.rows)}", f"size{sizes.index(x.bound)}"
+        body.append(f"  {{ // '{x.tensor}': row numbers of {x.bound}, for {', '.join(x.of)}")
+        body.append(f"    long long n = {n};")
+        if x.limit is not None:
+            lg = spec.group(x.limit)
+            i = index[lg.name]
+            if lg.kind == "masked":  # rows [0, count) of each batch entry
+                body.append("    long long most = 0;")
+                body.append(f"    for (int e = 0; e < {lg.count}; ++e) most = max(most, (long long)in{i}[e]);")
+                body.append("    n = most < n ? (most < 0 ? 0 : most) : n;")
+            else:  # a capacity group: rows past its last offset are not read
+                body.append(f"    const long long end = in{i}[{lg.count}];")
+                body.append("    n = end < n ? (end < 0 ? 0 : end) : n;")
+        body.append("    int outside = 0;")
+        body.append("#pragma unroll 4")
+        body.append("    for (long long s = threadIdx.x; s < n; s += blockDim.x) {")
+        body.append(f"      const long long v = ix{j}[s];")
+        body.append(f"      outside |= v < 0 || v >= {bound};")
+        body.append("    }")
+        flag("outside", Check(
+            x.tensor,
+            f"'{x.tensor}' holds a row number outside the {x.bound} rows of "
+            + " and ".join(f"'{t}'" for t in x.of),
+        ))
+        body.append("  }")
+
     for j, a in enumerate(anchored):
         g = spec.group(a.group)
         i, c = index[g.name], g.count
@@ -160,6 +251,7 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
     for g in groups:
         i = index[g.name]
         params += [f"const int* __restrict__ in{i}", f"int* __restrict__ out{i}"]
+    params += [f"const int* __restrict__ ix{j}" for j in range(len(indices))]
     params += [f"long long size{k}" for k in range(len(sizes))]
     params += [f"long long rows{j}" for j in range(len(anchored))]
     copies = []
@@ -172,6 +264,10 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
             f"// Run-time offsets and counts of spec {spec.name}, checked on the device (see",
             "// gemmspec/codegen/validate.py): one flag per check, and a checked copy of each",
             "// tensor that is all zeros (every segment empty) when any check failed.",
+            *(
+                ["// Index tensors are read, not copied: the kernels skip a row number outside its rows."]
+                if indices else []
+            ),
             f'extern "C" __global__ void __launch_bounds__({THREADS})',
             f"{name}({', '.join(params)}) {{",
             "  __shared__ unsigned long long counted;",
@@ -183,5 +279,5 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
         ]
     )
     return ValidationKernel(
-        name, source, tuple(g.tensor for g in groups), tuple(sizes), anchored, tuple(checks)
+        name, source, tuple(g.tensor for g in groups), tuple(sizes), anchored, tuple(checks), indices
     )

@@ -14,6 +14,7 @@ from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
 from .schedule import (
     EpilogueMap,
     Extent,
+    IndexMap,
     KernelSignature,
     Launch,
     OperandMap,
@@ -57,6 +58,17 @@ def _extent(spec: Spec, gemm: Gemm, role: str) -> Extent:
     )
 
 
+def _rows(spec: Spec, gemm: Gemm, acc: Access) -> IndexMap | None:
+    """Rows of `acc` read or written through an index tensor: leaf row i is row
+    idx[start.m + i] (idx[i] when the rows are not split per leaf) of the tensor's dim."""
+    axis = acc.axis_of_role("m")
+    if axis is None or acc.uses[axis].index is None:
+        return None
+    offset = Poly.sym("start.m") if gemm.m.group is not None else ZERO
+    bound = _dim_size(spec, spec.tensor(acc.tensor).dims[axis])
+    return IndexMap(acc.uses[axis].index, offset, bound)
+
+
 def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> OperandMap:
     t = spec.tensor(acc.tensor)
     lay = t.layout
@@ -67,7 +79,8 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
         for i, use in enumerate(acc.uses):
             if use.kind == "role":
                 stride[use.role] = lay.strides[i]
-                if use.role in segmented:
+                # A row read through an index tensor is found by its number, from the base.
+                if use.role in segmented and use.index is None:
                     offset = offset + Poly.sym(f"start.{use.role}") * lay.strides[i]
             else:
                 offset = offset + Poly.sym(f"g.{use.axis}") * lay.strides[i]
@@ -86,7 +99,8 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
                 stride[use.role] = s
             else:
                 offset = offset + Poly.sym(f"g.{use.axis}") * s
-    return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]))
+    rows = _rows(spec, gemm, acc)
+    return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows)
 
 
 def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> ScaleMap | None:
@@ -104,6 +118,13 @@ def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Scale
             offset = offset + Poly.sym(f"g.{use.axis}") * s
             continue
         r = use.role
+        if use.index is not None:
+            # Gathered rows: the scale of row idx[t] is at block idx[t] / b, from the origin
+            # (the checker refuses blocks anchored per segment along it, and per-channel or
+            # per-tensor scales of a gathered operand).
+            stride[r], block[r] = s, sc.block[i]
+            anchor[r] = None
+            continue
         group = gemm.role(r).group
         anchor[r] = sc.anchor if (sc.anchor is not None and sc.anchor == group) else None
         if sc.whole(i):
@@ -121,6 +142,7 @@ def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Scale
         offset,
         (stride[roles[0]], stride[roles[1]]),
         (anchor[roles[0]], anchor[roles[1]]),
+        _rows(spec, gemm, acc),
     )
 
 
@@ -158,8 +180,11 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     sa = _scale(spec, gemm, gemm.a, ("m", "k"))
     sb = _scale(spec, gemm, gemm.b, ("n", "k"))
     epilogue = _epilogue(spec, gemm)
-    runtime_tensors = tuple(dict.fromkeys(e.tensor for e in extents if e.tensor))
+    # The offsets and counts the extents read, then the index tensors rows go through.
+    index_maps = [op.rows for op in (a, d) if op.rows is not None]
+    runtime_tensors = tuple(dict.fromkeys([*(e.tensor for e in extents if e.tensor), *(r.tensor for r in index_maps)]))
     polys = [a.offset, *a.strides, b.offset, *b.strides, d.offset, *d.strides]
+    polys += [p for r in index_maps for p in (r.offset, r.bound)]
     polys += [p for e in epilogue for p in (e.offset, e.stride)]
     polys += [e.size for e in extents]
     for s in (sa, sb):
@@ -196,6 +221,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         tile_k=128 if fp8 else 64,
         epilogue=tuple((e.kind, e.dtype) for e in epilogue),
         swiglu=gemm.swiglu,
+        gather=a.rows is not None,
+        scatter=d.rows is not None,
     )
     return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
 

@@ -64,19 +64,40 @@ class Extent:
 
 
 @dataclass(frozen=True)
+class IndexMap:
+    """Rows read or written through an index tensor: row i of a leaf is row
+    `tensor[offset + i]` of the operand (`x[idx[t], k]`, `y[idx[t], n] = ...`). A value
+    outside [0, bound) (the operand's rows) is skipped: the row is read as zeros or not
+    stored."""
+
+    tensor: str
+    offset: Poly  # start.m when the rows are split per leaf, else 0
+    bound: Poly  # rows of the operand's dim the index picks from
+
+    def row(self, var: str) -> str:
+        """Row `var` of the leaf as a row of the operand: `idx[start.m + m]`."""
+        at = var if not self.offset.terms else f"{self.offset} + {var}"
+        return f"{self.tensor}[{at}]"
+
+
+@dataclass(frozen=True)
 class OperandMap:
-    """Element (i, j) of a leaf's operand lives at base + offset + i*stride_i + j*stride_j."""
+    """Element (i, j) of a leaf's operand lives at base + offset + i*stride_i + j*stride_j;
+    with `rows`, at base + offset + rows(i)*stride_i + j*stride_j, rows(i) read from an
+    index tensor (then `offset` has no part of the leaf's first row)."""
 
     tensor: str
     dtype: str
     roles: tuple[str, str]  # ("m","k") for A, ("n","k") for B, ("m","n") for D
     offset: Poly
     strides: tuple[Poly, Poly]
+    rows: IndexMap | None = None  # A's rows gathered or D's scattered through an index tensor
 
     def __str__(self) -> str:
         r0, r1 = self.roles
+        first = self.rows.row(r0) if self.rows is not None else r0
         return (
-            f"{self.tensor}({r0}, {r1}) = {self.tensor}_base[{self.offset} + {r0}*({self.strides[0]})"
+            f"{self.tensor}({r0}, {r1}) = {self.tensor}_base[{self.offset} + {first}*({self.strides[0]})"
             f" + {r1}*({self.strides[1]})]"
         )
 
@@ -95,14 +116,16 @@ class ScaleMap:
     offset: Poly
     strides: tuple[Poly, Poly]
     anchors: tuple[str | None, str | None]
+    rows: IndexMap | None = None  # the operand's rows are gathered: so are their scales
 
     def __str__(self) -> str:
         r0, r1 = self.roles
         b0, b1 = self.block
         anchored = [f"{r} per {a}" for r, a in zip(self.roles, self.anchors) if a]
         extra = f"  (blocks anchored: {', '.join(anchored)})" if anchored else ""
+        first = self.rows.row(r0) if self.rows is not None else r0
         return (
-            f"{self.tensor}[{self.offset} + ({r0}/{b0})*({self.strides[0]}) + "
+            f"{self.tensor}[{self.offset} + ({first}/{b0})*({self.strides[0]}) + "
             f"({r1}/{b1})*({self.strides[1]})]{extra}"
         )
 
@@ -141,6 +164,11 @@ class ProblemGenerator:
     runtime_tensors: tuple[str, ...]
     runtime_dims: tuple[str, ...]
     epilogue: tuple[EpilogueMap, ...] = ()  # in spec.EPILOGUE_KINDS order
+
+    @property
+    def index_maps(self) -> tuple[IndexMap, ...]:
+        """A's gathered rows, then D's scattered ones."""
+        return tuple(op.rows for op in (self.a, self.d) if op.rows is not None)
 
     @property
     def free_axes(self) -> tuple[LeafAxis, ...]:
@@ -204,13 +232,18 @@ class KernelSignature:
     # Columns 2j (gate) and 2j + 1 (up) of a tile become D's column j, silu(gate) * up;
     # D's offset and strides address D's own columns.
     swiglu: bool = False
+    # A's rows read through an index tensor (copied by the producer, no TMA map for A), and
+    # D's rows written through one (stored from registers).
+    gather: bool = False
+    scatter: bool = False
 
     @property
     def epilogue_name(self) -> str:
         """`_e` plus one letter and type per operand (empty without an epilogue), then
-        `_swiglu` for a SwiGLU."""
+        `_swiglu` for a SwiGLU, `_gather` and `_scatter` for rows through index tensors."""
         name = "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
-        return name + ("_swiglu" if self.swiglu else "")
+        name += "_swiglu" if self.swiglu else ""
+        return name + ("_gather" if self.gather else "") + ("_scatter" if self.scatter else "")
 
     @property
     def name(self) -> str:
@@ -252,6 +285,19 @@ class Launch:
             lines.append(f"  {self.note}")
         if self.signature.swiglu:
             lines.append("  swiglu: D(m, j) = silu(acc(m, 2j)) * acc(m, 2j + 1); D's n below is j")
+        pg = self.problems
+        if pg.a.rows is not None:
+            scales = f", its scales read through {pg.a.rows.tensor} too" if pg.sa is not None else ""
+            lines.append(
+                f"  loads: A gathered through {pg.a.rows.tensor}: rows copied by the producer "
+                f"(16-byte loads into the swizzled stage, each row's address from "
+                f"{pg.a.rows.row('m')}; TMA cannot follow an index per row){scales}; B by TMA where it can describe it"
+            )
+        if pg.d.rows is not None:
+            lines.append(
+                f"  stores: D scattered through {pg.d.rows.tensor}: each row stored from registers "
+                f"at row {pg.d.rows.row('m')} of {pg.d.tensor}"
+            )
         lines += ["  " + ln for ln in str(self.problems).splitlines()]
         return "\n".join(lines)
 

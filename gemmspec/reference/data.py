@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from ..spec import FP8_TYPES, Spec, Tensor
+from ..spec import FP8_TYPES, INDEX_TYPE, Spec, Tensor
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NUMPY_TYPES = {
@@ -21,6 +21,7 @@ NUMPY_TYPES = {
     "bf16": ml_dtypes.bfloat16,
     "f16": np.float16,
     "f32": np.float32,
+    "i32": np.int32,
 }
 
 
@@ -251,9 +252,20 @@ def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list
                 rows.append(seg.start + np.concatenate([[0], np.cumsum(lens)]))
             outer_shape = tuple(spec.group(n).count for n in _ancestors(spec, g.name))
             rt.tensors[g.tensor] = np.asarray(rows, dtype=np.int32).reshape(*outer_shape, g.count + 1)
+    # A dim whose rows are picked through an index tensor gets at least as many rows as
+    # the index has entries (room for distinct indices), once those are known.
+    gathered = {
+        spec.tensor(acc.tensor).dims[acc.axis_of_role("m")]: spec.tensor(name).dims[0]
+        for g in spec.gemms
+        for acc, name in ((g.a, g.gather), (g.out, g.scatter))
+        if name
+    }
     for d in spec.dims:
-        if d.size is None and d.name not in rt_dims:
+        if d.size is None and d.name not in rt_dims and d.name not in gathered:
             rt_dims[d.name] = int(rng.integers(1, 300))
+    for d, rows in gathered.items():
+        if spec.dim(d).size is None and d not in rt_dims:
+            rt_dims[d] = dim_size(spec, rt, rows) + int(rng.integers(0, 64))
     return rt
 
 
@@ -292,6 +304,9 @@ def random_inputs(spec: Spec, rt: Runtime, rng: np.random.Generator) -> dict[str
     for t in spec.tensors:
         if t.derived is not None:
             continue
+        if t.dtype == INDEX_TYPE:
+            data[t.name] = TensorData(random_index(spec, rt, rng, t.name).astype(np.float64))
+            continue
         shape = tuple(dim_size(spec, rt, d) for d in t.dims)
         if t.name in written:
             if any(g.accumulate for g in spec.gemms if g.out.tensor == t.name):
@@ -305,6 +320,59 @@ def random_inputs(spec: Spec, rt: Runtime, rng: np.random.Generator) -> dict[str
         else:
             data[t.name] = TensorData(quantize(rng.standard_normal(shape), t.dtype))
     return data
+
+
+# ---- index tensors ----------------------------------------------------------------------------
+
+
+def index_uses(spec: Spec, name: str) -> list[tuple[str, str, str]]:
+    """Where index tensor `name` picks rows: (statement's tensor, "gather" or "scatter", the
+    dim whose rows it numbers) per use."""
+    uses = []
+    for g in spec.gemms:
+        for acc, via, kind in ((g.a, g.gather, "gather"), (g.out, g.scatter, "scatter")):
+            if via == name:
+                axis = acc.axis_of_role("m")
+                uses.append((acc.tensor, kind, spec.tensor(acc.tensor).dims[axis]))
+    return uses
+
+
+def index_bound(spec: Spec, rt: Runtime, name: str) -> int | None:
+    """The rows every use of index tensor `name` can address: [0, bound)."""
+    sizes = [dim_size(spec, rt, d) for _, _, d in index_uses(spec, name)]
+    return min(sizes) if sizes else None
+
+
+def random_index(spec: Spec, rt: Runtime, rng: np.random.Generator, name: str) -> np.ndarray:
+    """Valid random values of index tensor `name`: distinct rows in a random order (a random
+    permutation when it has as many entries as rows), or, for a gather with more entries
+    than rows, random rows with repeats (a scatter needs distinct rows)."""
+    rows = dim_size(spec, rt, spec.tensor(name).dims[0])
+    bound = index_bound(spec, rt, name)
+    if bound is None:
+        return np.zeros(rows, dtype=np.int64)
+    if rows <= bound:
+        return rng.permutation(bound)[:rows]
+    if any(kind == "scatter" for _, kind, _ in index_uses(spec, name)):
+        raise ValueError(
+            f"'{name}' has {rows} entries but scatters into {bound} rows: distinct indices need "
+            "at least as many rows"
+        )
+    return rng.integers(0, bound, size=rows)
+
+
+def rows_through(data: dict[str, TensorData], name: str, rows: np.ndarray, bound: int, tensor: str) -> np.ndarray:
+    """Rows `rows` of a statement as rows of `tensor`, read through index tensor `name`;
+    ValueError for an index outside [0, bound)."""
+    picked = np.asarray(data[name].values).astype(np.int64)[rows]
+    bad = (picked < 0) | (picked >= bound)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"index tensor '{name}' holds {picked[at]} at row {rows[at]}, outside the {bound} "
+            f"rows of '{tensor}'"
+        )
+    return picked
 
 
 def real_values(spec: Spec, rt: Runtime, t: Tensor, d: TensorData) -> np.ndarray:

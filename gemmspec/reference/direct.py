@@ -2,7 +2,9 @@
 
 No schedule, no layouts, no offsets formulas: each statement is evaluated as its
 index notation says, with group membership taken from the definitions of
-ragged, split, uniform and masked groups. Derived tensors are computed from
+ragged, split, uniform and masked groups, and rows read or written through an
+index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an index
+outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
 blocks; quantize: the same rounding from unscaled values; transpose: same values).
 """
@@ -22,6 +24,7 @@ from .data import (
     quantize_values,
     real_values,
     requantize_values,
+    rows_through,
     segments,
 )
 
@@ -93,8 +96,11 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
         a = _slice(gemm.a, a_real, at, ("m", "k"))
         b = _slice(gemm.b, b_real, at, ("n", "k"))
         im, in_, ik = (np.flatnonzero(masks[r]) for r in "mnk")
+        # Rows of A: the leaf's rows, or the rows its index tensor picks (`x[idx[t], k]`:
+        # the scales came with the rows, as real values of A's own rows).
+        a_rows = im if not gemm.gather else rows_through(data, gemm.gather, im, a.shape[0], a_t.name)
         # Only the rows, columns and contraction range this leaf covers.
-        part = a[np.ix_(im, ik)] @ b[np.ix_(in_, ik)].T
+        part = a[np.ix_(a_rows, ik)] @ b[np.ix_(in_, ik)].T
         if gemm.swiglu:
             part, in_ = swiglu_pairs(part, in_)
         part = apply_epilogue(gemm, data, at, im, in_, part)
@@ -102,7 +108,19 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
         view = total[sel]
         wview = written[sel]
         mn_order = [u.role for u in gemm.out.uses if u.kind == "role"]
-        where = np.ix_(in_, im) if mn_order == ["n", "m"] else np.ix_(im, in_)
+        d_rows = im
+        if gemm.scatter:
+            # `y[idx[t], n] = ...`: the leaf's row t lands on row idx[t]; two rows landing on
+            # one element is an error of the caller's (the kernels would race).
+            axis = gemm.out.axis_of_role("m")
+            d_rows = rows_through(data, gemm.scatter, im, out.shape[axis], gemm.out.tensor)
+            _distinct(gemm, im, d_rows)
+        where = np.ix_(in_, d_rows) if mn_order == ["n", "m"] else np.ix_(d_rows, in_)
+        if gemm.scatter and wview[where].any():
+            raise ValueError(
+                f"statement #{gemm.index} ({gemm.text}): index tensor '{gemm.scatter}' sends rows "
+                f"of two leaves to one element of '{gemm.out.tensor}'; scattered rows must be distinct"
+            )
         view[where] += part.T if mn_order == ["n", "m"] else part
         wview[where] = True
         total[sel] = view
@@ -110,6 +128,19 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
     if gemm.accumulate:
         return out + total
     return np.where(written, total, out)
+
+
+def _distinct(gemm: Gemm, rows: np.ndarray, picked: np.ndarray) -> None:
+    """A scattered `=` output: no two rows of a leaf may land on one row."""
+    values, counts = np.unique(picked, return_counts=True)
+    if (counts > 1).any():
+        s = int(values[np.flatnonzero(counts > 1)[0]])
+        both = rows[picked == s][:2]
+        raise ValueError(
+            f"statement #{gemm.index} ({gemm.text}): index tensor '{gemm.scatter}' sends rows "
+            f"{both[0]} and {both[1]} to row {s} of '{gemm.out.tensor}'; scattered rows must be "
+            "distinct (duplicates would race)"
+        )
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -3,9 +3,10 @@
 Tensors live in flat float64 buffers laid out by their declared layouts. For
 every launch, leaf by leaf in leaf order, the per-leaf symbols are computed from
 the run-time offsets tensors (as the device-side table builder does), each
-operand is gathered through its offset/stride polynomials, the product is
+operand is gathered through its offset/stride polynomials (rows read through an
+index tensor take their numbers from it, as the kernels do), the product is
 formed one 128-wide K block at a time with that block's scales, and D is stored
-or accumulated through its own polynomial.
+or accumulated through its own polynomial (and index tensor).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..lower.schedule import (
     Extent,
+    IndexMap,
     Launch,
     OperandMap,
     PrePass,
@@ -78,6 +80,8 @@ def leaf_symbols(spec: Spec, rt: Runtime, pg: ProblemGenerator, leaf: int) -> di
         if sm is None:
             continue
         for role, block, anchor in zip(sm.roles, sm.block, sm.anchors):
+            if sm.rows is not None and role == sm.roles[0]:
+                continue  # gathered rows find their scale blocks through the index
             if anchor is not None:
                 env[f"bstart.{role}"] = _anchored_block_start(spec, rt, anchor, idx, block)
             else:
@@ -94,6 +98,17 @@ def _gather(flat: np.ndarray, op: OperandMap | ScaleMap, env: dict[str, int], ro
     return flat[base + rows[:, None] * s0 + cols[None, :] * s1]
 
 
+def _picked(flat: dict[str, np.ndarray], rows: IndexMap | None, env: dict[str, int], rm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The operand rows a leaf's rows `rm` stand for, and which of them exist: read from
+    the index tensor as the kernels read it (a value outside [0, bound) is skipped: read
+    as zeros, not stored), or the rows themselves."""
+    if rows is None:
+        return rm, np.ones(len(rm), dtype=bool)
+    picked = flat[rows.tensor][rows.offset.evaluate(env) + rm].astype(np.int64)
+    ok = (picked >= 0) & (picked < rows.bound.evaluate(env))
+    return np.where(ok, picked, 0), ok
+
+
 def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarray]) -> None:
     pg = launch.problems
     sig = launch.signature
@@ -103,14 +118,16 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
         if m == 0 or n == 0:
             continue
         rm, rn = np.arange(m), np.arange(n)
+        a_rows, a_ok = _picked(flat, pg.a.rows, env, rm)
+        d_rows, d_ok = _picked(flat, pg.d.rows, env, rm)
         acc = np.zeros((m, n))
         for k0 in range(0, k, K_BLOCK):
             rk = np.arange(k0, min(k, k0 + K_BLOCK))
-            a = _gather(flat[pg.a.tensor], pg.a, env, rm, rk)
+            a = _gather(flat[pg.a.tensor], pg.a, env, a_rows, rk) * a_ok[:, None]
             b = _gather(flat[pg.b.tensor], pg.b, env, rn, rk)
             part = a @ b.T
             if sig.scaled:
-                sa = _gather(flat[pg.sa.tensor], pg.sa, env, rm // pg.sa.block[0], np.array([k0 // pg.sa.block[1]]))
+                sa = _gather(flat[pg.sa.tensor], pg.sa, env, a_rows // pg.sa.block[0], np.array([k0 // pg.sa.block[1]]))
                 sb = _gather(flat[pg.sb.tensor], pg.sb, env, rn // pg.sb.block[0], np.array([k0 // pg.sb.block[1]]))
                 part = part * sa * sb.T
             acc += part
@@ -129,11 +146,11 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
                 acc = acc + flat[e.tensor][base + rn * e.stride.evaluate(env)][None, :]
         d_off = pg.d.offset.evaluate(env)
         ds0, ds1 = (s.evaluate(env) for s in pg.d.strides)
-        where = d_off + rm[:, None] * ds0 + rn[None, :] * ds1
+        where = (d_off + d_rows[:, None] * ds0 + rn[None, :] * ds1)[d_ok]
         if sig.accumulate:
-            flat[pg.d.tensor][where] += acc
+            flat[pg.d.tensor][where] += acc[d_ok]
         else:
-            flat[pg.d.tensor][where] = acc
+            flat[pg.d.tensor][where] = acc[d_ok]
 
 
 def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]) -> None:

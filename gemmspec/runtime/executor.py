@@ -38,11 +38,11 @@ import numpy as np
 from ..codegen.emit import EmittedProgram
 from ..codegen.kernels import include_dir
 from ..codegen.manifest import Manifest, launch_manifest
-from ..codegen.validate import ValidationKernel, group_chain_count, validation_kernel
+from ..codegen.validate import ValidationKernel, group_chain_count, index_rows, validation_kernel
 from ..errors import ArgumentError, GemmspecError
 from ..explain import explain_text
 from ..lower.schedule import Schedule
-from ..spec import Spec, Tensor
+from ..spec import INDEX_TYPE, Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
 from .checks import check_outputs, check_sizes, check_written_layouts
 from .launch import ArgumentCells, LoadedKernel, num_sms
@@ -244,6 +244,7 @@ class Executable:
         for t in self.spec.tensors:
             if t.derived is None and t.scale is not None:
                 self._check_scale(t, arrays, dims, offsets)
+        self._check_index_values(arrays, dims, offsets)
         return _Bound(arrays, dims, offsets)
 
     def _arrays(self, tensors: dict[str, object]) -> dict[str, DeviceArray]:
@@ -290,6 +291,14 @@ class Executable:
         """What depends on the addresses: checked on every call."""
         for t in self.spec.tensors:
             if t.derived is not None:
+                continue
+            if t.dtype == INDEX_TYPE:  # read an int32 at a time
+                a = arrays[t.name]
+                if a.ptr % a.itemsize:
+                    raise ArgumentError(
+                        f"index tensor '{t.name}' must be {a.itemsize}-byte aligned (int32), "
+                        f"got address {a.ptr:#x}"
+                    )
                 continue
             if arrays[t.name].ptr % ALIGN:
                 raise ArgumentError(f"tensor '{t.name}' must be {ALIGN}-byte aligned")
@@ -394,6 +403,52 @@ class Executable:
                     )
         return host
 
+    def _index_entries_read(self, x, dims, offsets) -> int:
+        """How many entries of index tensor x.tensor the statements read: all, or up to
+        the end of a capacity group's offsets, or the largest count of a masked group."""
+        n = self._dim_size(x.rows, dims)
+        if x.limit is None:
+            return n
+        g = self.spec.group(x.limit)
+        values = offsets[g.tensor].reshape(-1)
+        end = int(values.max(initial=0)) if g.kind == "masked" else int(values[g.count])
+        return max(0, min(end, n))
+
+    def _check_index_values(self, arrays, dims, offsets) -> None:
+        """Index tensors, read back: every row number a statement reads lies in the rows
+        it picks from, and a scattered output's row numbers are distinct (two rows stored
+        to one would race)."""
+        read = index_rows(self.spec)
+        values: dict[str, np.ndarray] = {}
+        for x in read:
+            if x.tensor not in values:
+                shape = self._shape(self.spec.tensor(x.tensor), dims)
+                a = arrays[x.tensor]
+                host = copy_to_host(a, shape) if a.size else np.zeros(0)
+                values[x.tensor] = host.astype(np.int64).reshape(-1)
+            v = values[x.tensor][: self._index_entries_read(x, dims, offsets)]
+            bound = self._dim_size(x.bound, dims)
+            bad = np.flatnonzero((v < 0) | (v >= bound))
+            if len(bad):
+                of = " and ".join(f"'{n}'" for n in x.of)
+                raise ArgumentError(
+                    f"'{x.tensor}' holds a row number outside the {x.bound} rows of {of}: "
+                    f"{x.tensor}[{bad[0]}] = {v[bad[0]]}, {x.bound} = {bound}"
+                )
+        for g in self.spec.gemms:
+            if g.scatter is None:
+                continue
+            x = next(r for r in read if r.tensor == g.scatter and g.out.tensor in r.of)
+            v = values[g.scatter][: self._index_entries_read(x, dims, offsets)]
+            unique, counts = np.unique(v, return_counts=True)
+            if (counts > 1).any():
+                row = unique[np.flatnonzero(counts > 1)[0]]
+                at = np.flatnonzero(v == row)[:2]
+                raise ArgumentError(
+                    f"'{g.scatter}' sends rows {at[0]} and {at[1]} to row {row} of output "
+                    f"'{g.out.tensor}' ({g.text}); a scattered output's row numbers must be distinct"
+                )
+
     def _check_tensor(self, t: Tensor, arrays, dims) -> None:
         a = arrays[t.name]
         if a.dtype != t.dtype:
@@ -439,7 +494,7 @@ class Executable:
         roles = self.__dict__["_roles"] = {}
         for t in self.spec.tensors:
             if t.derived is None:
-                roles[t.name] = "input"
+                roles[t.name] = "index" if t.dtype == INDEX_TYPE else "input"
                 if t.scale is not None:
                     roles[t.scale.name] = "scale"
         for g in self.spec.groups:
@@ -461,7 +516,7 @@ class Executable:
         aligned = []
         for t in self.spec.tensors:
             if t.derived is None:
-                aligned.append((index[t.name], ALIGN))
+                aligned.append((index[t.name], arrays[t.name].itemsize if t.dtype == INDEX_TYPE else ALIGN))
                 if t.scale is not None:
                     aligned.append((index[t.scale.name], ALIGN))
         for g in self.spec.groups:
@@ -727,6 +782,7 @@ class Executable:
             copy = run.allocate(bound.arrays[name].size * 4)
             args += [ptrs[name], copy]
             ptrs[name] = copy
+        args += [ptrs[name] for name in v.indices]  # read as they are: no copy
         args += [np.int64(self._dim_size(d, bound.dims)) for d in v.sizes]
         for a in v.anchored:
             args.append(np.int64(bound.arrays[a.scale].shape[a.axis]))
@@ -815,19 +871,24 @@ class PreparedRun:
         """Wait for the run and raise `ArgumentError` if the device found bad offsets,
         counts or anchored scale shapes (the launches then computed nothing)."""
         self.synchronize()
+        exe = self.executable
+        if exe is not None and any(g.scatter for g in exe.spec.gemms):
+            # A scattered output's row numbers must be distinct: no flag checks that, the host does.
+            arrays = self.arrays if arrays is None else arrays
+            exe._check_index_values(arrays, self.dims, exe._check_group_values(arrays, self.dims))
         if self.flags is None or not self.checks:
             return
         flags = self.flags.to_numpy(len(self.checks), np.int32)
         failed = [c for c, f in zip(self.checks, flags) if f]
         if not failed:
             return
-        exe = self.executable
         if exe is not None:  # the host checks say it with the values (its executable lives)
             arrays = self.arrays if arrays is None else arrays
             offsets = exe._check_group_values(arrays, self.dims)
             for t in exe.spec.tensors:
                 if t.derived is None and t.scale is not None:
                     exe._check_scale(t, arrays, self.dims, offsets)
+            exe._check_index_values(arrays, self.dims, offsets)
         dims = ", ".join(f"{d} = {n}" for d, n in self.dims.items())
         raise ArgumentError("; ".join(c.message for c in failed) + (f" ({dims})" if dims else ""))
 

@@ -123,6 +123,14 @@ GEMM_CONFIGS = {
     "e4m3_tensorwise_one_k_block": GemmKernelConfig(
         "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=264, tile_n=144, cluster=2
     ),
+    # Rows through index tensors: A gathered by the producer (its scales staged with it), D
+    # scattered from registers; the widest scaled tile with both and 128-row A blocks.
+    "e4m3_gather": GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, gather=True),
+    "bf16_scatter": GemmKernelConfig("bf16", "bf16", "bf16", scatter=True),
+    "e4m3_n192_gather_scatter": GemmKernelConfig(
+        "e4m3", "e4m3", "f32", scaled=True, sa_bm=128, sb_bn=128, tile_n=192, gather=True, scatter=True
+    ),
+    "bf16_m64_gather": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, gather=True),
 }
 
 

@@ -20,6 +20,8 @@ EDGE = [0, 1, 127, 129, 4097]
 # example -> (explicit segment lengths, run-time dims)
 EXAMPLE_CASES = {
     "moe_fp8_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
+    # 6166 routed rows read from and written to 6200 tokens through random permutations.
+    "moe_fp8_gather_scatter": ({"expert": [*EDGE, 300, 1000, 512]}, {"S": 6200}),
     "moe_bf16_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_bf16_in_fp8": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_masked_decode": ({"expert": [0, 1, 127, 129, 256, 200, 64, 3]}, {}),

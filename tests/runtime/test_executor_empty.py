@@ -15,7 +15,7 @@ import pytest
 
 import gemmspec
 from gemmspec.errors import ArgumentError
-from gemmspec.reference.data import dim_size, random_runtime, scale_grid_shape
+from gemmspec.reference.data import dim_size, random_index, random_runtime, scale_grid_shape
 from gemmspec.runtime import executor
 from gemmspec.runtime.arrays import DeviceArray
 
@@ -46,6 +46,8 @@ def empty_arrays(exe, host, **dims):
         else:
             strides = executor._row_major(shape)
         add(t.name, shape, t.dtype, strides)
+        if t.dtype == "i32" and 0 not in shape:  # an index tensor: the host reads it back
+            host[args[t.name].ptr] = random_index(spec, rt, np.random.default_rng(0), t.name).astype(np.int32)
         if t.scale:
             grid = scale_grid_shape(spec, rt, t)
             add(t.scale.name, grid, "f32", tuple(s.evaluate(rt.dims) for s in t.scale.layout.strides))

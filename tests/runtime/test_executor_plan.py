@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gemmspec
-from gemmspec.reference.data import dim_size, random_runtime, scale_grid_shape
+from gemmspec.reference.data import dim_size, random_index, random_runtime, scale_grid_shape
 from gemmspec.runtime import executor
 from gemmspec.runtime.arrays import DeviceArray
 
@@ -41,6 +41,8 @@ def _arrays(exe, host, rng):
         shape = tuple(dim_size(spec, rt, d) for d in t.dims)
         strides = tuple(s.evaluate(rt.dims) for s in t.layout.strides) if t.layout.kind == "strided" else executor._row_major(shape)
         args[t.name] = DeviceArray(ptr, shape, strides, t.dtype, 0, None)
+        if t.dtype == "i32":  # an index tensor: the host reads its values back
+            host[ptr] = random_index(spec, rt, rng, t.name).astype(np.int32)
         ptr += 1 << 30
         if t.scale:
             grid = scale_grid_shape(spec, rt, t)
