@@ -125,8 +125,6 @@ def _kernel_line(spec: Spec, launch) -> str:
         parts.append("CTA pairs")
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
-    if cfg.acc_chains > 1:
-        parts.append(f"{cfg.acc_chains} independent accumulator chains")
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
     pg = launch.problems
     if cfg.gather:

@@ -54,12 +54,10 @@ BF16_VARIANTS = {
 
 
 # The memory-bound nested LoRA shrink (64 x 16 tiles, two blocks per SM): how its time
-# depends on the independent wgmma accumulator chains, the ring depth and the blocks per
-# SM. Times include the offsets check and the leaf-table builder.
+# depends on the ring depth and the blocks per SM (a latency-bound stream slows with a
+# shallower ring). Times include the offsets check and the leaf-table builder.
 LORA_VARIANTS = {
     "as compiled": {},
-    "one accumulator chain": {"acc_chains": 1},
-    "two accumulator chains": {"acc_chains": 2},
     "one block per SM": {"ctas_per_sm": 1},
     "two blocks per SM, 4 stages": {"stages": 4},
     "two blocks per SM, 6 stages": {"stages": 6},
@@ -87,8 +85,7 @@ def variant(exe, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
     x = exe.program.launches[0]
     base = gemm_config(x.launch)
-    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None, "lean_registers": None,
-             "acc_chains": 0}
+    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None, "lean_registers": None}
     cfg = dataclasses.replace(base, **{**fresh, **changes})
     launch = emit_launch(exe.spec, x.launch, cfg)
     exe.program = dataclasses.replace(exe.program, launches=(launch,))

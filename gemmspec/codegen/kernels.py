@@ -118,10 +118,6 @@ class GemmKernelConfig:
     ``lean_registers`` None means "keep the ring's wgmma descriptors and barrier addresses
     in registers across the tile" unless a fused bias and a wide tile leave no registers
     for them (then each descriptor is rebuilt from the shared address per instruction);
-    ``acc_chains`` 0 means "one accumulator tile per K step of a K block (4 independent
-    wgmma chains, summed after the last K block) for a memory-bound tile (64 rows, at most
-    32 columns, no per-K-block promotion), else 1": a tiny wgmma finishes in its latency,
-    not its tensor time, so one chain of dependent wgmma paced the whole K loop;
     ``ctas_per_sm`` 0 means "two resident blocks per multiprocessor for a memory-bound
     tile (64 rows, at most 32 columns: one consumer warpgroup that mostly waits on loads),
     one otherwise"; the ring then gets half the shared memory and the grid twice the blocks;
@@ -159,7 +155,6 @@ class GemmKernelConfig:
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
     lean_registers: bool | None = None
-    acc_chains: int = 0
     ctas_per_sm: int = 0
     name: str = ""
     # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
@@ -198,14 +193,6 @@ class GemmKernelConfig:
             object.__setattr__(self, "prefetch_scales", False)
         if self.lean_registers is None:
             object.__setattr__(self, "lean_registers", self.bias_crowds_registers())
-        if self.acc_chains == 0:
-            memory_bound = self.tile_m == 64 and self.tile_n <= 32 and not self.blockwise
-            object.__setattr__(self, "acc_chains", self.k_steps if memory_bound else 1)
-        if self.acc_chains < 1 or self.k_steps % self.acc_chains or (self.acc_chains > 1 and self.blockwise):
-            raise ValueError(
-                f"acc_chains must divide the {self.k_steps} wgmma K steps of a K block, and be 1 "
-                f"for blockwise-scaled kernels (got {self.acc_chains})"
-            )
         if self.store_tma is None:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
         elif self.store_tma and self.scatter:
@@ -281,11 +268,6 @@ class GemmKernelConfig:
             raise ValueError("a gathered A is copied row by row: one CTA per tile (no multicast), no per-channel scales")
         if self.scatter and self.accumulate:
             raise ValueError("a scattered D is stored (=), never added into: rows sharing an index would race")
-
-    @property
-    def k_steps(self) -> int:
-        """wgmma instructions per K block (each covers 32 bytes of K)."""
-        return self.tile_k * ELEMENT_BYTES[self.a_type] // 32
 
     @property
     def element_bytes(self) -> int:
@@ -460,8 +442,6 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_inplacescales"
     if cfg.lean_registers != cfg.bias_crowds_registers():  # not the default: named apart
         staged += "_lean" if cfg.lean_registers else "_roomy"
-    if cfg.acc_chains > 1:
-        staged += f"_ch{cfg.acc_chains}"
     if cfg.epilogue:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
     if cfg.swiglu:
@@ -576,7 +556,6 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         consumer_scales=cfg.consumer_scales,
         prefetch_scales=cfg.prefetch_scales,
         lean_registers=cfg.lean_registers,
-        acc_chains=cfg.acc_chains,
         ctas_per_sm=cfg.ctas_per_sm,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
