@@ -48,7 +48,7 @@ from .checks import check_outputs, check_sizes, check_written_layouts
 from .launch import ArgumentCells, LoadedKernel, num_sms
 from .nvrtc import CompiledCubin, compile_cubin
 from .plan import plan_steps
-from .streams import caller_stream, is_capturing, on_device, stream_key, torch_stream
+from .streams import caller_stream, is_capturing, keep_context, on_device, stream_key, torch_stream
 
 GS_LEAF_BYTES = 144
 ALIGN = 16
@@ -683,7 +683,12 @@ class Executable:
                 run.check(self._arrays(dict(zip(self._names, objects))))
 
     def _call_checked(self, objects: tuple, stream: object, check: bool | None) -> None:
-        """The call with every check, planning it when its signature or stream is new."""
+        """The call with every check, planning it when its signature or stream is new.
+        The caller's current context (torch's current device) is the same after it."""
+        with keep_context():
+            self._call_checked_here(objects, stream, check)
+
+    def _call_checked_here(self, objects: tuple, stream: object, check: bool | None) -> None:
         arrays = self._arrays(dict(zip(self._names, objects)))
         device = next(iter(arrays.values())).device
         found = self._key(objects, stream)
@@ -743,9 +748,10 @@ class Executable:
         (one wait). `enqueue()` on the result issues every kernel on the stream without
         synchronising (so it can be timed or captured in a CUDA graph).
         """
-        bound = self._bind(tensors, read_offsets=check)
-        device = next(iter(bound.arrays.values())).device
-        return self._plan(bound, caller_stream(stream, tensors.values(), device), keep=True)
+        with keep_context():  # the caller's current device stays its own
+            bound = self._bind(tensors, read_offsets=check)
+            device = next(iter(bound.arrays.values())).device
+            return self._plan(bound, caller_stream(stream, tensors.values(), device), keep=True)
 
     def _plan(self, bound: _Bound, stream, *, keep: bool) -> PreparedRun:
         device = next(iter(bound.arrays.values())).device
@@ -870,6 +876,10 @@ class PreparedRun:
     def check(self, arrays: dict[str, DeviceArray] | None = None) -> None:
         """Wait for the run and raise `ArgumentError` if the device found bad offsets,
         counts or anchored scale shapes (the launches then computed nothing)."""
+        with keep_context():
+            self._check_here(arrays)
+
+    def _check_here(self, arrays: dict[str, DeviceArray] | None) -> None:
         self.synchronize()
         exe = self.executable
         if exe is not None and any(g.scatter for g in exe.spec.gemms):

@@ -21,6 +21,7 @@ from .launch import _stream_handle, current_stream
 __all__ = [
     "caller_stream",
     "is_capturing",
+    "keep_context",
     "on_device",
     "stream_handle",
     "stream_key",
@@ -108,6 +109,27 @@ def _primary(device: int) -> tuple[driver.CUcontext, int]:
             driver.cuCtxSetCurrent(before)
         cached = _CONTEXTS[device] = (ctx, int(ctx))
     return cached
+
+
+class keep_context:  # lower case: used like a function, `with keep_context():`
+    """Make the caller's current context current again when the body ends, whatever the
+    body made current: cuda.core makes a device's context current to use it and leaves it
+    so, and the CUDA runtime reads the current context as the current device (torch's
+    `current_device()`). A caller with no current context keeps what the body left, as
+    `on_device` does. Without a driver there is nothing to restore."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        try:
+            _, before = driver.cuCtxGetCurrent()
+        except (RuntimeError, OSError):  # no driver: the body says why it cannot run
+            before = None
+        self._before = before if before is not None and int(before) else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before is not None:
+            driver.cuCtxSetCurrent(self._before)
 
 
 class on_device:  # lower case: used like a function, `with on_device(d):`

@@ -177,6 +177,36 @@ def test_runs_on_the_device_of_its_arrays():
         exe(x=x0, w=w, y=y, offs=offs)
 
 
+def test_captured_in_a_graph_on_another_device():
+    # Torch's current device is 1 for the whole capture; the caller's device 0 before and
+    # after stays current.
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    exe = gemmspec.build(BF16_MOE)
+    before = torch.cuda.current_device()
+    with torch.cuda.device(1):
+        x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+        w = torch.randn(4, 256, 256, device="cuda").to(torch.bfloat16)
+        offs = torch.tensor([0, 7, 150, 150, 300], dtype=torch.int32, device="cuda")
+        y = torch.zeros(300, 256, device="cuda")
+        assert x.device.index == 1
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            exe(x=x, w=w, y=y, offs=offs)  # warm-up: the plan for this stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            exe(x=x, w=w, y=y, offs=offs)
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.cat([x[:7].float() @ w[0].float().T, x[7:150].float() @ w[1].float().T, x[150:].float() @ w[3].float().T])
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-1)
+    assert torch.cuda.current_device() == before
+
+
 CAPACITY_MOE = moe_spec("moe_capacity", n=256, k=256, e=4, out="f32", capacity=True)
 
 

@@ -250,6 +250,31 @@ def test_a_kept_device_switch_restores_the_caller_each_time(monkeypatch):
     assert fake.switches == [0x700, 0x100, 0x700, 0x200, 0x700]
 
 
+def test_keep_context_restores_the_callers_context(monkeypatch):
+    # What the body makes current (cuda.core's set_current) does not outlive it: torch's
+    # current device stays the caller's. A caller without a context keeps the body's.
+    fake = ContextDriver(current=0)
+    monkeypatch.setattr(streams, "driver", fake)
+    for caller, after in ((0x100, 0x100), (0, 0x700)):
+        fake.current = caller
+        with streams.keep_context():
+            fake.cuCtxSetCurrent(driver.CUcontext(0x700))
+        assert fake.current == after
+
+
+def test_keep_context_without_a_driver_restores_nothing(monkeypatch):
+    class NoDriver:
+        def cuCtxGetCurrent(self):
+            raise RuntimeError("no NVIDIA driver")
+
+        def cuCtxSetCurrent(self, ctx):
+            raise AssertionError("nothing to restore")
+
+    monkeypatch.setattr(streams, "driver", NoDriver())
+    with streams.keep_context():
+        pass
+
+
 def test_a_run_launches_under_its_kept_switch(exe, offline, monkeypatch):
     entered = []
 
