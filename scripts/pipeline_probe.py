@@ -14,7 +14,6 @@ against the default configuration's output. Prints one line per variant.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
 from gemmspec.bench import LORA, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
-from gemmspec.codegen.emit import emit_launch, gemm_config  # noqa: E402
+from gemmspec.codegen.emit import with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
 # store_tma None: the default rule).
@@ -83,13 +82,8 @@ def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
 
 def variant(exe, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
-    x = exe.program.launches[0]
-    base = gemm_config(x.launch)
-    fresh = {"name": "", "stages": 0, "store_tma": None, "consumer_scales": None, "prefetch_scales": None, "lean_registers": None}
-    cfg = dataclasses.replace(base, **{**fresh, **changes})
-    launch = emit_launch(exe.spec, x.launch, cfg)
-    exe.program = dataclasses.replace(exe.program, launches=(launch,))
-    return cfg
+    exe.program = with_kernel_config(exe.spec, exe.program, **changes)
+    return exe.program.launches[0].gemm
 
 
 def main() -> int:

@@ -373,6 +373,28 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
     return EmittedPrePass(p, cfg, HEADER + render_requant(cfg))
 
 
+# Configuration fields that follow from the others unless a variant sets them itself.
+_DERIVED = {
+    "name": "",
+    "stages": 0,
+    "store_tma": None,
+    "consumer_scales": None,
+    "prefetch_scales": None,
+    "lean_registers": None,
+}
+
+
+def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **changes) -> EmittedProgram:
+    """`program` with launch `index` re-emitted under its kernel configuration changed by
+    `changes` (its leaf-table builder follows; the derived fields are worked out again
+    unless `changes` sets them): kernel variants for probes and tests of kernel options."""
+    x = program.launches[index]
+    cfg = replace(gemm_config(x.launch), **{**_DERIVED, **changes})
+    launches = list(program.launches)
+    launches[index] = emit_launch(spec, x.launch, cfg)
+    return replace(program, launches=tuple(launches))
+
+
 def emit(spec: Spec, schedule: Schedule) -> EmittedProgram:
     return EmittedProgram(
         schedule.spec,

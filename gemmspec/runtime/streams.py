@@ -102,11 +102,9 @@ def _primary(device: int) -> tuple[driver.CUcontext, int]:
     """`device`'s primary context and its handle as an int."""
     cached = _CONTEXTS.get(device)
     if cached is None:
-        _, before = driver.cuCtxGetCurrent()
-        get_device(device)  # retains the primary context and makes it current
-        _, ctx = driver.cuCtxGetCurrent()
-        if before is not None and int(before):
-            driver.cuCtxSetCurrent(before)
+        with keep_context():
+            get_device(device)  # retains the primary context and makes it current
+            _, ctx = driver.cuCtxGetCurrent()
         cached = _CONTEXTS[device] = (ctx, int(ctx))
     return cached
 

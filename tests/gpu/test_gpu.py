@@ -109,14 +109,10 @@ def test_scaled_wide_tiles(tile_n, n):
 # not choose (measured slower), kept correct on ragged row edges.
 @pytest.mark.parametrize("fp8, n", [(True, 768), (False, 512)], ids=["fp8", "bf16"])
 def test_cta_pairs_option(fp8, n):
-    import dataclasses
-
-    from gemmspec.codegen.emit import emit_launch, gemm_config
+    from gemmspec.codegen.emit import with_kernel_config
 
     exe = gemmspec.build(moe(n, 576, len(PIPELINE_EDGE), fp8))
-    (x,) = exe.program.launches
-    cfg = dataclasses.replace(gemm_config(x.launch), name="", cluster=2)
-    exe.program = dataclasses.replace(exe.program, launches=(emit_launch(exe.spec, x.launch, cfg),))
+    exe.program = with_kernel_config(exe.spec, exe.program, cluster=2)
     assert exe.program.launches[0].gemm.cluster == 2
     report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=n + fp8, repeats=0))
 
