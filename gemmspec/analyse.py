@@ -383,7 +383,7 @@ def _plan_launches(
         sa = spec.tensor(g.a.tensor).scale
         loader = (
             f"{prefix}loads: A ('{g.a.tensor}') gathered through {g.gather}: rows copied by the "
-            f"producer warpgroup (16-byte loads into the swizzled stage, each row's address taken from "
+            f"producer warpgroup (16-byte cp.async copies into the swizzled stage, several stages in flight, each row's address taken from "
             f"{g.gather}, rows past the leaf skipped), because a TMA box cannot follow a row number per "
             "row; one CTA per tile (no A tile to multicast)"
             + (f"; its {list(sa.block)} scales read through {g.gather} too, staged by the producer" if sa else "")

@@ -196,6 +196,19 @@ gemm moe_rowwise {{
 }}
 """
 
+GATHER = """
+gemm moe_gather {{
+  dim T, S
+  dim N = {n}, K = {k}
+  group expert[E = {e}] = ragged(T, offsets = offs)
+  tensor idx : i32 [T]
+  tensor x : e4m3 [S, K] scale f32 [1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[idx[t], k] * w[expert(t), n, k]
+}}
+"""
+
 DENSE = """
 gemm dense {{
   dim T = {t}, N = {n}, K = {k}
@@ -453,6 +466,45 @@ def case_masked(repeat):
     return out
 
 
+def case_gather(repeat):
+    """Tokens in routing order (top-2 of 16384 tokens over 8 experts): the kernel reads each
+    routed row of x and its scales through idx; torch copies the rows first."""
+    torch = _torch()
+    name, n, k, e, s = "fp8_gather_G8x4096_N4096_K7168", 4096, 7168, 8, 16384
+    t = 2 * s
+    exe = _build(GATHER.format(n=n, k=k, e=e))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    idx = torch.cat([torch.randperm(s, generator=g), torch.randperm(s, generator=g)]).to(torch.int32).cuda()
+    x, w = _fp8((s, k)), _fp8((e, n, k))
+    xs, ws = _scales((s, k // 128)), _scales((e, n // 128, k // 128))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lengths = [t // e] * e
+    offs = _offsets(lengths)
+    run = exe.prepare(torch.cuda.current_stream(), idx=idx, x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    outs, refs = [], []
+    for ei in range(e):
+        rows = ei * (t // e) + torch.randperm(t // e, generator=g)[:64].cuda()
+        src = idx[rows].long()
+        outs.append(y[rows])
+        refs.append(_dequantized(x[src], xs[src], 1, 128) @ _dequantized(w[ei], ws[ei], 128, 128).t())
+    check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    out = [_result(name, "gemmspec (rows gathered in the kernel)", _time(run.enqueue, repeat), flops, check=check)]
+    sa, sb = _scales((s,)), _scales((e, n))
+    ends = offs[1:].contiguous()
+    rows = idx.long()
+
+    def anchor():
+        xg = x.view(torch.uint8).index_select(0, rows).view(torch.float8_e4m3fn)
+        return torch._scaled_grouped_mm(xg, w.transpose(-2, -1), sa.index_select(0, rows), sb, offs=ends,
+                                        out_dtype=torch.bfloat16)
+
+    out.append(_result(name, "torch index_select + _scaled_grouped_mm", _time(anchor, repeat), flops))
+    return out
+
+
 def _blockwise_anchor(x, xs, w, ws):
     """torch._scaled_mm with 1x128 / 128x128 scales (cuBLASLt); the scale layouts it
     accepts have moved between releases, so try the known ones."""
@@ -542,6 +594,8 @@ CASES = [
     Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130), case_masked),
     Case("fp8_rowwise_G8x4096_N4096_K7168", "FP8 per-channel scales M-grouped, 8 x 4096 tokens", Target(vs_torch=1.2),
          case_fp8_rowwise),
+    Case("fp8_gather_G8x4096_N4096_K7168", "FP8 M-grouped, rows gathered through idx (top-2)", Target(vs_torch=1.2),
+         case_gather),
     Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1), case_dense),
     Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24), case_lora, memory_bound=True),
 ]

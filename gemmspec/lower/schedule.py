@@ -290,7 +290,7 @@ class Launch:
             scales = f", its scales read through {pg.a.rows.tensor} too" if pg.sa is not None else ""
             lines.append(
                 f"  loads: A gathered through {pg.a.rows.tensor}: rows copied by the producer "
-                f"(16-byte loads into the swizzled stage, each row's address from "
+                f"(16-byte cp.async copies into the swizzled stage, each row's address from "
                 f"{pg.a.rows.row('m')}; TMA cannot follow an index per row){scales}; B by TMA where it can describe it"
             )
         if pg.d.rows is not None:

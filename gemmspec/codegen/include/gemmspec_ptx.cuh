@@ -160,6 +160,11 @@ __device__ __forceinline__ void gs_mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Announces `bytes` more bytes that copies will complete on this phase, without arriving.
+__device__ __forceinline__ void gs_mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // Arrives and announces `bytes` more bytes that copies will complete on this phase.
 __device__ __forceinline__ void gs_mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
@@ -175,6 +180,20 @@ __device__ __forceinline__ void gs_cp_async_arrive(unsigned bar) {
 // 4-byte global -> shared copy that completes asynchronously (tracked by gs_cp_async_arrive).
 __device__ __forceinline__ void gs_cp_async_4(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// 16-byte global -> shared copy of which the first `src_bytes` (0..16) are read and the
+// rest written as zeros; `src` 16-byte aligned. Tracked by commit/wait groups.
+__device__ __forceinline__ void gs_cp_async_16(unsigned dst, const void* src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void gs_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void gs_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Blocks until the phase with parity `parity` has completed (acquire, CTA scope).
