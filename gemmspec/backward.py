@@ -9,8 +9,9 @@ gradients are two more grouped GEMMs over the same groups:
 
 In FP8 they follow DeepSeek-V3's recipe: the output gradient dD is quantized with
 1x128 blocks along its columns; DGRAD reads B through a transposed copy (FP8 wgmma
-reads K-major operands; 2-D weights get the checker's `transpose` pass, others a copy
-the caller passes, `<B>_t`, sharing B's 128x128 scales); WGRAD reads dD and A through
+reads K-major operands; 2-D weights and 3-D ones such as an MoE's [E, N, K] get the
+checker's `transpose` pass, larger ones a copy the caller passes, `<B>_t`; either shares
+B's 128x128 scales); WGRAD reads dD and A through
 the `requantize` pass (1x128 -> 128x1 blocks, tokens contiguous, per segment when
 K-grouped). dA comes out in BF16 (or A's 16-bit type), dB in FP32.
 
@@ -29,6 +30,9 @@ from .errors import GemmspecError
 from .spec import FP8_TYPES, Gemm, Spec, Tensor
 
 _REF = re.compile(r"(\w+)\[([^\]]*)\]")
+# Ranks of the tensors the `transpose` pre-pass takes (the third dim a batch): a DGRAD
+# weight of another rank is transposed by the caller.
+TRANSPOSE_PASS_RANKS = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class Backward:
         for out, grad in self.output_grads:
             lines.append(f"  {grad}: the gradient of {out}")
         for src, copy in self.transposed:
-            lines.append(f"  {copy}: {src} transposed by the caller (a {src} of more than 2 dims has no transpose pass yet)")
+            lines.append(f"  {copy}: {src} transposed by the caller (the transpose pass takes 2-D and 3-D tensors only)")
         for s in self.skipped:
             lines.append(f"  statement #{s.forward}: not derived: {s.reason}")
         return "\n".join(lines)
@@ -208,7 +212,7 @@ def derive_backward(spec: Spec) -> Backward:
         if fp8:
             n_dim = tb.dims[g.b.axis_of_role("n")]
             b_name = names.fresh(f"{tb.name}_t")
-            if tb.rank == 2:
+            if tb.rank in TRANSPOSE_PASS_RANKS:
                 decls[b_name] = _decl(tb, b_name, f"major({n_dim})") + f" = transpose({tb.name})"
                 decls[b_name] = decls[b_name].replace(f" as {tb.scale.name}", f" as {b_name}_scale")
                 decls[tb.name] = _decl(tb)

@@ -21,11 +21,18 @@ launches that plan itself: what the dispatcher would add is a few microseconds o
 argument boxing and fallbacks that do nothing for such a call. Everything else (a
 first call, a bad argument, torch.compile's graphs) goes through the dispatcher, and
 so does every call of an op whose `direct` is set to False.
+
+`quantize(value, dtype, block)` makes FP8 operands and their scales from BF16, F16 or
+F32 tensors by the rule of the language's `quantize` pass: on the GPU with that pass's
+kernel, one launch per tensor (the custom op `gemmspec::quantize`, direct in the same
+way), elsewhere and for tensors the kernel does not take with torch operations that
+compute the same bits. `function(spec)` quantizes its FP8 operands with it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +42,10 @@ import torch
 from . import ast
 from .errors import ArgumentError, GemmspecError
 from .runtime.executor import take
+from .runtime.quantize import QuantizeLaunch, plan_quantize
+from .runtime.streams import keep_context, torch_stream
 
-__all__ = ["GemmFunction", "GemmOp", "function", "op", "quantize", "torch_dtype"]
+__all__ = ["GemmFunction", "GemmOp", "Quantization", "function", "op", "quantize", "torch_dtype"]
 
 _DTYPES = {
     "e4m3": torch.float8_e4m3fn,
@@ -307,13 +316,61 @@ def op(spec, name: str | None = None) -> GemmOp:
     return _OPS[opname]
 
 
-# ---- autograd --------------------------------------------------------------------------
+# ---- quantization -----------------------------------------------------------------------
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+# The kernel's names of the element types it reads (others are named for the refusal).
+_SOURCE_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f64"}
+QUANTIZE_PLANS = 256  # bound quantize launches kept (per shape, strides, device, stream)
 
 
-def quantize(value: torch.Tensor, dtype: str, block: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`value` in FP8 with one f32 scale per block (amax / FP8 max): (data, scale grid),
-    both contiguous. Blocks at the edges may be short."""
+def quantize(
+    value: torch.Tensor, dtype: str, block: tuple[int | str, ...], *, kernel: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`value` in FP8 (`dtype`: 'e4m3' or 'e5m2') with one f32 scale per block: (data,
+    scale grid), both contiguous, the grid one entry per block. `block` holds a block
+    size per dim (blocks at the edges may be short); a dim's name in place of a size is
+    one block over the whole dim.
+
+    The rule is the language's `quantize` (docs/language.md, section 7), in float32:
+    amax per block with NaN ignored, scale = amax / FP8 max by true division (1 for an
+    all-zero block), each element x / scale rounded to nearest even and saturated to
+    +-FP8 max. The results carry no gradient.
+
+    On a CUDA tensor the kernel takes (see `gemmspec.runtime.quantize.plan_quantize`:
+    bf16, f16 or f32, 2-D or 3-D, blocks [1, 128] or [128, 128], contiguous columns, a
+    whole number of 128-column blocks) this is one launch of the kernel of the
+    language's `quantize` pass, through a plan cached per dtype, shape, strides, device
+    and stream; as the custom op `gemmspec::quantize` (with a fake implementation)
+    torch.compile and CUDA graphs take it whole. Any other tensor, and `kernel=False`,
+    get torch operations that compute the same rule bit for bit (a dozen small kernels).
+    """
+    if dtype not in _FP8_MAX:
+        raise ArgumentError(f"quantize: dtype must be 'e4m3' or 'e5m2', got {dtype!r}")
+    block = tuple(block)
+    if len(block) != value.dim() or any(not isinstance(b, str) and b < 1 for b in block):
+        raise ArgumentError(
+            f"quantize: blocks {list(block)} for shape {list(value.shape)}: give one positive "
+            "size (or a dim's name, one block over all of it) per dim"
+        )
+    if value.requires_grad:
+        value = value.detach()
+    if kernel and value.device.type in ("cuda", "meta") and all(type(b) is int for b in block):
+        if _unwatched():
+            done = _QUANTIZER.direct(value, dtype, block)
+            if done is not None:
+                return done
+        return _QUANTIZER.op(value, dtype, list(block))
+    return _quantize_torch(value, dtype, block)
+
+
+def _quantize_torch(value: torch.Tensor, dtype: str, block: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` by torch operations: the CPU's, and the fallback for tensors the kernel
+    refuses (columns not whole 128-blocks, other blocks, other ranks, float64). Written
+    to match the kernel bit for bit: NaN left out of the amax (the kernel's fmaxf does),
+    amax divided by a tensor of FP8 max (torch's CUDA division by a Python number
+    multiplies by its reciprocal, which can differ in the last bit), and the quotient
+    saturated before the cast (the kernel's conversion saturates; what torch's cast does
+    past the largest FP8 value has changed between its versions)."""
     v = value.float()
     # A dim's name: one block over the whole (run-time) dim.
     block = tuple(max(n, 1) if isinstance(b, str) else b for n, b in zip(v.shape, block))
@@ -321,32 +378,136 @@ def quantize(value: torch.Tensor, dtype: str, block: tuple[int, ...]) -> tuple[t
     pad = []
     for n, b, g in reversed(list(zip(v.shape, block, grid))):
         pad += [0, g * b - n]
-    padded = torch.nn.functional.pad(v, pad) if any(pad) else v
+    padded = torch.nn.functional.pad(v, pad) if any(pad) else v  # zeros leave amax alone
     shape = [x for g, b in zip(grid, block) for x in (g, b)]
-    blocks = padded.reshape(shape)
-    amax = blocks.abs().amax(dim=tuple(range(1, 2 * len(grid), 2)))
-    scale = torch.where(amax > 0, amax / _FP8_MAX[dtype], torch.ones_like(amax))
+    magnitude = padded.reshape(shape).abs().nan_to_num(nan=0.0, posinf=math.inf)
+    amax = magnitude.amax(dim=tuple(range(1, 2 * len(grid), 2)))
+    fp8_max = torch.full_like(amax, _FP8_MAX[dtype])
+    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
     expanded = scale
     for axis, b in enumerate(block):
         expanded = expanded.repeat_interleave(b, dim=axis)
     expanded = expanded[tuple(slice(0, n) for n in v.shape)]
-    return (v / expanded).to(_DTYPES[dtype]), scale.contiguous()
+    ratio = (v / expanded).clamp(-_FP8_MAX[dtype], _FP8_MAX[dtype])  # NaN stays NaN
+    return ratio.to(_DTYPES[dtype]).contiguous(), scale.contiguous()
 
 
+@dataclass(frozen=True)
+class _QuantizeEntry:
+    """What a quantize call of one signature does: launch (a bound kernel), nothing
+    (an empty tensor), or the torch operations (`launch` None, not empty)."""
+
+    launch: QuantizeLaunch | None
+    fp8: torch.dtype
+    scale_shape: tuple[int, ...]
+    empty: bool
+
+
+class _Quantizer:
+    """The kernel path of `quantize`: the custom op `gemmspec::quantize` and the plans
+    its calls made, by (dtype, shape, strides, FP8 type, blocks, device, stream)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, _QuantizeEntry] = {}
+        _LIB.define("quantize(Tensor value, str dtype, int[] block) -> (Tensor, Tensor)")
+        _LIB.impl("quantize", self._run, "CUDA")
+        _LIB.impl("quantize", self._run_torch, "CPU")
+        torch.library.register_fake("gemmspec::quantize", lib=_LIB)(self._fake)
+        self.op = torch.ops.gemmspec.quantize.default
+
+    @staticmethod
+    def _key(value: torch.Tensor, dtype: str, block: tuple[int, ...]) -> tuple:
+        device = value.device.index
+        return (value.dtype, value.shape, value.stride(), dtype, block, device, torch_stream(device))
+
+    def direct(self, value: torch.Tensor, dtype: str, block: tuple[int, ...]):
+        """The call without the dispatcher when an earlier call planned its signature
+        (its results); None otherwise, with nothing done."""
+        if value.device.type != "cuda":
+            return None
+        entry = self._entries.get(self._key(value, dtype, block))
+        return None if entry is None else self._apply(entry, value, dtype, block)
+
+    def _run(self, value: torch.Tensor, dtype: str, block: list[int]):
+        block = tuple(block)
+        key = self._key(value, dtype, block)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._plan(key, value, dtype, block)
+        return self._apply(entry, value, dtype, block)
+
+    def _plan(self, key: tuple, value: torch.Tensor, dtype: str, block: tuple[int, ...]) -> _QuantizeEntry:
+        source = _SOURCE_TYPES.get(value.dtype, str(value.dtype).removeprefix("torch."))
+        plan = plan_quantize(source, dtype, tuple(value.shape), tuple(value.stride()), block)
+        launch = None
+        if plan.config is not None and not plan.empty:
+            with keep_context():  # torch's current device stays its own
+                launch = QuantizeLaunch(plan, key[-2], key[-1])
+        entry = _QuantizeEntry(launch, _DTYPES[dtype], plan.scale_shape, plan.config is not None and plan.empty)
+        while len(self._entries) >= QUANTIZE_PLANS:
+            del self._entries[next(iter(self._entries))]  # the oldest: a launch copies its parameters
+        self._entries[key] = entry
+        return entry
+
+    @staticmethod
+    def _apply(entry: _QuantizeEntry, value: torch.Tensor, dtype: str, block: tuple[int, ...]):
+        if entry.launch is None and not entry.empty:
+            return _quantize_torch(value, dtype, block)
+        q = torch.empty(value.shape, dtype=entry.fp8, device=value.device)
+        scale = torch.empty(entry.scale_shape, dtype=torch.float32, device=value.device)
+        if entry.launch is not None:
+            entry.launch.launch(value.data_ptr(), q.data_ptr(), scale.data_ptr())
+        return q, scale
+
+    @staticmethod
+    def _run_torch(value: torch.Tensor, dtype: str, block: list[int]):
+        return _quantize_torch(value, dtype, tuple(block))
+
+    @staticmethod
+    def _fake(value: torch.Tensor, dtype: str, block: list[int]):
+        grid = [(n + b - 1) // b for n, b in zip(value.shape, block)]
+        return value.new_empty(value.shape, dtype=_DTYPES[dtype]), value.new_empty(grid, dtype=torch.float32)
+
+
+_QUANTIZER = _Quantizer()
+
+
+# ---- autograd --------------------------------------------------------------------------
 def _strided(value: torch.Tensor, layout, dims: dict[str, int]) -> torch.Tensor:
-    """A copy of `value` stored as `layout` (a strided layout of the spec) says."""
+    """`value` stored as `layout` (a strided layout of the spec) says: itself when it is
+    (a quantized tensor comes out row-major, as most operands are declared), else a copy."""
     if layout.kind != "strided":
         raise GemmspecError(f"layout {layout} cannot be made by gemmspec.torch")
     strides = [int(s.evaluate(dims)) for s in layout.strides]
+    if value.stride() == tuple(strides):
+        return value
     out = torch.empty_strided(tuple(value.shape), strides, dtype=value.dtype, device=value.device)
     return out.copy_(value)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """A tensor `GemmFunction` quantizes with `quantize` on each call: an FP8 input of
+    the forward spec (passed in high precision), or, in backward, the gradient of a
+    forward output as the backward spec declares it. Everything else FP8 in the backward
+    (the transposed weight, the WGRAD operands with 128x1 scales) is a pre-pass of the
+    backward spec itself."""
+
+    tensor: str
+    dtype: str
+    block: tuple[int | str, ...]
+    step: str  # "forward" or "backward"
+
+    def __str__(self) -> str:
+        return f"{self.step}: {self.tensor} -> {self.dtype}, blocks {list(self.block)}"
 
 
 class GemmFunction:
     """A spec's forward statements with autograd: backward runs the derived DGRAD and
     WGRAD statements (see gemmspec.backward). FP8 operands are passed in high precision
-    and quantized with the spec's scale blocks; their gradients come back in the
-    dtype they were passed in (straight through the quantization)."""
+    and quantized with the spec's scale blocks (`quantize`: one kernel per tensor on the
+    GPU; `quantizations` lists them); their gradients come back in the dtype they were
+    passed in (straight through the quantization)."""
 
     def __init__(self, exe):
         from .backward import build_backward
@@ -361,12 +522,23 @@ class GemmFunction:
         self.backward_op = op(backward_exe)
         scales = {t.scale.name for t in spec.tensors if t.scale}
         self.args = tuple(n for n in self.forward_op.inputs if n not in scales)
+        self._tensors = {t.name: t for t in spec.tensors}
         for t in spec.tensors:
             if t.scale is not None and t.scale.anchor and t.derived is None:
                 raise GemmspecError(
                     f"{spec.name}: '{t.name}' has scales anchored per {t.scale.anchor}; "
                     "gemmspec.torch.function quantizes inputs without the offsets"
                 )
+        bspec = backward_exe.spec
+        self.quantizations = tuple(
+            Quantization(t.name, t.dtype, t.scale.block, step)
+            for step, names, of in (
+                ("forward", self.args, spec),
+                ("backward", [g for _, g in self.backward.output_grads], bspec),
+            )
+            for t in (of.tensor(n) for n in names if n in {x.name for x in of.tensors})
+            if t.scale is not None
+        )
 
     def _dims(self, values: dict[str, torch.Tensor]) -> dict[str, int]:
         dims = {}
@@ -399,7 +571,7 @@ class GemmFunction:
         dims = self._dims(values)
         inputs: dict[str, torch.Tensor] = {}
         for name, value in values.items():
-            t = self.spec.tensor(name) if name in {x.name for x in self.spec.tensors} else None
+            t = self._tensors.get(name)  # None: offsets, counts, index tensors
             inputs.update(self._quantized(t, value, dims) if t is not None else {name: value})
         outs = self.forward_op(**inputs)
         return (outs,) if isinstance(outs, torch.Tensor) else tuple(outs), inputs, dims

@@ -15,9 +15,9 @@ from gemmspec.bench import moe_spec  # noqa: E402
 COUNTS = [0, 1, 127, 129]
 
 
-def moe(fp8: bool) -> str:
+def moe(fp8: bool, n: int = 256, k: int = 384) -> str:
     kind = "fp8" if fp8 else "bf16"
-    return moe_spec(f"moe_autograd_{kind}", n=256, k=384, e=4, fp8=fp8)
+    return moe_spec(f"moe_autograd_{kind}_n{n}_k{k}", n=n, k=k, e=4, fp8=fp8)
 
 
 def reference(x, w, offs, dy):
@@ -29,16 +29,19 @@ def reference(x, w, offs, dy):
     return y.detach(), x.grad, w.grad
 
 
+# n264-k320: x, w and dy are not whole 128-column blocks, so gemmspec.torch.quantize
+# takes its torch operations for them; n256-k384 runs its kernel for all three.
+@pytest.mark.parametrize("n, k", [(256, 384), (264, 320)], ids=["n256-k384", "n264-k320"])
 @pytest.mark.parametrize("counts", [COUNTS, [129, 127, 1, 0]], ids=["0-1-127-129", "129-127-1-0"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_gradients_match_float64(fp8, counts):
-    fn = gt.function(moe(fp8))
+def test_gradients_match_float64(fp8, counts, n, k):
+    fn = gt.function(moe(fp8, n, k))
     gen = torch.Generator(device="cpu").manual_seed(0)
     t = sum(counts)
-    x = torch.randn(t, 384, generator=gen).cuda().to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(4, 256, 384, generator=gen) / 16).cuda().requires_grad_(True)
+    x = torch.randn(t, k, generator=gen).cuda().to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(4, n, k, generator=gen) / 16).cuda().requires_grad_(True)
     offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).cuda()
-    dy = torch.randn(t, 256, generator=gen).cuda().to(torch.bfloat16)
+    dy = torch.randn(t, n, generator=gen).cuda().to(torch.bfloat16)
     y = fn(x=x, w=w, offs=offs)
     y.backward(dy)
     ry, rdx, rdw = reference(x, w, offs, dy)
@@ -49,6 +52,18 @@ def test_gradients_match_float64(fp8, counts):
         assert err < tol, (name, err)
     empty = counts.index(0)
     assert (w.grad[empty] == 0).all()  # an expert with no tokens gets no gradient
+    if fp8:
+        # Which quantizations ran the kernel: x and w where K is whole 128-blocks, dy
+        # where N is; the others took the torch operations.
+        shapes = {"x": (t, k), "w": (4, n, k), "dy": (t, n)}
+        for q in fn.quantizations:
+            plans = [
+                e for key, e in gt._QUANTIZER._entries.items()
+                if tuple(key[1]) == shapes[q.tensor] and key[4] == tuple(q.block)
+            ]
+            assert plans, f"no plan for {q}"
+            kernel = shapes[q.tensor][-1] % 128 == 0
+            assert all((e.launch is not None) == kernel for e in plans), q
 
 
 def test_under_torch_compile():
