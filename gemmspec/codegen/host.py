@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .formula import NUM_SMS, Formula
 from .kernels import ENV
 from .manifest import (
+    MANIFEST_VERSION,
     SHARED_HEADER,
     TENSOR_MAP_BYTES,
     TENSOR_MAP_FIXED,
@@ -66,6 +67,10 @@ class _Renderer:
         pointer = p.ctype.endswith("*")
         if s.kind == "null":
             return f"static_cast<{p.ctype}>(nullptr)"
+        if s.kind == "extent":
+            # The launcher is given pointers, not shapes: -1 says "unknown", and the
+            # check that compares this length is left out.
+            return f"static_cast<{p.ctype}>(-1)"
         if s.kind == "tensor":
             expr = f"args->{s.ref}"
         elif s.kind == "workspace":
@@ -101,6 +106,7 @@ class _Renderer:
         dims = list(m.runtime_dims)
         return {
             "m": m,
+            "manifest_version": MANIFEST_VERSION,
             "guard": header_guard(m.spec),
             "shared_header": SHARED_HEADER,
             "prefix": m.prefix,
