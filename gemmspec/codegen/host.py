@@ -55,6 +55,7 @@ class _Step:
     block: int = 0
     smem: int = 0
     args: tuple[str, ...] = ()
+    programmatic: bool = False  # launched with the programmatic stream serialization attribute
 
 
 class _Renderer:
@@ -98,7 +99,7 @@ class _Renderer:
         return _Step(
             "kernel", f"{s.owner}: {s.role}", symbol=s.symbol,
             grid=tuple(cexpr(g) for g in s.grid), block=s.block, smem=s.dynamic_smem,
-            args=tuple(self.arg(p) for p in s.params),
+            args=tuple(self.arg(p) for p in s.params), programmatic=s.programmatic,
         )
 
     def context(self) -> dict:
@@ -126,6 +127,7 @@ class _Renderer:
             "steps": [self.step(s) for s in m.steps],
             "uses_templates": any(isinstance(s, Upload) and s.templates for s in m.steps),
             "uses_uploads": any(isinstance(s, Upload) for s in m.steps),
+            "uses_programmatic": any(k.programmatic for k in m.kernels),
         }
 
 

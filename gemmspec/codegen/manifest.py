@@ -131,6 +131,10 @@ class KernelLaunch:
     dynamic_smem: int
     cluster: int  # CTAs per cluster along x, fixed in the kernel (__cluster_dims__)
     params: tuple[Param, ...]
+    # Launched with the programmatic stream serialization attribute: it may start while
+    # the step before it runs, and waits for that step (griddepcontrol.wait) before it
+    # reads what the step wrote. An ordinary launch is also correct.
+    programmatic: bool = False
 
     @property
     def raise_smem_limit(self) -> bool:
@@ -264,6 +268,7 @@ def _step_json(s: Step) -> dict:
         "cluster": [s.cluster, 1, 1],
         "dynamic_smem_bytes": s.dynamic_smem,
         "set_max_dynamic_smem": s.raise_smem_limit,
+        "programmatic_serialization": s.programmatic,
         "params": [_param_json(p) for p in s.params],
     }
 
@@ -598,10 +603,12 @@ class _Builder:
         # A persistent grid: one block per multiprocessor (two for memory-bound tiles),
         # whole clusters only.
         grid = ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
+        # A programmatic dependent of its builder (the step just before): its prologue
+        # overlaps the builder, and it waits for the builder before it reads the table.
         self.steps.append(
             KernelLaunch(
                 "gemm", cfg.name, file, f"launch {i}", grid, cfg.threads, cfg.smem_bytes,
-                cfg.cluster, gemm_params,
+                cfg.cluster, gemm_params, programmatic=cfg.programmatic,
             )
         )
 

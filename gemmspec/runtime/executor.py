@@ -33,6 +33,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -59,6 +60,14 @@ PLAN_CACHE = 32  # plans kept per executable; a plan captured in a CUDA graph is
 _CHECK_VARIABLE = "GEMMSPEC_CHECK"
 _CHECK_KEY = os.environ.encodekey(_CHECK_VARIABLE)
 _CHECK_OFF = (None, "", "0", b"", b"0")  # unset, empty or 0, as str or as bytes
+_PDL_VARIABLE = "GEMMSPEC_PDL"
+
+
+def programmatic_launches() -> bool:
+    """Whether GEMM kernels are launched as programmatic dependents of their leaf-table
+    builders, as the manifest says (GEMMSPEC_PDL=0: the ordinary way). Read when a
+    plan's launches are packed, on its first launch, not on every call."""
+    return os.environ.get(_PDL_VARIABLE, "1").strip() != "0"
 
 
 def debug_checks() -> bool:
@@ -781,6 +790,18 @@ class Executable:
         return run
 
 
+class PlannedLaunch(NamedTuple):
+    """One kernel of a run: its arguments (user arrays as placeholders) and whether it is
+    launched as a programmatic dependent of the kernel before it."""
+
+    kernel: LoadedKernel
+    grid: tuple
+    block: int
+    smem: int
+    args: tuple
+    programmatic: bool = False
+
+
 @dataclass
 class PreparedRun:
     """Validated arguments, owned workspaces and the ordered kernel launches.
@@ -817,8 +838,8 @@ class PreparedRun:
         self.workspace.append(buf)
         return buf
 
-    def add(self, kernel: LoadedKernel, grid, block, smem: int, *args) -> None:
-        self.launches.append((kernel, grid, block, smem, args))
+    def add(self, kernel: LoadedKernel, grid, block, smem: int, *args, programmatic: bool = False) -> None:
+        self.launches.append(PlannedLaunch(kernel, grid, block, smem, args, programmatic))
 
     def enqueue(self, arrays: dict[str, DeviceArray] | None = None) -> None:
         """Issue every kernel on the stream, on the bound arrays or on `arrays` (same
@@ -846,10 +867,13 @@ class PreparedRun:
         index = {n: i for i, n in enumerate(self.names)}
         cells = ArgumentCells(len(self.names))
         packed = []
-        for kernel, grid, block, smem, args in self.launches:
+        pdl = programmatic_launches()
+        for kernel, grid, block, smem, args, programmatic in self.launches:
             slots = {p: index[a.name] for p, a in enumerate(args) if type(a) is _Arg}
             values = [None if p in slots else a for p, a in enumerate(args)]
-            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots, cells))
+            packed.append(
+                kernel.bind(grid, block, smem, self.stream, values, slots, cells, programmatic=programmatic and pdl)
+            )
         return cells, packed, on_device(self.device)
 
     def synchronize(self) -> None:

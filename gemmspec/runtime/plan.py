@@ -47,7 +47,7 @@ def plan_steps(
         if min(grid) <= 0:
             continue  # an empty grid has nothing to do (the host launcher skips it too)
         args = [_argument(p, tensors, buffers, env, extent) for p in step.params]
-        run.add(kernel(step), grid, step.block, step.dynamic_smem, *args)
+        run.add(kernel(step), grid, step.block, step.dynamic_smem, *args, programmatic=step.programmatic)
     return buffers
 
 

@@ -74,7 +74,7 @@ def test_prepare_builds_one_argument_per_parameter(path, offline):
     names = names[alone:]
     expected = len(exe.program.prepasses) + 2 * len(exe.program.launches)
     assert len(names) == expected
-    for kernel, grid, block, smem, args in run.launches:
+    for kernel, grid, block, smem, args, _ in run.launches:
         assert len(args) == params[kernel.name], kernel.name
         assert grid and block in (128, 256, 384) and 0 <= smem <= 227 * 1024
         assert all(not isinstance(a, (int, float)) or isinstance(a, np.generic) for a in args)

@@ -26,8 +26,9 @@ def test_runtime_follows_the_manifest(path, offline):
     kernels = [s for s in exe.manifest.steps if isinstance(s, KernelLaunch)]
     kernels = [k for k in kernels if min(g.evaluate(env) for g in k.grid) > 0]
     assert [k.name for k, *_ in launches] == [k.symbol for k in kernels]
-    for (_kernel, grid, block, smem, args), step in zip(launches, kernels):
+    for (_kernel, grid, block, smem, args, programmatic), step in zip(launches, kernels):
         assert tuple(grid) == tuple(g.evaluate(env) for g in step.grid)
+        assert programmatic == step.programmatic == (step.role == "gemm")
         assert (block, smem) == (step.block, step.dynamic_smem)
         assert len(args) == len(step.params)
         for arg, p in zip(args, step.params):
