@@ -105,12 +105,22 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
             for p in schedule.prepasses
         ],
     }
+    placement = _check_placement(spec, schedule)
+    if placement is not None:
+        doc["offsets_check"] = {"fused": placement.fused, "where": placement.reason}
     if program is not None:
         for launch, x in zip(doc["launches"], program.launches):
             launch["symbols"] = {"leaf_table": x.table_kernel, "gemm": x.gemm.name}
         for prepass, p in zip(doc["prepasses"], program.prepasses):
             prepass["symbol"] = p.kernel
     return doc
+
+
+def _check_placement(spec: Spec, schedule: Schedule):
+    """Where the device check of the run-time offsets runs (None: the spec has none)."""
+    from .codegen.validate import check_placement  # the back end places it
+
+    return check_placement(spec, schedule)
 
 
 def _kernel_line(spec: Spec, launch) -> str:
@@ -163,6 +173,9 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
         body = str(launch).splitlines()
         body[1] = f"  kernel {_kernel_line(spec, launch)}"
         lines += ["  " + ln for ln in body]
+    placement = _check_placement(spec, schedule)
+    if placement is not None:
+        lines.append(f"offsets check (on the device): {placement}")
     from .backward import derive_backward  # the gradients a training step would run
 
     lines += derive_backward(spec).text().splitlines()

@@ -84,10 +84,10 @@ class FakeLoadedKernel(launch.LoadedKernel):
             self._param_sizes = self._sizes(args)
         super().launch(grid, block, smem, stream, *args)
 
-    def bind(self, grid, block, smem, stream, args, slots, cells):
+    def bind(self, grid, block, smem, stream, args, slots, cells, programmatic=False):
         if self._param_sizes is None:
             self._param_sizes = self._sizes(args)
-        return super().bind(grid, block, smem, stream, args, slots, cells)
+        return super().bind(grid, block, smem, stream, args, slots, cells, programmatic=programmatic)
 
 
 class FakeContextDriver:
@@ -101,9 +101,13 @@ class FakeContextDriver:
     def cuCtxGetCurrent(cls):
         return cls.CUresult.CUDA_SUCCESS, launch.driver.CUcontext(cls.PRIMARY)
 
-    @staticmethod
-    def cuCtxSetCurrent(ctx):
-        raise AssertionError("the primary context is current: nothing to switch")
+    @classmethod
+    def cuCtxSetCurrent(cls, ctx):
+        # Making the current context current again (what a planning call does on its way
+        # out) is harmless; a switch to any other would mean the primary was not current.
+        if int(ctx) != cls.PRIMARY:
+            raise AssertionError("the primary context is current: nothing to switch")
+        return (cls.CUresult.CUDA_SUCCESS,)
 
 
 def _constant(value):
@@ -129,6 +133,8 @@ def install_fakes() -> None:
     launch.current_stream = lambda stream, device=0: stream
     if hasattr(launch, "_launch_kernel"):  # the driver's cuLaunchKernel, where used
         launch._launch_kernel = lambda *a: (launch.driver.CUresult.CUDA_SUCCESS,)
+    if hasattr(launch, "_launch_kernel_ex"):  # cuLaunchKernelEx: programmatic dependent launches
+        launch._launch_kernel_ex = lambda *a: (launch.driver.CUresult.CUDA_SUCCESS,)
     # torch: CPU tensors claim to be on cuda:0, and the current stream is the default.
     # The stand-ins are C callables, as torch's own getters are: a Python lambda costs
     # several times more and would be counted as gemmspec's.

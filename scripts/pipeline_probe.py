@@ -3,7 +3,8 @@
 
 Same spec, same inputs; only the GEMM kernel's configuration changes (tile width, CTA
 pairs, epilogue staged through shared memory and TMA stores or stored from registers,
-ring depth), plus the same tiles *without* FP8 promotion (an unscaled kernel: its output
+ring depth, programmatic dependent launch after the builder, and for the LoRA shrink
+where the offsets check runs), plus the same tiles *without* FP8 promotion (an unscaled kernel: its output
 is not the spec's result, it only shows what the load pipeline and wgmma sustain without
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
@@ -23,7 +24,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
 from gemmspec.bench import LORA, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
-from gemmspec.codegen.emit import with_kernel_config  # noqa: E402
+from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
 # store_tma None: the default rule).
@@ -38,6 +39,7 @@ VARIANTS = {
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},
     "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False, "consumer_scales": None},
+    "no programmatic launch (no wait, ordinary launch)": {"programmatic": False},
     "as compiled (again: drift over the run)": {},
 }
 # The BF16 kernel: the widest tile keeps its epilogue in registers (staging it would leave a
@@ -54,13 +56,17 @@ BF16_VARIANTS = {
 
 # The memory-bound nested LoRA shrink (64 x 16 tiles, two blocks per SM): how its time
 # depends on the ring depth and the blocks per SM (a latency-bound stream slows with a
-# shallower ring). Times include the offsets check and the leaf-table builder.
+# shallower ring), and on the launch sequence. Times include the offsets check and the
+# leaf-table builder. `fuse_check` False runs the check as a kernel of its own.
 LORA_VARIANTS = {
     "as compiled": {},
     "one block per SM": {"ctas_per_sm": 1},
     "two blocks per SM, 4 stages": {"stages": 4},
     "two blocks per SM, 6 stages": {"stages": 6},
     "two blocks per SM, 8 stages": {"stages": 8},
+    "GEMM launched the ordinary way (no PDL)": {"programmatic": False},
+    "check a kernel of its own, PDL": {"fuse_check": False},
+    "check a kernel of its own, no PDL (3 launches)": {"fuse_check": False, "programmatic": False},
 }
 
 
@@ -80,8 +86,11 @@ def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
     }
 
 
-def variant(exe, **changes):
-    """Re-emit the launch with a changed kernel configuration (the leaf table follows)."""
+def variant(exe, fuse_check=True, **changes):
+    """Re-emit the launch with a changed kernel configuration (the leaf table follows);
+    `fuse_check` False runs the offsets check as a kernel of its own."""
+    if not fuse_check:
+        exe.program = emit(exe.spec, exe.schedule, fuse_check=False)
     exe.program = with_kernel_config(exe.spec, exe.program, **changes)
     return exe.program.launches[0].gemm
 

@@ -7,6 +7,9 @@
 //   linear_fp8_training  forward, DGRAD (through the transpose pre-pass) and WGRAD
 //                        (through the two requantize pre-passes) of one FP8 layer
 //
+// It also reads the flags of the device check of the offsets, and runs a call with bad
+// offsets, which must write nothing.
+//
 // Build and run: scripts/cpp_embed_check.sh (needs nvcc and a Hopper GPU). Prints one
 // line per output with its error and PASS or FAIL, then PASS or FAIL overall.
 #include <cmath>
@@ -165,7 +168,26 @@ bool check_moe(cudaStream_t stream) {
   ok = ok && differ == 0;
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
-  return ok;
+
+  // The device check of the offsets: its flags (the first int32s of the workspace) are
+  // clear after the calls above; offsets that end past T set one, and that call writes
+  // nothing (y keeps its poison).
+  int set = 0;
+  for (int f : to_host(static_cast<const int*>(ws), gemmspec_moe_fp8_forward_check_flags)) set += f != 0;
+  std::vector<int> bad = offsets;
+  bad[E] = T + 1;
+  args.expert_offsets = to_device(bad);
+  CHECK_CUDA(cudaMemcpy(args.y, poison.data(), poison.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(gemmspec_moe_fp8_forward_run(&args, ws, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  int raised = 0;
+  for (int f : to_host(static_cast<const int*>(ws), gemmspec_moe_fp8_forward_check_flags)) raised += f != 0;
+  size_t written = 0;
+  for (const __nv_bfloat16 v : to_host(args.y, poison.size())) written += !std::isnan(__bfloat162float(v));
+  const bool checked = set == 0 && raised == 1 && written == 0;
+  std::printf("%-38s flags %d then %d, %zu elements written: %s\n", "moe_fp8_forward: bad offsets", set, raised,
+              written, checked ? "PASS" : "FAIL");
+  return ok && checked;
 }
 
 // ---- linear_fp8_training -----------------------------------------------------------------

@@ -3,7 +3,10 @@
 Each launch becomes a leaf-table builder (evaluating the problem generator's
 polynomials on the device from the run-time offsets tensors) plus the grouped
 GEMM kernel for its signature. Pre-passes become the FP8 requantize/transpose
-kernels and the quantize kernel. Python computes every expression; the templates only lay them out.
+kernels and the quantize kernel. The device check of the run-time offsets
+(validate.py) runs in launch 0's builder, or as a kernel of its own where a pre-pass
+reads the checked offsets first. Python computes every expression; the templates only
+lay them out.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ from .kernels import (
     render_transpose,
 )
 from .names import gemm_symbol, prepass_symbol, table_symbol
+from .validate import THREADS as CHECK_THREADS
+from .validate import CheckPlacement, ValidationKernel, check_placement, validation_kernel
 
 TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
+# A builder that runs the offsets check runs it with its own threads: one block of either.
+assert TABLE_THREADS == CHECK_THREADS
 
 HEADER = '#include "gemmspec_ptx.cuh"\n'
 # Per-leaf records after a leaf table's sentinel (docs/kernel-abi.md): sizeof(GsEpilogue),
@@ -76,6 +83,19 @@ class EmittedLaunch:
     dim_params: tuple[str, ...]  # run-time dims, in parameter order
     leaf_count: int
     source: str
+    check: ValidationKernel | None = None  # the offsets check its builder runs first
+
+
+@dataclass(frozen=True)
+class EmittedCheck:
+    """The device check of a spec's offsets and index tensors, and where it runs."""
+
+    kernel: ValidationKernel
+    placement: CheckPlacement
+
+    @property
+    def fused(self) -> bool:
+        return self.placement.fused
 
 
 @dataclass(frozen=True)
@@ -94,10 +114,14 @@ class EmittedProgram:
     spec: str
     prepasses: tuple[EmittedPrePass, ...]
     launches: tuple[EmittedLaunch, ...]
+    check: EmittedCheck | None = None
 
     def sources(self) -> dict[str, str]:
         """File name -> CUDA source."""
-        out = {f"{self.spec}_prepass{i}.cu": p.source for i, p in enumerate(self.prepasses)}
+        out = {}
+        if self.check is not None and not self.check.fused:
+            out[f"{self.spec}_check.cu"] = self.check.kernel.source
+        out.update({f"{self.spec}_prepass{i}.cu": p.source for i, p in enumerate(self.prepasses)})
         out.update({f"{self.spec}_launch{x.launch.index}.cu": x.source for x in self.launches})
         return out
 
@@ -240,9 +264,13 @@ def _mixed_radix(pg: ProblemGenerator) -> list[dict]:
     return axes[::-1]
 
 
-def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = None) -> EmittedLaunch:
+def emit_launch(
+    spec: Spec, launch: Launch, config: GemmKernelConfig | None = None, check: ValidationKernel | None = None
+) -> EmittedLaunch:
     """The launch's GEMM kernel and leaf-table builder; `config` overrides the kernel
-    configuration the signature implies (benchmark probes of kernel variants)."""
+    configuration the signature implies (benchmark probes of kernel variants). With
+    `check` the builder runs the spec's offsets check first and builds its table from
+    the checked copies (and the index tensors) the check takes."""
     pg = launch.problems
     cfg = config or gemm_config(launch)
     # The symbol names the spec and launch, so that equal configurations in two launches
@@ -293,8 +321,21 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
     table_name = table_symbol(spec.name, launch.index)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
+    aliases: list[tuple[str, str]] = []  # a builder that checks: its tensors, from the check's
+    if check is not None:
+        taken = {(p.kind, p.ref): p.name for p in check.params}
+        for t in pg.runtime_tensors:
+            name = taken.get(("checked", t)) or taken.get(("index", t))
+            if name is None:
+                raise EmitError(f"launch {launch.index} reads '{t}', which the offsets check does not take")
+            aliases.append((tensor_param(t), name))
     table = ENV.get_template("leaf_table.cu.jinja").render(
         name=table_name,
+        check=check is not None,
+        check_function=check.function if check else "",
+        check_params=check.declarations() if check else "",
+        check_call=check.call() if check else "",
+        check_aliases=aliases,
         spec_name=spec.name,
         launch_index=launch.index,
         statement=launch.statement_text,
@@ -319,7 +360,9 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
         gather_at=pg.leaf_count * EPILOGUE_RECORD_BYTES if pg.epilogue else 0,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
-    return EmittedLaunch(launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source)
+    return EmittedLaunch(
+        launch, cfg, table_name, tuple(pg.runtime_tensors), tuple(pg.runtime_dims), pg.leaf_count, source, check
+    )
 
 
 def quantize_config(src: Tensor, dst: Tensor) -> QuantizeKernelConfig:
@@ -392,13 +435,32 @@ def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **ch
     x = program.launches[index]
     cfg = replace(gemm_config(x.launch), **{**_DERIVED, **changes})
     launches = list(program.launches)
-    launches[index] = emit_launch(spec, x.launch, cfg)
+    launches[index] = emit_launch(spec, x.launch, cfg, x.check)
     return replace(program, launches=tuple(launches))
 
 
-def emit(spec: Spec, schedule: Schedule) -> EmittedProgram:
+def emit_check(spec: Spec, schedule: Schedule, fuse: bool = True) -> EmittedCheck | None:
+    """The spec's offsets check and where it runs (None: nothing is known only at run
+    time); `fuse=False` keeps it a kernel of its own even where a builder could run it."""
+    placement = check_placement(spec, schedule)
+    if placement is None:
+        return None
+    if placement.fused and not fuse:
+        placement = CheckPlacement(False, "a kernel of its own, first (not fused: asked so)")
+    kernel = validation_kernel(spec)
+    assert kernel is not None
+    return EmittedCheck(kernel, placement)
+
+
+def emit(spec: Spec, schedule: Schedule, *, fuse_check: bool = True) -> EmittedProgram:
+    """The CUDA of every kernel of `schedule`. `fuse_check=False` runs the offsets check
+    as a kernel of its own before anything else (the launch sequence before the check
+    was fused into the first builder: for comparisons)."""
+    check = emit_check(spec, schedule, fuse_check)
+    fused = check.kernel if check is not None and check.fused else None
     return EmittedProgram(
         schedule.spec,
         tuple(emit_prepass(spec, p, i) for i, p in enumerate(schedule.prepasses)),
-        tuple(emit_launch(spec, x) for x in schedule.launches),
+        tuple(emit_launch(spec, x, check=fused if x.index == 0 else None) for x in schedule.launches),
+        check,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .formula import NUM_SMS, Formula
 from .kernels import ENV
 from .manifest import (
+    MANIFEST_VERSION,
     SHARED_HEADER,
     TENSOR_MAP_BYTES,
     TENSOR_MAP_FIXED,
@@ -54,6 +55,7 @@ class _Step:
     block: int = 0
     smem: int = 0
     args: tuple[str, ...] = ()
+    programmatic: bool = False  # launched with the programmatic stream serialization attribute
 
 
 class _Renderer:
@@ -66,6 +68,10 @@ class _Renderer:
         pointer = p.ctype.endswith("*")
         if s.kind == "null":
             return f"static_cast<{p.ctype}>(nullptr)"
+        if s.kind == "extent":
+            # The launcher is given pointers, not shapes: -1 says "unknown", and the
+            # check that compares this length is left out.
+            return f"static_cast<{p.ctype}>(-1)"
         if s.kind == "tensor":
             expr = f"args->{s.ref}"
         elif s.kind == "workspace":
@@ -93,7 +99,7 @@ class _Renderer:
         return _Step(
             "kernel", f"{s.owner}: {s.role}", symbol=s.symbol,
             grid=tuple(cexpr(g) for g in s.grid), block=s.block, smem=s.dynamic_smem,
-            args=tuple(self.arg(p) for p in s.params),
+            args=tuple(self.arg(p) for p in s.params), programmatic=s.programmatic,
         )
 
     def context(self) -> dict:
@@ -101,6 +107,7 @@ class _Renderer:
         dims = list(m.runtime_dims)
         return {
             "m": m,
+            "manifest_version": MANIFEST_VERSION,
             "guard": header_guard(m.spec),
             "shared_header": SHARED_HEADER,
             "prefix": m.prefix,
@@ -120,6 +127,7 @@ class _Renderer:
             "steps": [self.step(s) for s in m.steps],
             "uses_templates": any(isinstance(s, Upload) and s.templates for s in m.steps),
             "uses_uploads": any(isinstance(s, Upload) for s in m.steps),
+            "uses_programmatic": any(k.programmatic for k in m.kernels),
         }
 
 

@@ -142,6 +142,12 @@ class GemmKernelConfig:
     is no A tile to multicast). ``scatter``: D's rows are written through an index tensor,
     from registers (``store_tma`` False), with `=` only.
 
+    ``programmatic``: the kernel waits (``griddepcontrol.wait``) after its prologue, before
+    it reads the leaf table, a tensor map or an operand and before any store, so it can be
+    launched as a programmatic dependent of its leaf-table builder (the launch attribute
+    is the launcher's; without it the wait does nothing). False leaves the wait out
+    (``_nopdl`` in the name) and the manifest launches it the ordinary way.
+
     ``sa_bk == sb_bk == 0`` (scaled) means one scale along the whole of K: per-channel
     scales. Such a kernel runs the unscaled main loop (no promotion per K block, one
     accumulator tile, no scales staged) and multiplies the finished accumulators by
@@ -179,6 +185,7 @@ class GemmKernelConfig:
     # Rows through index tensors: A's gathered (copied by the producer), D's scattered.
     gather: bool = False
     scatter: bool = False
+    programmatic: bool = True
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -472,6 +479,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_gather"
     if cfg.scatter:
         staged += "_scatter"
+    if not cfg.programmatic:
+        staged += "_nopdl"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -598,6 +607,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         swiglu=cfg.swiglu,
         gather=cfg.gather,
         scatter=cfg.scatter,
+        programmatic=cfg.programmatic,
     )
 
 

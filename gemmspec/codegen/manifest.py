@@ -5,6 +5,10 @@ configurations), never from CUDA text. Three things read it: `<spec>.manifest.js
 (a versioned contract, docs/kernel-abi.md), the emitted C++ header and host launcher
 (codegen/host.py) and the Python runtime, which walks the same steps. Run-time
 quantities are `Formula`s over the spec's run-time dims (and `num_sms` for grids).
+
+The device check of the offsets (codegen/validate.py) is part of it: its flags and the
+checked copies of the offsets are the first workspaces, every later step reads the
+copies, and it runs in launch 0's leaf-table builder or as a `check` step of its own.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
 from ..spec import INDEX_TYPE, Spec, Tensor
-from .emit import TABLE_THREADS, EmittedLaunch, EmittedPrePass, EmittedProgram
+from .emit import TABLE_THREADS, EmittedCheck, EmittedLaunch, EmittedPrePass, EmittedProgram
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, map_specs
 from .names import file_stem, host_prefix
+from .validate import THREADS as CHECK_THREADS
+from .validate import Check, CheckParam, group_chain_count, prepass_offsets
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 TARGET = "sm_90a"
 LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
 EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
@@ -46,6 +52,7 @@ TENSOR_MAP_FIXED = {
 }
 # The operands whose base pointers the leaf-table builder takes, in parameter order.
 TABLE_OPERANDS = ("a", "b", "d")
+CHECK_FLAGS = "check.flags"  # the workspace of the check's flags: the first of the call's
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,10 @@ class Argument:
 class Source:
     """Where a kernel parameter's value comes from."""
 
-    kind: str  # "tensor", "workspace", "dim", "value" or "null"
-    ref: str = ""  # tensor, workspace or dim name
+    kind: str  # "tensor", "workspace", "dim", "value", "extent" or "null"
+    ref: str = ""  # tensor, workspace or dim name; "extent": an argument
     value: Formula | None = None  # kind "value"
+    axis: int = 0  # kind "extent": the argument's length along this axis
 
     def text(self) -> str:
         return str(self.value) if self.kind == "value" else self.ref
@@ -114,15 +122,19 @@ class Upload:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    role: str  # "transpose", "requantize", "quantize", "leaf_table" or "gemm"
+    role: str  # "check", "transpose", "requantize", "quantize", "leaf_table" or "gemm"
     symbol: str
     file: str
-    owner: str  # "prepass <i>" or "launch <i>"
+    owner: str  # "check", "prepass <i>" or "launch <i>"
     grid: tuple[Formula, Formula, Formula]
     block: int
     dynamic_smem: int
     cluster: int  # CTAs per cluster along x, fixed in the kernel (__cluster_dims__)
     params: tuple[Param, ...]
+    # Launched with the programmatic stream serialization attribute: it may start while
+    # the step before it runs, and waits for that step (griddepcontrol.wait) before it
+    # reads what the step wrote. An ordinary launch is also correct.
+    programmatic: bool = False
 
     @property
     def raise_smem_limit(self) -> bool:
@@ -134,6 +146,26 @@ Step = Upload | KernelLaunch
 
 
 @dataclass(frozen=True)
+class OffsetsCheck:
+    """The device check of a call's offsets, counts and index tensors: which kernel runs
+    it (launch 0's leaf-table builder, or a `check` step of its own), and the flags it
+    writes into workspace CHECK_FLAGS, one int32 per check (1: that check failed, and
+    every launch computed nothing)."""
+
+    symbol: str
+    fused: bool
+    checks: tuple[Check, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "symbol": self.symbol,
+            "fused": self.fused,
+            "flags": CHECK_FLAGS,
+            "checks": [{"tensor": c.tensor, "message": c.message} for c in self.checks],
+        }
+
+
+@dataclass(frozen=True)
 class Manifest:
     spec: str
     source: str  # the .gspec file
@@ -142,6 +174,7 @@ class Manifest:
     arguments: tuple[Argument, ...]
     workspaces: tuple[Workspace, ...]
     steps: tuple[Step, ...]
+    offsets_check: OffsetsCheck | None = None
 
     @property
     def kernels(self) -> tuple[KernelLaunch, ...]:
@@ -166,7 +199,7 @@ class Manifest:
         return next(w for w in self.workspaces if w.name == name)
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "manifest_version": MANIFEST_VERSION,
             "spec": self.spec,
             "source": self.source,
@@ -185,6 +218,9 @@ class Manifest:
             ],
             "steps": [_step_json(s) for s in self.steps],
         }
+        if self.offsets_check is not None:
+            doc["offsets_check"] = self.offsets_check.to_json()
+        return doc
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
@@ -232,11 +268,16 @@ def _step_json(s: Step) -> dict:
         "cluster": [s.cluster, 1, 1],
         "dynamic_smem_bytes": s.dynamic_smem,
         "set_max_dynamic_smem": s.raise_smem_limit,
-        "params": [
-            {"name": p.name, "ctype": p.ctype, "kind": p.source.kind, "ref": p.source.text()}
-            for p in s.params
-        ],
+        "programmatic_serialization": s.programmatic,
+        "params": [_param_json(p) for p in s.params],
     }
+
+
+def _param_json(p: Param) -> dict:
+    doc = {"name": p.name, "ctype": p.ctype, "kind": p.source.kind, "ref": p.source.text()}
+    if p.source.kind == "extent":
+        doc["axis"] = p.source.axis
+    return doc
 
 
 # ---- building ----------------------------------------------------------------------------
@@ -298,8 +339,10 @@ class _Builder:
         self.workspaces: list[Workspace] = []
         self.steps: list[Step] = []
         # Where each tensor a kernel reads lives: a spec argument, or a workspace a
-        # pre-pass writes (a transpose's target shares its source's scales).
+        # pre-pass writes (a transpose's target shares its source's scales), or the
+        # checked copy of an offsets or counts tensor.
         self.where: dict[str, Source] = {a.name: Source("tensor", a.name) for a in spec_arguments(spec)}
+        self.check_params: tuple[Param, ...] = ()
 
     def workspace(self, name: str, nbytes: Formula, purpose: str) -> Source:
         self.workspaces.append(Workspace(name, nbytes, purpose))
@@ -310,6 +353,48 @@ class _Builder:
 
     def value(self, f: Formula | int) -> Source:
         return Source("value", value=Formula.of(f))
+
+    # ---- the offsets check ----------------------------------------------------------------
+    def offsets_check(self, c: EmittedCheck) -> None:
+        """The check's workspaces come first; from here on every kernel reads the checked
+        copies. Fused, its parameters go to launch 0's builder; else its step runs first."""
+        v = c.kernel
+        assert not self.workspaces, "the flags are documented at the start of the workspace"
+        flags = self.workspace(
+            CHECK_FLAGS, Formula.const(4 * max(len(v.checks), 1)), "the flags of the offsets check, one int32 per check"
+        )
+        copies: dict[str, Source] = {}
+        for t in v.tensors:
+            g = next(g for g in self.spec.groups if g.tensor == t)
+            n = group_chain_count(self.spec, g.name) * (g.count + (1 if g.kind == "ragged" else 0))
+            copies[t] = self.workspace(
+                f"check.{t}", Formula.const(4 * n), f"the checked copy of '{t}' (all zeros when a check failed)"
+            )
+        self.check_params = tuple(Param(p.name, p.ctype, self.check_source(p, flags, copies)) for p in v.params)
+        for t, copy in copies.items():
+            self.where[t] = copy
+        if not c.fused:
+            one = Formula.const(1)
+            self.steps.append(
+                KernelLaunch(
+                    "check", v.name, f"{self.stem}_check.cu", "check", (one, one, one),
+                    CHECK_THREADS, 0, 1, self.check_params,
+                )
+            )
+
+    def check_source(self, p: CheckParam, flags: Source, copies: dict[str, Source]) -> Source:
+        if p.kind == "flags":
+            return flags
+        if p.kind == "input":
+            return Source("tensor", p.ref)
+        if p.kind == "checked":
+            return copies[p.ref]
+        if p.kind == "index":
+            return self.where[p.ref]
+        if p.kind == "size":
+            return Source("dim", p.ref) if self.spec.dim(p.ref).size is None else self.value(self.dim(p.ref))
+        assert p.kind == "rows", p
+        return Source("extent", p.ref, axis=p.axis)
 
     # ---- pre-passes --------------------------------------------------------------------
     def prepass(self, index: int, e: EmittedPrePass) -> None:
@@ -434,6 +519,8 @@ class _Builder:
         if dst.layout.kind == "segment_major":
             g = self.spec.group(dst.layout.group)
             if g.tensor:
+                # The check's placement knows this pass reads the offsets (so the check runs first).
+                assert prepass_offsets(self.spec, self.program.prepasses[index].prepass) == g.tensor
                 flat = g.count + 1
                 outer = g
                 while outer.within:
@@ -475,12 +562,18 @@ class _Builder:
         )
         self.steps.append(Upload(templates.ref, templates=maps, address_of=maps_ws.ref))
         operand = {"a": pg.a.tensor, "b": pg.b.tensor, "d": pg.d.tensor}
+        # A builder that runs the offsets check takes the check's parameters in place of
+        # its own tensors (it reads the copies it checks, and the index tensors).
+        tensors = (
+            self.check_params if x.check is not None
+            else tuple(Param(f"p_{t}", "const int*", self.where[t]) for t in x.table_params)
+        )
         table_params = [
             Param("leaves", "GsLeaf*", leaves),
             Param("maps", "GsTensorMap*", maps_ws),
             Param("templates", "const GsTensorMap*", templates),
             *(Param(op.upper(), "const void*", self.where[operand[op]]) for op in TABLE_OPERANDS),
-            *(Param(f"p_{t}", "const int*", self.where[t]) for t in x.table_params),
+            *tensors,
             *(Param(f"dim_{d}", "long long", Source("dim", d)) for d in x.dim_params),
         ]
         if pg.epilogue:
@@ -510,10 +603,12 @@ class _Builder:
         # A persistent grid: one block per multiprocessor (two for memory-bound tiles),
         # whole clusters only.
         grid = ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
+        # A programmatic dependent of its builder (the step just before): its prologue
+        # overlaps the builder, and it waits for the builder before it reads the table.
         self.steps.append(
             KernelLaunch(
                 "gemm", cfg.name, file, f"launch {i}", grid, cfg.threads, cfg.smem_bytes,
-                cfg.cluster, gemm_params,
+                cfg.cluster, gemm_params, programmatic=cfg.programmatic,
             )
         )
 
@@ -521,11 +616,17 @@ class _Builder:
 def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None) -> Manifest:
     """The manifest of one emitted spec; `stem` names its files (default: file_stem)."""
     b = _Builder(spec, program, stem or file_stem(spec.name))
+    check = None
+    if program.check is not None:
+        b.offsets_check(program.check)
+        v = program.check.kernel
+        symbol = v.name if not program.check.fused else program.launches[0].table_kernel
+        check = OffsetsCheck(symbol, program.check.fused, v.checks)
     for i, p in enumerate(program.prepasses):
         b.prepass(i, p)
     for x in program.launches:
         b.launch(x)
     return Manifest(
         spec.name, spec.path, b.stem, spec.runtime_dims, spec_arguments(spec),
-        tuple(b.workspaces), tuple(b.steps),
+        tuple(b.workspaces), tuple(b.steps), check,
     )

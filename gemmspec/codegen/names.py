@@ -52,6 +52,11 @@ def table_symbol(spec_name: str, launch: int) -> str:
     return f"gs_{spec_name}_l{launch}_leaves"
 
 
+def check_symbol(spec_name: str) -> str:
+    """The offsets check, where it runs as a kernel of its own (codegen/validate.py)."""
+    return f"gs_{spec_name}_check"
+
+
 def prepass_symbol(spec_name: str, index: int, procedural: str) -> str:
     return f"gs_{spec_name}_p{index}_{_tail(procedural)}"
 

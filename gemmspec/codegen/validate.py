@@ -1,10 +1,10 @@
 """The offsets check that runs on the device, so a call never waits for the host.
 
-Before a spec's first launch, one small kernel (one block) reads every run-time
-offsets and counts tensor and checks what the host used to check after copying them
-back: rows non-decreasing, a top-level ragged group starting at 0 and ending at its
-dim (at or below it for a capacity group), nested rows spanning their outer segment
-exactly, counts non-negative, and the rows of scales anchored per ragged group. It
+Before anything reads them, one block of threads reads every run-time offsets and
+counts tensor and checks what the host used to check after copying them back: rows
+non-decreasing, a top-level ragged group starting at 0 and ending at its dim (at or
+below it for a capacity group), nested rows spanning their outer segment exactly,
+counts non-negative, and the rows of scales anchored per ragged group. It
 writes one flag per check (0 or 1, every run, so no flag is stale) and a copy of each
 tensor for the launches to read: the tensor itself when every check passed, zeros
 otherwise, which makes every segment empty. A call with bad offsets therefore
@@ -17,15 +17,23 @@ as zeros, not stored), so a bad index never reaches memory outside its tensor; t
 flag, like the others, empties every ragged segment and gives `check=True` its error.
 Distinct row numbers (a scattered `=` output) are the caller's to keep; the host checks
 them when it reads the index back (`prepare(check=True)`, `check=True`).
+
+The check is a device function. Launch 0's leaf-table builder runs it first and builds
+its table from the copies it has just written, which saves the call a launch; where a
+pre-pass reads the checked offsets before that builder runs (or there is no builder),
+it is a kernel of its own that runs first (`check_placement`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..lower.schedule import PrePass, Schedule
 from ..spec import Spec, Tensor
+from .names import check_symbol
 
-THREADS = 256
+THREADS = 256  # one block; a leaf-table builder that runs the check has as many threads
+FUNCTION = "check_offsets"
 
 
 @dataclass(frozen=True)
@@ -61,14 +69,71 @@ class IndexRows:
 
 
 @dataclass(frozen=True)
+class CheckParam:
+    """One parameter of a kernel that runs the check: what its value is, by name."""
+
+    name: str  # the C++ parameter's name
+    ctype: str
+    kind: str  # "flags", "input" (an offsets/counts tensor), "checked" (its copy), "index",
+    #            "size" (a dim's size) or "rows" (an anchored scale's row count)
+    ref: str  # the tensor, dim or scale
+    axis: int = 0  # "rows": the scale's axis
+
+
+@dataclass(frozen=True)
 class ValidationKernel:
-    name: str
-    source: str
+    """The check of a spec: a device function that every thread of one block runs, either
+    as a kernel of its own (`source`) or at the start of a leaf-table builder."""
+
+    name: str  # the symbol of the kernel of its own
+    function: str  # the device function FUNCTION, for a kernel to call
     tensors: tuple[str, ...]  # offsets/counts tensors: (input, checked copy) pairs in this order
     sizes: tuple[str, ...]  # dims whose size the kernel compares against, in parameter order
     anchored: tuple[AnchoredRows, ...]  # one `long long` row count each, after the sizes
     checks: tuple[Check, ...]  # flags[i] is 1 when checks[i] failed
     indices: tuple[str, ...] = ()  # index tensors, one pointer each after the pairs
+
+    @property
+    def params(self) -> tuple[CheckParam, ...]:
+        """The parameters of a kernel that runs the check, in the function's order."""
+        out = [CheckParam("flags", "int*", "flags", "")]
+        for t in self.tensors:
+            out += [CheckParam(f"in_{t}", "const int*", "input", t), CheckParam(f"checked_{t}", "int*", "checked", t)]
+        out += [CheckParam(f"index_{t}", "const int*", "index", t) for t in self.indices]
+        out += [CheckParam(f"size_{d}", "long long", "size", d) for d in self.sizes]
+        out += [
+            CheckParam(f"rows_{a.scale}_{a.axis}", "long long", "rows", a.scale, a.axis) for a in self.anchored
+        ]
+        return tuple(out)
+
+    def declarations(self) -> str:
+        """The parameters as a kernel declares them (the pointers __restrict__: a checked
+        copy is read, after the check, only through pointers made from its own)."""
+        return ", ".join(
+            f"{p.ctype} __restrict__ {p.name}" if p.ctype.endswith("*") else f"{p.ctype} {p.name}"
+            for p in self.params
+        )
+
+    def call(self) -> str:
+        return f"{FUNCTION}({', '.join(p.name for p in self.params)});"
+
+    @property
+    def source(self) -> str:
+        """The check as a kernel of its own (one block of THREADS threads)."""
+        return "\n".join(
+            [
+                f"namespace {self.name}_impl {{",
+                "",
+                self.function,
+                f"}}  // namespace {self.name}_impl",
+                "",
+                f'extern "C" __global__ void __launch_bounds__({THREADS})',
+                f"{self.name}({self.declarations()}) {{",
+                f"  {self.name}_impl::{self.call()}",
+                "}",
+                "",
+            ]
+        )
 
 
 def group_chain_count(spec: Spec, group: str) -> int:
@@ -137,7 +202,6 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
     indexed = index_rows(spec)
     if not groups and not indexed:
         return None
-    name = f"gs_validate_{spec.name}"
     index = {g.name: i for i, g in enumerate(groups)}
     sizes: list[str] = []
     for g in groups:
@@ -243,7 +307,9 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
         body.append("    }")
         body.append("    atomicAdd(&counted, mine);")
         body.append("    __syncthreads();")
-        body.append(f"    const int wrong = counted != (unsigned long long)rows{j};")
+        # A negative count is one the caller does not know (the C++ launcher is given
+        # pointers, not shapes): not compared.
+        body.append(f"    const int wrong = rows{j} >= 0 && counted != (unsigned long long)rows{j};")
         flag("wrong", Check(a.scale, f"scale '{a.scale}' must have one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
         body.append("  }")
 
@@ -259,18 +325,18 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
         i = index[g.name]
         n = group_chain_count(spec, g.name) * (g.count + (1 if g.kind == "ragged" else 0))
         copies.append(f"  for (int s = threadIdx.x; s < {n}; s += blockDim.x) out{i}[s] = bad ? 0 : in{i}[s];")
-    source = "\n".join(
+    function = "\n".join(
         [
             f"// Run-time offsets and counts of spec {spec.name}, checked on the device (see",
             "// gemmspec/codegen/validate.py): one flag per check, and a checked copy of each",
-            "// tensor that is all zeros (every segment empty) when any check failed.",
+            "// tensor that is all zeros (every segment empty) when any check failed. Every",
+            f"// thread of a block of {THREADS} takes part.",
             *(
                 ["// Index tensors are read, not copied: the kernels skip a row number outside its rows."]
                 if indices else []
             ),
-            f'extern "C" __global__ void __launch_bounds__({THREADS})',
-            f"{name}({', '.join(params)}) {{",
-            "  __shared__ unsigned long long counted;",
+            f"__device__ __forceinline__ void {FUNCTION}({', '.join(params)}) {{",
+            *(["  __shared__ unsigned long long counted;"] if anchored else []),
             "  int bad = 0;",
             *body,
             *copies,
@@ -278,6 +344,54 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
             "",
         ]
     )
-    return ValidationKernel(
-        name, source, tuple(g.tensor for g in groups), tuple(sizes), anchored, tuple(checks), indices
+    v = ValidationKernel(
+        check_symbol(spec.name), function, tuple(g.tensor for g in groups), tuple(sizes), anchored,
+        tuple(checks), indices,
     )
+    return v
+
+
+@dataclass(frozen=True)
+class CheckPlacement:
+    """Where the check runs: in launch 0's leaf-table builder (`fused`), which then builds
+    its table from the copies it has just checked, or as a kernel of its own, first."""
+
+    fused: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def prepass_offsets(spec: Spec, p: PrePass) -> str | None:
+    """The run-time offsets tensor a pre-pass reads (it then reads the checked copy): a
+    requantize into a segment_major layout restarts its scale blocks at each segment."""
+    if p.kind != "requantize":
+        return None
+    dst = spec.tensor(p.target)
+    if dst.layout.kind != "segment_major":
+        return None
+    return spec.group(dst.layout.group).tensor or None
+
+
+def needs_check(spec: Spec) -> bool:
+    """Whether any group is known only at run time or any index tensor picks rows."""
+    return any(g.tensor for g in spec.groups) or bool(index_rows(spec))
+
+
+def check_placement(spec: Spec, schedule: Schedule) -> CheckPlacement | None:
+    """Where the check of `spec` runs (None: it has none). Fused into the first builder
+    unless something that reads the checked copies runs before it."""
+    if not needs_check(spec):
+        return None
+    for i, p in enumerate(schedule.prepasses):
+        t = prepass_offsets(spec, p)
+        if t is not None:
+            return CheckPlacement(
+                False,
+                f"a kernel of its own, first: pre-pass {i} ({p.kind} {p.source} -> {p.target}) "
+                f"reads the checked '{t}' before any leaf-table builder runs",
+            )
+    if not schedule.launches:
+        return CheckPlacement(False, "a kernel of its own: there is no leaf-table builder to run it")
+    return CheckPlacement(True, "in launch 0's leaf-table builder, before it builds its table")

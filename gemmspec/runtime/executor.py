@@ -6,8 +6,9 @@ pre-passes write, and launches pre-passes, leaf-table builders and grouped GEMMs
 in schedule order on one stream. What the host can see (names, dtypes, shapes,
 strides, alignment, overlaps) is checked before anything is launched and a bad
 argument raises `ArgumentError`. The values of offsets and counts are checked on
-the device by a small kernel that runs first (codegen/validate.py), so a call
-never waits for the GPU; `check=True` waits and raises on what it found. A call
+the device before anything reads them (codegen/validate.py: in launch 0's leaf-table
+builder, or a small kernel that runs first), so a call never waits for the GPU;
+`check=True` waits and raises on what it found. A call
 whose run-time dims leave nothing to write (no tokens at all, say) launches nothing.
 
 A call plans its launches once per argument signature (dtypes, shapes, strides,
@@ -32,13 +33,14 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from ..codegen.emit import EmittedProgram
 from ..codegen.kernels import include_dir
-from ..codegen.manifest import Manifest, launch_manifest
-from ..codegen.validate import ValidationKernel, group_chain_count, index_rows, validation_kernel
+from ..codegen.manifest import CHECK_FLAGS, Manifest, launch_manifest
+from ..codegen.validate import group_chain_count, index_rows
 from ..errors import ArgumentError, GemmspecError
 from ..explain import explain_text
 from ..lower.schedule import Schedule
@@ -58,6 +60,14 @@ PLAN_CACHE = 32  # plans kept per executable; a plan captured in a CUDA graph is
 _CHECK_VARIABLE = "GEMMSPEC_CHECK"
 _CHECK_KEY = os.environ.encodekey(_CHECK_VARIABLE)
 _CHECK_OFF = (None, "", "0", b"", b"0")  # unset, empty or 0, as str or as bytes
+_PDL_VARIABLE = "GEMMSPEC_PDL"
+
+
+def programmatic_launches() -> bool:
+    """Whether GEMM kernels are launched as programmatic dependents of their leaf-table
+    builders, as the manifest says (GEMMSPEC_PDL=0: the ordinary way). Read when a
+    plan's launches are packed, on its first launch, not on every call."""
+    return os.environ.get(_PDL_VARIABLE, "1").strip() != "0"
 
 
 def debug_checks() -> bool:
@@ -177,7 +187,6 @@ class Executable:
         self._cubins: dict[str, CompiledCubin] = {}
         self._plans: OrderedDict[tuple, PreparedRun] = OrderedDict()
         self._recent: tuple[tuple, PreparedRun] | None = None  # the last call's key and plan
-        self._validation: ValidationKernel | None = validation_kernel(spec)
 
     @property
     def sources(self) -> dict[str, str]:
@@ -769,34 +778,28 @@ class Executable:
             return run
         with on_device(device):
             ptrs: dict[str, object] = {name: _Arg(name) for name in bound.arrays}
-            self._plan_validation(bound, ptrs, run)
-            # The same steps, in the same order, as the emitted host launcher.
-            plan_steps(self.manifest, run, ptrs, bound.dims, num_sms(run.device), self._step_kernel(run))
+            # The same steps, in the same order, as the emitted host launcher; the offsets
+            # check among them (its flags and checked copies are workspaces).
+            buffers = plan_steps(
+                self.manifest, run, ptrs, bound.dims, num_sms(run.device), self._step_kernel(run),
+                lambda name, axis: bound.arrays[name].shape[axis],
+            )
+        check = self.manifest.offsets_check
+        if check is not None:
+            run.flags, run.checks = buffers[CHECK_FLAGS], check.checks
         return run
 
-    def _plan_validation(self, bound: _Bound, ptrs: dict, run: PreparedRun) -> None:
-        """The offsets check runs first; every later launch reads its checked copies."""
-        v = self._validation
-        if v is None:
-            return
-        from ..codegen.validate import THREADS
 
-        run.flags = run.allocate(4 * max(len(v.checks), 1))
-        run.checks = v.checks
-        args: list[object] = [run.flags]
-        for name in v.tensors:
-            copy = run.allocate(bound.arrays[name].size * 4)
-            args += [ptrs[name], copy]
-            ptrs[name] = copy
-        args += [ptrs[name] for name in v.indices]  # read as they are: no copy
-        args += [np.int64(self._dim_size(d, bound.dims)) for d in v.sizes]
-        for a in v.anchored:
-            args.append(np.int64(bound.arrays[a.scale].shape[a.axis]))
-        run.add(self._kernel(v.source, v.name, run.device), 1, THREADS, 0, *args)
+class PlannedLaunch(NamedTuple):
+    """One kernel of a run: its arguments (user arrays as placeholders) and whether it is
+    launched as a programmatic dependent of the kernel before it."""
 
-    def validation_source(self) -> str | None:
-        """The CUDA source of the offsets check (None when no group is known only at run time)."""
-        return None if self._validation is None else self._validation.source
+    kernel: LoadedKernel
+    grid: tuple
+    block: int
+    smem: int
+    args: tuple
+    programmatic: bool = False
 
 
 @dataclass
@@ -812,7 +815,7 @@ class PreparedRun:
     launches: list = field(default_factory=list)
     device: int = 0
     arrays: dict = field(default_factory=dict)
-    flags: DeviceBuffer | None = None  # one int per check of the offsets-check kernel
+    flags: DeviceBuffer | None = None  # one int per check of the offsets check
     checks: tuple = ()
     pinned: bool = False  # captured in a CUDA graph: never dropped from the plan cache
     executable: object = None
@@ -835,8 +838,8 @@ class PreparedRun:
         self.workspace.append(buf)
         return buf
 
-    def add(self, kernel: LoadedKernel, grid, block, smem: int, *args) -> None:
-        self.launches.append((kernel, grid, block, smem, args))
+    def add(self, kernel: LoadedKernel, grid, block, smem: int, *args, programmatic: bool = False) -> None:
+        self.launches.append(PlannedLaunch(kernel, grid, block, smem, args, programmatic))
 
     def enqueue(self, arrays: dict[str, DeviceArray] | None = None) -> None:
         """Issue every kernel on the stream, on the bound arrays or on `arrays` (same
@@ -864,10 +867,13 @@ class PreparedRun:
         index = {n: i for i, n in enumerate(self.names)}
         cells = ArgumentCells(len(self.names))
         packed = []
-        for kernel, grid, block, smem, args in self.launches:
+        pdl = programmatic_launches()
+        for kernel, grid, block, smem, args, programmatic in self.launches:
             slots = {p: index[a.name] for p, a in enumerate(args) if type(a) is _Arg}
             values = [None if p in slots else a for p, a in enumerate(args)]
-            packed.append(kernel.bind(grid, block, smem, self.stream, values, slots, cells))
+            packed.append(
+                kernel.bind(grid, block, smem, self.stream, values, slots, cells, programmatic=programmatic and pdl)
+            )
         return cells, packed, on_device(self.device)
 
     def synchronize(self) -> None:

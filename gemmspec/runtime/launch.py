@@ -9,7 +9,10 @@ one's size against the kernel's parameter table before launching.
 pointers: its arguments are packed into a parameter block when bound, and the
 pointers that change from call to call are read from `ArgumentCells` that every
 launch of a run shares, so a call writes each pointer once and calls the driver
-directly for each kernel.
+directly for each kernel. A launch bound as `programmatic` goes through
+cuLaunchKernelEx with the programmatic stream serialization attribute (a programmatic
+dependent launch: the kernel may start while the one before it on the stream runs),
+its launch configuration built once as well.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ _STATIC_SMEM = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
 _CARVEOUT = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
 _MAX_SHARED_CARVEOUT = 100  # percent of the unified L1/shared memory given to shared memory
 _POINTER_SIZE = 8
+_PROGRAMMATIC = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _launch_kernel = driver.cuLaunchKernel
+_launch_kernel_ex = driver.cuLaunchKernelEx
 
 
 def num_sms(device: int = 0) -> int:
@@ -201,12 +206,14 @@ class LoadedKernel:
         args: tuple | list,
         slots: dict[int, int],
         cells: ArgumentCells,
+        programmatic: bool = False,
     ) -> BoundLaunch:
         """A launch whose arguments are checked and packed now, for launching many times.
 
         `slots` maps a parameter index to the cell of `cells` it reads: those parameters
         are pointers written into the cells before each launch, and what `args` holds for
         them (None) is a placeholder. Everything `launch` checks is checked here, once.
+        `programmatic` launches it as a programmatic dependent of the kernel before it.
         """
         if self._param_sizes is not None and len(args) != len(self._param_sizes):
             raise ArgumentError(
@@ -225,7 +232,7 @@ class LoadedKernel:
         except ValueError as e:
             raise ArgumentError(f"bad launch configuration for {self.name}: {e}") from e
         handle = int(current_stream(stream, device=self.device).handle)
-        return BoundLaunch(self, _dim3(grid), _dim3(block), smem_bytes, handle, values, slots, cells)
+        return BoundLaunch(self, _dim3(grid), _dim3(block), smem_bytes, handle, values, slots, cells, programmatic)
 
 
 def _dim3(dims: int | tuple[int, ...]) -> tuple[int, int, int]:
@@ -279,9 +286,14 @@ class BoundLaunch:
     """One kernel launch with its parameters packed: `launch()` calls the driver with
     the pointers its `ArgumentCells` hold, and does no other work."""
 
-    __slots__ = ("kernel", "grid", "block", "smem", "stream", "_values", "_params", "_cells", "_call")
+    __slots__ = (
+        "kernel", "grid", "block", "smem", "stream", "programmatic", "_values", "_params", "_cells",
+        "_config", "_driver", "_call",
+    )
 
-    def __init__(self, kernel, grid, block, smem: int, stream: int, values: list[int], slots, cells):
+    def __init__(
+        self, kernel, grid, block, smem: int, stream: int, values: list[int], slots, cells, programmatic=False
+    ):
         self.kernel, self.grid, self.block, self.smem, self.stream = (
             kernel,
             grid,
@@ -289,6 +301,7 @@ class BoundLaunch:
             smem,
             stream,
         )
+        self.programmatic = programmatic
         self._values = array("Q", values)  # one 8-byte cell per parameter
         base = self._values.buffer_info()[0]
         self._params = array(  # void*[]: this launch's own cells, or the shared ones
@@ -296,12 +309,36 @@ class BoundLaunch:
         )
         self._cells = cells  # kept alive as long as the parameter block points into it
         address = self._params.buffer_info()[0] if values else 0
-        self._call = (kernel._cu_function, *grid, *block, smem, driver.CUstream(stream), address, 0)
+        self._config = None
+        if programmatic:
+            self._config = programmatic_config(grid, block, smem, stream)
+            self._driver = _launch_kernel_ex
+            self._call = (self._config, kernel._cu_function, address, 0)
+        else:
+            self._driver = _launch_kernel
+            self._call = (kernel._cu_function, *grid, *block, smem, driver.CUstream(stream), address, 0)
 
     def launch(self) -> None:
-        (err,) = _launch_kernel(*self._call)
+        (err,) = self._driver(*self._call)
         if err:
             raise GemmspecError(
                 f"launching {self.kernel.name} (grid={self.grid}, block={self.block}, "
                 f"smem={self.smem} B) failed: {err.name}"
             )
+
+
+def programmatic_config(grid, block, smem: int, stream: int) -> driver.CUlaunchConfig:
+    """cuLaunchKernelEx's configuration of a programmatic dependent launch: the kernel may
+    be scheduled before the one before it on `stream` completes (it waits for it with
+    griddepcontrol.wait). CUDA graphs capture the edge as programmatic too."""
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = _PROGRAMMATIC
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    config.hStream = driver.CUstream(stream)
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config

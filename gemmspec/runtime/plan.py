@@ -27,10 +27,12 @@ def plan_steps(
     dims: dict[str, int],
     sms: int,
     kernel: Callable[[KernelLaunch], object],
-) -> None:
-    """Append `manifest`'s steps to `run` (a PreparedRun). `tensors` gives what each
-    spec argument's pointer is in this run (an array, a placeholder or a checked
-    copy); `kernel` loads a step's kernel."""
+    extent: Callable[[str, int], int],
+) -> dict[str, object]:
+    """Append `manifest`'s steps to `run` (a PreparedRun) and return its workspaces by
+    name. `tensors` gives what each spec argument's pointer is in this run (an array or
+    a placeholder); `kernel` loads a step's kernel; `extent(argument, axis)` is an
+    argument's length along an axis in this call."""
     env = {**{d: int(dims[d]) for d in manifest.runtime_dims}, NUM_SMS: int(sms)}
     uploaded = {s.workspace for s in manifest.steps if isinstance(s, Upload)}
     buffers: dict[str, object] = {}
@@ -44,8 +46,9 @@ def plan_steps(
         grid = tuple(g.evaluate(env) for g in step.grid)
         if min(grid) <= 0:
             continue  # an empty grid has nothing to do (the host launcher skips it too)
-        args = [_argument(p, tensors, buffers, env) for p in step.params]
-        run.add(kernel(step), grid, step.block, step.dynamic_smem, *args)
+        args = [_argument(p, tensors, buffers, env, extent) for p in step.params]
+        run.add(kernel(step), grid, step.block, step.dynamic_smem, *args, programmatic=step.programmatic)
+    return buffers
 
 
 def _contents(step: Upload, buffers: dict[str, object], env: dict[str, int]) -> np.ndarray:
@@ -56,7 +59,7 @@ def _contents(step: Upload, buffers: dict[str, object], env: dict[str, int]) -> 
     return np.array([v.evaluate(env) for v in step.int32], dtype=np.int32)
 
 
-def _argument(p: Param, tensors: dict[str, object], buffers: dict[str, object], env: dict[str, int]):
+def _argument(p: Param, tensors: dict[str, object], buffers: dict[str, object], env: dict[str, int], extent):
     s = p.source
     if s.kind == "tensor":
         return tensors[s.ref]
@@ -64,5 +67,7 @@ def _argument(p: Param, tensors: dict[str, object], buffers: dict[str, object], 
         return buffers[s.ref]
     if s.kind == "null":
         return None
+    if s.kind == "extent":
+        return _SCALARS[p.ctype](extent(s.ref, s.axis))
     value = env[s.ref] if s.kind == "dim" else s.value.evaluate(env)
     return _SCALARS[p.ctype](value)

@@ -116,6 +116,36 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         t = spec.tensor(name)
         shape = tuple(dim_size(spec, rt, d) for d in t.dims)
         init[name] = data.pop(name).values if name in data else np.full(shape, np.nan)
+    args, keep, out_bufs = device_arguments(spec, rt, data, init)
+    exe(**args)
+    results = {}
+    for name, (buf, host) in out_bufs.items():
+        t = spec.tensor(name)
+        flat = buf.to_numpy(host.shape, host.dtype).astype(np.float64)
+        results[name] = flat[element_offsets(spec, rt, t)]
+    reference = run_direct(spec, rt, data, init)
+    checks = []
+    for name in sorted(outputs):
+        t = spec.tensor(name)
+        ref, got = reference[name], results[name]
+        should = ~np.isnan(ref)
+        unwritten = int(np.isnan(got[should]).sum())
+        clobbered = int((~np.isnan(got[~should])).sum())
+        num = np.linalg.norm(np.nan_to_num(got[should]) - ref[should])
+        den = np.linalg.norm(ref[should]) or 1.0
+        a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
+        tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
+        checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))
+    # Timing: the whole schedule (the offsets check included), median of `repeats` runs.
+    seconds = _time(exe, args, repeats) if repeats else 0.0
+    del keep
+    return RunReport(spec.name, dict(rt.dims), tuple(checks), seconds, _useful_flops(spec, rt))
+
+
+def device_arguments(spec, rt: Runtime, data: dict, init: dict) -> tuple[dict, list, dict]:
+    """The arguments of a call on the device: the inputs of `data` with their scales, the
+    outputs holding `init` (NaN where poisoned), and `rt`'s offsets and counts. Returns
+    (arguments by name, the buffers to keep alive, {output: (buffer, host copy)})."""
     args: dict[str, object] = {}
     keep = []
     for name, d in data.items():
@@ -142,29 +172,7 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         buf = DeviceBuffer.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
         keep.append(buf)
         args[name] = buf.view(arr.shape, "i32")
-    exe(**args)
-    results = {}
-    for name, (buf, host) in out_bufs.items():
-        t = spec.tensor(name)
-        flat = buf.to_numpy(host.shape, host.dtype).astype(np.float64)
-        results[name] = flat[element_offsets(spec, rt, t)]
-    reference = run_direct(spec, rt, data, init)
-    checks = []
-    for name in sorted(outputs):
-        t = spec.tensor(name)
-        ref, got = reference[name], results[name]
-        should = ~np.isnan(ref)
-        unwritten = int(np.isnan(got[should]).sum())
-        clobbered = int((~np.isnan(got[~should])).sum())
-        num = np.linalg.norm(np.nan_to_num(got[should]) - ref[should])
-        den = np.linalg.norm(ref[should]) or 1.0
-        a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
-        tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
-        checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))
-    # Timing: the whole schedule (validation excluded), median of `repeats` runs.
-    seconds = _time(exe, args, repeats) if repeats else 0.0
-    del keep
-    return RunReport(spec.name, dict(rt.dims), tuple(checks), seconds, _useful_flops(spec, rt))
+    return args, keep, out_bufs
 
 
 def _shaped(buf: DeviceBuffer, t: Tensor, spec, rt):
@@ -190,4 +198,4 @@ def _time(exe: Executable, args: dict, repeats: int) -> float:
     return float(np.median(samples))
 
 
-__all__ = ["run_random", "RunReport", "OutputCheck"]
+__all__ = ["run_random", "device_arguments", "RunReport", "OutputCheck"]

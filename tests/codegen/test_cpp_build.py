@@ -84,3 +84,22 @@ def test_every_example_builds_and_links_into_one_program(tmp_path):
     ran = subprocess.run([str(out / "app")], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     assert [int(v) for v in ran.stdout.split()] == [_workspace_bytes(n) for n in SPECS]
+
+
+def test_a_check_of_its_own_builds_into_the_launcher(tmp_path):
+    """A spec whose pre-pass reads the offsets runs the check as a kernel of its own: its
+    file, the launcher that launches it first and the header build like the others."""
+    from test_offsets_check import REQUANT_FIRST
+
+    spec = tmp_path / "wgrad_requant.gspec"
+    spec.write_text(REQUANT_FIRST)
+    out = tmp_path / "gen"
+    assert main(["compile", str(spec), "-o", str(out)]) == 0
+    sources = sorted(p.name for p in out.glob("*.cu"))
+    assert "wgrad_requant_check.cu" in sources
+    host = (out / "wgrad_requant_host.cu").read_text()
+    assert host.index("gs_wgrad_requant_check") < host.index("_p0_sm90a_requant")
+    jobs = [(ARCH, *STRICT, "-c", s, "-o", f"{s}.o") for s in sources]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
+    _nvcc(ARCH, "-shared", *(f"{s}.o" for s in sources), "-o", "libwgrad.so", cwd=out)

@@ -108,7 +108,13 @@ def test_kernel_configuration(key):
     assert leaves.bytes.value == (n + 1) * LEAF_BYTES + (n * EPILOGUE_BYTES if g.epilogue else 0) + n * GATHER_BYTES
     assert "row numbers" in leaves.purpose
     table = next(k for k in manifest.kernels if k.role == "leaf_table")
-    assert [p.name for p in table.params if p.name.startswith("p_")] == ["p_offs", *(f"p_{t}" for t in g.index_tensors)]
+    # The builder runs the offsets check: it reads the checked offsets and the index
+    # tensors through the check's parameters (the index tensors as they are).
+    tensors = [p for p in table.params if p.name.startswith(("p_", "checked_", "index_"))]
+    assert [p.name for p in tensors] == ["checked_offs", *(f"index_{t}" for t in g.index_tensors)]
+    assert [p.source.ref for p in tensors] == ["check.offs", *g.index_tensors]
+    for t in ("offs", *g.index_tensors):
+        assert f"const int* const p_{t} = {'checked' if t == 'offs' else 'index'}_{t};" in launch.source
     roles = {a.name: a.role for a in manifest.arguments}
     assert roles["idx"] == roles["src"] == "index"
 

@@ -221,9 +221,15 @@ def test_header_and_launcher_are_the_manifest_laid_out(planned):
         assert re.search(rf"size_t {m.prefix}_workspace_bytes\(", header)
         for a in m.arguments:
             assert f"  {a.ctype} {a.name};" in header
-        # Every kernel is launched once, in manifest order.
-        launched = [s for s in re.findall(r"^\s+(gs_\w+)<<<", host, re.MULTILINE) if s != "gs_upload_kernel"]
+        # Every kernel is launched once, in manifest order: GEMM kernels as programmatic
+        # dependents of their builders (cudaLaunchKernelEx), the others with <<<>>>.
+        found = re.findall(r"^\s+(gs_\w+)<<<|cudaLaunchKernelEx\(&config, (gs_\w+),", host, re.MULTILINE)
+        launched = [a or b for a, b in found if (a or b) != "gs_upload_kernel"]
         assert launched == [k.symbol for k in m.kernels]
+        ex = [b for _, b in found if b]
+        assert ex == [k.symbol for k in m.kernels if k.programmatic] == [k.symbol for k in m.kernels if k.role == "gemm"]
+        assert host.count("cudaLaunchAttributeProgrammaticStreamSerialization") == len(ex)
+        assert ("#define GEMMSPEC_PDL 1" in host) == bool(ex)
         assert "cuTensorMapEncodeTiled" in host and "cudaStreamSynchronize" not in host
         assert "cudaDeviceSynchronize" not in host and "cudaMemcpy" not in host
 

@@ -24,34 +24,38 @@ class FakeBuffer:
 
 
 class FakeKernel:
-    """Records launches instead of making them (`launched`: every launch, all kernels)."""
+    """Records launches instead of making them (`launched`: every launch, all kernels;
+    `programmatic`: for each, whether it was a programmatic dependent launch)."""
 
     launched: list = []
+    programmatic: list = []
 
     def __init__(self, compiled, name, **_):
         self.name = name
 
     def launch(self, grid, block, smem, stream, *args):
         FakeKernel.launched.append((self.name, stream, args))
+        FakeKernel.programmatic.append(False)
 
-    def bind(self, grid, block, smem, stream, args, slots, cells):
-        return FakeLaunch(self.name, stream, args, slots, cells)
+    def bind(self, grid, block, smem, stream, args, slots, cells, programmatic=False):
+        return FakeLaunch(self.name, stream, args, slots, cells, programmatic)
 
 
 class FakeLaunch:
     """A bound launch: each launch records the arguments with the pointers (ints) its
     argument cells hold in the slots."""
 
-    def __init__(self, name, stream, args, slots, cells):
+    def __init__(self, name, stream, args, slots, cells, programmatic=False):
         assert all(args[p] is None for p in slots)
         self.name, self.stream, self.args, self.slots = name, stream, tuple(args), dict(slots)
-        self.cells = cells
+        self.cells, self.programmatic = cells, programmatic
 
     def launch(self):
         args = list(self.args)
         for param, cell in self.slots.items():
             args[param] = self.cells[cell]
         FakeKernel.launched.append((self.name, self.stream, tuple(args)))
+        FakeKernel.programmatic.append(self.programmatic)
 
 
 class NoStream:
@@ -68,6 +72,7 @@ def offline(monkeypatch):
     offsets and counts tensors the test creates."""
     host = {}
     FakeKernel.launched = []
+    FakeKernel.programmatic = []
     monkeypatch.setattr(executor, "DeviceBuffer", FakeBuffer)
     monkeypatch.setattr(executor, "LoadedKernel", FakeKernel)
     monkeypatch.setattr(executor, "compile_cubin", lambda source, **kw: None)

@@ -62,7 +62,8 @@ def test_call_waits_for_nothing_and_reuses_its_plan(exe, offline):
     assert len(exe._plans) == 1
     first = executor.LoadedKernel.launched[:]
     names = [name for name, _, _ in first]
-    assert names[0] == "gs_validate_moe_fp8_forward" and len(names) == 3
+    # The leaf-table builder checks the offsets itself: two launches, no check kernel.
+    assert names == ["gs_moe_fp8_forward_l0_leaves", exe.program.launches[0].gemm.name]
     executor.LoadedKernel.launched.clear()
     exe(**forward_args(base=64 * GIB))  # same shapes, other memory
     assert len(exe._plans) == 1
@@ -78,13 +79,22 @@ def workspaces(launches):
     return {id(a) for _, _, args in launches for a in args if not isinstance(a, (int, np.generic))}
 
 
+def param(exe, symbol: str, name: str) -> int:
+    """The position of parameter `name` of kernel `symbol`, as the manifest lists it."""
+    step = next(k for k in exe.manifest.kernels if k.symbol == symbol)
+    return [p.name for p in step.params].index(name)
+
+
 def test_gemm_launches_read_the_checked_offsets(exe, offline):
     args = forward_args()
     exe(**args)
-    (_, _, check), (_, _, table), _ = executor.LoadedKernel.launched
+    (table_name, _, table), (_, _, gemm) = executor.LoadedKernel.launched
     offsets = args["expert_offsets"].ptr
-    assert check[1] == offsets  # the check reads the user's offsets
-    assert check[2] in table and offsets not in user_pointers([(0, 0, table)])  # the rest its copy
+    # The builder reads the user's offsets once, into the checked copy it builds from.
+    assert table[param(exe, table_name, "in_expert_offsets")] == offsets
+    copy = table[param(exe, table_name, "checked_expert_offsets")]
+    assert copy is exe._plans[next(iter(exe._plans))].workspace[1]  # the second workspace: after the flags
+    assert [a for a in table if a == offsets] == [offsets] and offsets not in gemm
 
 
 def test_new_shapes_make_a_new_plan(exe, offline):
@@ -108,7 +118,7 @@ def test_each_stream_has_its_own_plan(exe, offline, monkeypatch):
     exe(stream=11, **forward_args())
     assert len(exe._plans) == 2
     handles = [stream.handle for _, stream, _ in executor.LoadedKernel.launched]
-    assert handles == [11] * 3 + [12] * 3 + [11] * 3
+    assert handles == [11] * 2 + [12] * 2 + [11] * 2
 
 
 def test_capture_takes_over_a_plan_made_before(exe, offline, monkeypatch):
@@ -341,7 +351,7 @@ CAPACITY = moe_spec("capacity_moe", n=72, k=300, e=4, fp8=True, scales_major_t=T
 def test_capacity_offsets_end_at_or_below(offline):
     exe = gemmspec.build(CAPACITY)
     assert "ragged(T, offsets=offs, capacity)" in exe.explain()
-    messages = [c.message for c in exe._validation.checks]
+    messages = [c.message for c in exe.manifest.offsets_check.checks]
     assert "'offs' must start at 0 and end at or below T" in messages
     gib = 1 << 30
     args = {

@@ -49,6 +49,17 @@ def launches():
     return out
 
 
+def builder_param(name: str) -> int:
+    """Where parameter `name` of the forward spec's leaf-table builder (which also checks
+    the offsets) sits in its launch's arguments."""
+    step = next(k for k in gemmspec.build(FORWARD).manifest.kernels if k.role == "leaf_table")
+    return [p.name for p in step.params].index(name)
+
+
+OFFSETS = builder_param("in_expert_offsets")  # the user's offsets, read by the check
+SIZE_T = builder_param("size_T")
+
+
 def test_a_planned_call_takes_the_fast_path(exe, offline, monkeypatch):
     exe(**forward_args())
     launches()
@@ -58,8 +69,8 @@ def test_a_planned_call_takes_the_fast_path(exe, offline, monkeypatch):
     monkeypatch.setattr(exe, "_plan_call", None)
     moved = forward_args(base=64 * GIB)
     exe(**moved)
-    (_, _, check), (_, _, table), (_, _, gemm) = launches()
-    assert check[1] == moved["expert_offsets"].ptr
+    (_, _, table), (_, _, gemm) = launches()
+    assert table[OFFSETS] == moved["expert_offsets"].ptr
     assert moved["x"].ptr in table and moved["y"].ptr in table
     assert not {a.ptr for a in forward_args().values()} & set(table)
 
@@ -105,8 +116,8 @@ def test_alternating_signatures_each_launch_their_own_plan(exe, offline):
     for t in (T, T + 8, T, T, T + 8):
         exe(**forward_args(t=t))
     assert len(exe._plans) == 2
-    # The offsets check takes T after its buffers and the offsets' pointers.
-    sizes = [int(args[3]) for name, _, args in launches() if name.startswith("gs_validate")]
+    # The builder's offsets check takes T.
+    sizes = [int(args[SIZE_T]) for name, _, args in launches() if name.endswith("_leaves")]
     assert sizes == [T, T + 8, T, T, T + 8]
 
 
@@ -123,7 +134,7 @@ def test_a_dropped_recent_plan_is_not_used_again(exe, offline, monkeypatch):
     exe(**forward_args(t=T + 8))
     assert list(exe._plans) == [key] and exe._recent[0] == key
     exe(**forward_args(t=T + 8))
-    sizes = [int(args[3]) for name, _, args in launches() if name.startswith("gs_validate")]
+    sizes = [int(args[SIZE_T]) for name, _, args in launches() if name.endswith("_leaves")]
     assert sizes == [T, T + 8, T, T + 8, T + 8]
 
 
@@ -169,7 +180,7 @@ def test_a_capture_launches_on_its_own_stream(exe, offline, monkeypatch):
     exe(stream=6, **forward_args())
     exe(stream=5, **forward_args())
     handles = [stream.handle for _, stream, _ in launches()]
-    assert handles == [5] * 3 + [6] * 3 + [5] * 3
+    assert handles == [5] * 2 + [6] * 2 + [5] * 2
 
 
 def test_prepared_enqueue_launches_on_its_arrays_or_others(exe, offline):
@@ -179,9 +190,9 @@ def test_prepared_enqueue_launches_on_its_arrays_or_others(exe, offline):
     run.enqueue()
     run.enqueue(forward_args(base=64 * GIB))
     done = launches()
-    first, second = done[:3], done[3:]
-    assert first[0][2][1] == 6 * GIB  # the offsets check reads the prepared offsets
-    assert second[0][2][1] == 69 * GIB  # then those passed to enqueue
+    first, second = done[:2], done[2:]
+    assert first[0][2][OFFSETS] == 6 * GIB  # the offsets check reads the prepared offsets
+    assert second[0][2][OFFSETS] == 69 * GIB  # then those passed to enqueue
     assert [name for name, _, _ in first] == [name for name, _, _ in second]
 
 
@@ -218,8 +229,8 @@ def test_torch_tensors_reuse_the_plan_and_are_checked_each_call(exe, offline, to
     exe(**args)
     exe(**args)
     assert len(exe._plans) == 1
-    (_, _, check) = launches()[3]
-    assert check[1] == args["expert_offsets"].data_ptr()
+    (_, _, table) = launches()[2]
+    assert table[OFFSETS] == args["expert_offsets"].data_ptr()
     # The same tensor object, changed in place: new pointer, new shape, new dtype.
     storage = torch.empty(64 * N + 8, dtype=torch.bfloat16)
     args["y"] = storage[1:].as_strided((64, N), (N, 1))  # 2 bytes past an aligned start
@@ -397,12 +408,12 @@ def torch_op(exe, offline, torch_cuda, monkeypatch):
 def test_a_planned_op_call_skips_the_dispatcher(torch_op, torch_cuda):
     op, args = torch_op, torch_args(torch_cuda)
     assert op(**args) is args["y"]
-    assert op.dispatched == ["in place"] and len(launches()) == 3  # planned there
+    assert op.dispatched == ["in place"] and len(launches()) == 2  # planned there
     moved = torch_args(torch_cuda)
     assert op(**moved) is moved["y"]
     assert op.dispatched == ["in place"]
-    (_, _, check), (_, _, table), _ = launches()
-    assert check[1] == moved["expert_offsets"].data_ptr() and moved["y"].data_ptr() in table
+    (_, _, table), _ = launches()
+    assert table[OFFSETS] == moved["expert_offsets"].data_ptr() and moved["y"].data_ptr() in table
 
 
 def test_op_calls_the_plan_does_not_fit_take_the_dispatcher(torch_op, torch_cuda):
@@ -510,5 +521,5 @@ def test_fresh_outputs_without_the_dispatcher(torch_op, torch_cuda, monkeypatch)
     first, second = op(**inputs), op(**inputs)
     assert op.dispatched == ["in place"]  # the first one planned there, with the outputs made
     assert first is made[0][0] and second is made[1][0] and tuple(second.shape) == (64, N)
-    (_, _, table), _ = launches()[4:]
+    (_, _, table), _ = launches()[2:]
     assert second.data_ptr() in table

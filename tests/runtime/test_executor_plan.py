@@ -61,18 +61,20 @@ def test_prepare_builds_one_argument_per_parameter(path, offline):
     exe = gemmspec.build(path)
     run = exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(0)))
     params = {}
-    for source in [*exe.sources.values(), exe.validation_source() or ""]:
+    for source in exe.sources.values():
         for decl in entry_points(source):
             name = decl.split("void ", 1)[1].split("(", 1)[0]
             params[name] = decl.count(",") + 1
     names = [k.name for k, *_ in run.launches]
-    # The offsets check comes first whenever a group is known only at run time.
-    checked = exe.validation_source() is not None
-    assert (names[0] == f"gs_validate_{exe.spec.name}") == checked
-    names = names[checked:]
+    # The offsets check runs in launch 0's leaf-table builder, or as a kernel of its own
+    # that comes first.
+    check = exe.program.check
+    alone = check is not None and not check.fused
+    assert (names[0] == f"gs_{exe.spec.name}_check") == alone
+    names = names[alone:]
     expected = len(exe.program.prepasses) + 2 * len(exe.program.launches)
     assert len(names) == expected
-    for kernel, grid, block, smem, args in run.launches:
+    for kernel, grid, block, smem, args, _ in run.launches:
         assert len(args) == params[kernel.name], kernel.name
         assert grid and block in (128, 256, 384) and 0 <= smem <= 227 * 1024
         assert all(not isinstance(a, (int, float)) or isinstance(a, np.generic) for a in args)

@@ -19,14 +19,16 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gsp
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_runtime_follows_the_manifest(path, offline):
     exe = gemmspec.build(path)
-    run = exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(1)))
-    launches = run.launches[exe.validation_source() is not None :]  # the offsets check comes first
+    arrays = _arrays(exe, offline, np.random.default_rng(1))
+    run = exe.prepare(None, **arrays)
+    launches = run.launches  # the offsets check among them: the manifest has it too
     env = {**run.dims, NUM_SMS: 132}
     kernels = [s for s in exe.manifest.steps if isinstance(s, KernelLaunch)]
     kernels = [k for k in kernels if min(g.evaluate(env) for g in k.grid) > 0]
     assert [k.name for k, *_ in launches] == [k.symbol for k in kernels]
-    for (_kernel, grid, block, smem, args), step in zip(launches, kernels):
+    for (_kernel, grid, block, smem, args, programmatic), step in zip(launches, kernels):
         assert tuple(grid) == tuple(g.evaluate(env) for g in step.grid)
+        assert programmatic == step.programmatic == (step.role == "gemm")
         assert (block, smem) == (step.block, step.dynamic_smem)
         assert len(args) == len(step.params)
         for arg, p in zip(args, step.params):
@@ -34,6 +36,8 @@ def test_runtime_follows_the_manifest(path, offline):
                 assert int(arg) == p.source.value.evaluate(env), (step.symbol, p.name)
             if p.source.kind == "null":
                 assert arg is None
+            if p.source.kind == "extent":  # an argument's length: an anchored scale's rows
+                assert int(arg) == arrays[p.source.ref].shape[p.source.axis], (step.symbol, p.name)
     # One buffer per workspace: allocated, or uploaded by its step.
     uploads = sum(isinstance(s, Upload) for s in exe.manifest.steps)
     assert len(exe.manifest.workspaces) <= len(run.workspace)

@@ -3,7 +3,7 @@
 // The kernel ABI's leaf table and tensor-map slots, plus thin wrappers over the PTX the
 // emitted kernels use, one section per concern: shared-memory addresses and wgmma
 // matrix descriptors, wgmma fences, mbarriers, TMA loads, tensor-map patching,
-// register reallocation, and element conversions. The wgmma instructions themselves
+// register reallocation, programmatic dependent launch, and element conversions. The wgmma instructions themselves
 // are emitted per kernel (their operand count depends on the tile width).
 // Includes only CUDA toolkit headers so it compiles under NVRTC and nvcc alike.
 #pragma once
@@ -351,6 +351,24 @@ __device__ __forceinline__ void gs_setmaxnreg_dec() {
 template <int R>
 __device__ __forceinline__ void gs_setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+// ---------------------------------------------------------------------------
+// Programmatic dependent launch. A kernel launched with the programmatic stream
+// serialization attribute may start while the kernel before it on the stream still runs.
+// ---------------------------------------------------------------------------
+// Blocks the calling thread until the grids this one depends on have completed and their
+// memory operations are visible to it. Each thread that reads what they wrote, or writes
+// anything, waits first. A no-op in a kernel launched without the attribute.
+__device__ __forceinline__ void gs_grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+// Lets the dependent grid be scheduled before this one ends (once every block of this
+// grid has issued it or exited). It makes nothing visible: the dependent's
+// gs_grid_dependency_wait still waits for this whole grid to complete and flush.
+__device__ __forceinline__ void gs_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
 // ---------------------------------------------------------------------------
