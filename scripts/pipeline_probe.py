@@ -9,7 +9,7 @@ is not the spec's result, it only shows what the load pipeline and wgmma sustain
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora | --wgrad] [--idle MS]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import LORA, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
+from gemmspec.bench import LORA, WGRAD, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -69,6 +69,14 @@ LORA_VARIANTS = {
     "check a kernel of its own, no PDL (3 launches)": {"fuse_check": False, "programmatic": False},
 }
 
+# FP8 WGRAD (K-grouped, 128 x 1 scales on both sides, f32 +=): how its producer stages the
+# per-row and per-column scales of each stage.
+WGRAD_VARIANTS = {
+    "as compiled": {},
+    "scales copied by every producer lane (129 arrivals per stage)": {"bulk_scales": False},
+    "as compiled (again: drift over the run)": {},
+}
+
 
 def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
     """The benchmark's LoRA shrink: tokens split evenly over adapters, randomly over experts."""
@@ -101,6 +109,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run the variants whose label contains one of these (comma-separated)")
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
     ap.add_argument("--lora", action="store_true", help="probe the memory-bound nested LoRA shrink instead")
+    ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
         help="time 60 launches each after MS ms of GPU idling (the card's power and thermal state "
@@ -113,6 +122,12 @@ def main() -> int:
         tensors, variants = lora_inputs(), LORA_VARIANTS
         spec = LORA.format(k=4096, r=16, l=4, e=8)
         t, n, k = 8192, 16, 4096
+    elif args.wgrad:
+        # Segment-major operands (each expert's tokens contiguous per channel), 128 x 1 scales.
+        tensors = {
+            "dy": _fp8((t, n)), "dy_scale": _scales((t // 128, n)), "x": _fp8((t, k)), "x_scale": _scales((t // 128, k)),
+        }
+        variants, spec = WGRAD_VARIANTS, WGRAD.format(n=n, k=k, e=e)
     elif args.bf16:
         x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
         w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
@@ -136,13 +151,18 @@ def main() -> int:
             print(f"{label:40} skipped: {err}", flush=True)
             continue
         out_dtype = torch.float32 if args.lora else torch.bfloat16
-        y = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
+        if args.wgrad:  # dw += ...: every launch adds, so the check compares the first launch's sum
+            y = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
+            outputs = {"dw": y}
+        else:
+            y = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
+            outputs = {"y": y}
         extra = {} if args.lora else {"offs": offs}
-        run = exe.prepare(torch.cuda.current_stream(), y=y, **extra, **tensors)
+        run = exe.prepare(torch.cuda.current_stream(), **outputs, **extra, **tensors)
         run.enqueue()
         torch.cuda.synchronize()
         check = ""
-        if cfg.scaled or args.bf16 or args.lora:
+        if cfg.scaled or args.bf16 or args.lora or args.wgrad:
             if reference is None:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
