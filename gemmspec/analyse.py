@@ -112,6 +112,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     return choose_tile(
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
         per_channel=spec.per_channel(g), gather=g.gather is not None,
+        fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES,
     )
 
 
