@@ -177,9 +177,10 @@ class _Checker:
             )
         gemms = tuple(self.check_statement(i, s) for i, s in enumerate(self.ast.statements))
         self.check_written_once(gemms)
+        self.check_pow2_scales(gemms)
         self.check_outputs_do_not_alias(gemms)
         self.check_derived_emittable(gemms)
-        directives = self.check_directives()
+        directives = self.check_directives(gemms)
         return Spec(
             name=self.ast.name.text,
             path=self.file.path,
@@ -703,7 +704,9 @@ class _Checker:
                     f"{dim} in a stride; keep {dim}'s blocks outermost (row_major)",
                     (s.layout or ast.LayoutDecl("row_major", s.pos)).pos,
                 )
-        return Scale(name.text, s.dtype.text, sizes, layout, anchor)
+        if len(s.pow2) > 1:
+            raise self.error(f"`pow2` is written twice in the scale of '{t.name.text}'", s.pow2[1])
+        return Scale(name.text, s.dtype.text, sizes, layout, anchor, pow2=bool(s.pow2))
 
     def block_size(self, b: ast.IntLit | ast.Name) -> int | str:
         """A scale block entry's size: a literal, or a dim's name standing for the whole
@@ -1744,6 +1747,20 @@ class _Checker:
                 col_pos,
                 f"declare `dim {cols.name} = ...` with a multiple of {FP8_OUT_BLOCK}",
             )
+        b_t = self.tensors[gemm.b.tensor]
+        if gemm.swiglu and b_t.scale is not None and not self._per_channel(gemm):
+            # 128 gate/up pairs per tile: 256 columns, two 128-column wgmma halves, each with
+            # one B scale per K block.
+            b_axis = gemm.b.axis_of_role("n")
+            block = b_t.scale.block[b_axis]
+            if not self._covers(b_t, b_axis) and block % FP8_OUT_BLOCK:
+                raise self.error(
+                    f"'{b_t.name}' changes scale every {block} rows along {b_t.dims[b_axis]}; a SwiGLU "
+                    f"into FP8 runs tiles of {2 * FP8_OUT_BLOCK} gate/up rows as two "
+                    f"{FP8_OUT_BLOCK}-row halves, each with one scale of '{b_t.name}' per K block",
+                    self.tensor_ast[b_t.name].scale.block[b_axis].pos,
+                    f"use blocks of {FP8_OUT_BLOCK} (or a multiple) along {b_t.dims[b_axis]}",
+                )
         splitting = [a.group for a in gemm.leaf_axes if a.group and self.groups[a.group].dim == cols.name]
         if splitting:
             raise self.error(
@@ -1751,6 +1768,28 @@ class _Checker:
                 "its scale blocks run across whole rows of the output (not supported yet)",
                 col_pos,
                 "split the rows instead, or write one statement per column segment",
+            )
+
+    def check_pow2_scales(self, gemms: tuple[Gemm, ...]) -> None:
+        """`scale f32 [...] pow2` says how the epilogue computes the scales it writes, so it
+        belongs to FP8 outputs; a quantize pass spells it `quantize(SOURCE, pow2)`."""
+        written = {g.out.tensor for g in gemms}
+        for t in self.tensors.values():
+            if t.scale is None or not t.scale.pow2 or t.name in written:
+                continue
+            pos = self.tensor_ast[t.name].scale.pow2[0]
+            if t.derived is not None and t.derived.op == "quantize":
+                raise self.error(
+                    f"'{t.name}' is quantized by a pre-pass, whose option says how it computes its "
+                    "scales: write it there",
+                    pos,
+                    f"drop this `pow2` and declare `= quantize({t.derived.source}, pow2)`",
+                )
+            raise self.error(
+                f"`pow2` says how gemmspec computes the scales it writes, but no statement writes "
+                f"'{t.name}': its scales are passed in",
+                pos,
+                "drop `pow2` (power-of-two scales passed in need no declaration)",
             )
 
     def check_same_k_scaling(self, gemm: Gemm, a_t: Tensor, b_t: Tensor) -> None:
@@ -2222,7 +2261,7 @@ class _Checker:
             return None
         return anchor
 
-    def check_directives(self) -> Directives:
+    def check_directives(self, gemms: tuple[Gemm, ...]) -> Directives:
         force = None
         force_pos = None
         target = "sm_90a"
@@ -2252,7 +2291,23 @@ class _Checker:
                         "rows by a multiple of 8 columns from 8 to 256",
                         d.pos,
                     )
-                if tn > 192 and scaled:
+                fp8_out = [
+                    (g, st) for g, st in zip(gemms, self.ast.statements)
+                    if self.tensors[g.out.tensor].dtype in FP8_TYPES
+                ]
+                for g, st in fp8_out:
+                    cols = tn // 2 if g.swiglu else tn
+                    if cols % FP8_OUT_BLOCK:
+                        what = f"{cols} output columns of a SwiGLU" if g.swiglu else f"{tn} columns"
+                        raise self.error(
+                            f"tile({tm}, {tn}) gives {what}, but the FP8 output "
+                            f"'{g.out.tensor}' (line {st.pos.line}) is quantized per row and "
+                            f"{FP8_OUT_BLOCK} columns: a tile covers whole blocks of it",
+                            d.pos,
+                            f"use tile({tm}, {2 * FP8_OUT_BLOCK if g.swiglu else FP8_OUT_BLOCK})",
+                        )
+                halves = bool(fp8_out) and all(g.swiglu for g, _ in fp8_out) and len(fp8_out) == len(gemms)
+                if tn > 192 and scaled and not (halves and tn == 2 * FP8_OUT_BLOCK):
                     raise self.error(
                         f"tile({tm}, {tn}) is too wide for scaled FP8: those kernels keep two "
                         "accumulator tiles in registers, so at most 192 columns",

@@ -327,6 +327,7 @@ def emit_launch(spec: Spec, launch: Launch, config: GemmKernelConfig | None = No
         gather_a=pg.a.rows is not None,
         gather_at=pg.leaf_count * EPILOGUE_RECORD_BYTES if pg.epilogue else 0,
         dscale_fields=dscale_fields,
+        records_first=sum(map(bool, (epilogue_fields, gather_fields, dscale_fields))) >= 2,
         dscale_at=pg.leaf_count * (
             (EPILOGUE_RECORD_BYTES if pg.epilogue else 0) + (GATHER_RECORD_BYTES if pg.index_maps else 0)
         ),

@@ -25,11 +25,11 @@ from .data import (
     block_index,
     dim_size,
     fp8_output_values,
-    scale_grid_shape,
     quantize_values,
     real_values,
     requantize_values,
     rows_through,
+    scale_grid_shape,
     segments,
 )
 

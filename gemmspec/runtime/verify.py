@@ -3,7 +3,9 @@
 Inputs are fresh random values quantized with the spec's own scales (never
 zeros); `=` outputs are poisoned with NaN first and must come back fully
 written; `+=` outputs start from random values. The reference is the spec's
-direct semantics on the dequantized inputs (gemmspec.reference.direct).
+direct semantics on the dequantized inputs (gemmspec.reference.direct). An FP8
+output's scales are poisoned too, and it is compared dequantized (values times scales)
+with the reference's, which quantizes the float64 result by the same rule.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..reference.data import (
     Runtime,
     dim_size,
     element_offsets,
+    expand_scales,
     random_inputs,
     random_runtime,
     scale_grid_shape,
@@ -25,7 +28,7 @@ from ..reference.data import (
     segments,
 )
 from ..reference.direct import run_direct
-from ..spec import Tensor
+from ..spec import FP8_TYPES, Tensor
 from .arrays import DeviceBuffer
 from .executor import Executable
 
@@ -133,11 +136,19 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
             strides = tuple(s.evaluate(rt.dims) for s in t.scale.layout.strides)
             args[t.scale.name] = sbuf.view(shape, "f32", strides)
     out_bufs = {}
+    scale_bufs = {}
     for name, v in init.items():
         t = spec.tensor(name)
         host, buf = _flat_buffer(spec, rt, t, v, np.nan)
         out_bufs[name] = (buf, host)
         args[name] = _shaped(buf, t, spec, rt)
+        if t.dtype in FP8_TYPES:  # an FP8 output: its scales are written too, poisoned first
+            grid_off = scale_offsets(spec, rt, t)
+            flat = np.full(int(grid_off.max(initial=-1)) + 1, np.nan, dtype=np.float32)
+            sbuf = DeviceBuffer.from_numpy(flat if flat.size else np.zeros(4, np.float32))
+            scale_bufs[name] = (sbuf, flat.size, grid_off)
+            strides = tuple(s.evaluate(rt.dims) for s in t.scale.layout.strides)
+            args[t.scale.name] = sbuf.view(scale_grid_shape(spec, rt, t), "f32", strides)
     for name, arr in rt.tensors.items():
         buf = DeviceBuffer.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
         keep.append(buf)
@@ -148,18 +159,31 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         t = spec.tensor(name)
         flat = buf.to_numpy(host.shape, host.dtype).astype(np.float64)
         results[name] = flat[element_offsets(spec, rt, t)]
+        if name in scale_bufs:
+            sbuf, size, grid_off = scale_bufs[name]
+            grid = sbuf.to_numpy((size,), np.float32).astype(np.float64) if size else np.zeros(0)
+            results[t.scale.name] = grid[grid_off]
     reference = run_direct(spec, rt, data, init)
     checks = []
     for name in sorted(outputs):
         t = spec.tensor(name)
         ref, got = reference[name], results[name]
+        if t.dtype in FP8_TYPES:
+            # Dequantized; an unwritten scale (NaN) makes its block's values unwritten too.
+            ref = ref * expand_scales(spec, rt, t, reference[t.scale.name])
+            got = got * expand_scales(spec, rt, t, results[t.scale.name])
         should = ~np.isnan(ref)
         unwritten = int(np.isnan(got[should]).sum())
         clobbered = int((~np.isnan(got[~should])).sum())
         num = np.linalg.norm(np.nan_to_num(got[should]) - ref[should])
         den = np.linalg.norm(ref[should]) or 1.0
         a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
-        tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
+        if t.dtype in FP8_TYPES:
+            # The GPU's f32 result and the reference's float64 one round to the same FP8 codes
+            # but for a few near a rounding boundary, one FP8 step (an eighth) apart.
+            tol = 1e-2
+        else:
+            tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
         checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))
     # Timing: the whole schedule (validation excluded), median of `repeats` runs.
     seconds = _time(exe, args, repeats) if repeats else 0.0
