@@ -230,10 +230,21 @@ def _out_index(gemm: Gemm, at: dict[str, int]) -> tuple:
     return tuple(at[u.axis] if u.kind == "leaf" else slice(None) for u in gemm.out.uses)
 
 
-def run_direct(spec: Spec, rt: Runtime, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_direct(
+    spec: Spec,
+    rt: Runtime,
+    inputs: dict[str, TensorData],
+    init: dict[str, np.ndarray],
+    given: dict[str, TensorData] | None = None,
+) -> dict[str, np.ndarray]:
     """Evaluate every statement in order; `init` holds each output's starting values (an
     FP8 output's scale grid may start from `init[<scale name>]`, else NaN). An FP8
-    output's scale grid is returned under its scale's name."""
+    output's scale grid is returned under its scale's name. `given` names FP8 outputs to
+    take as they are (values and scales) instead of computing them, so that the
+    statements reading them can be checked against what a device wrote: FP8 rounding is
+    discontinuous, and a result a hair away from the reference's may round to the next
+    FP8 value."""
+    given = given or {}
     data = derive(spec, rt, inputs)
     results = {k: v.copy() for k, v in init.items()}
     for t in fp8_outputs(spec):
@@ -245,7 +256,10 @@ def run_direct(spec: Spec, rt: Runtime, inputs: dict[str, TensorData], init: dic
         name = gemm.out.tensor
         out_t = spec.tensor(name)
         if out_t.dtype in FP8_TYPES:
-            d = run_fp8_statement(spec, rt, gemm, data, TensorData(results[name], results[out_t.scale.name]))
+            if name in given:
+                d = given[name]
+            else:
+                d = run_fp8_statement(spec, rt, gemm, data, TensorData(results[name], results[out_t.scale.name]))
             results[name], results[out_t.scale.name] = d.values, d.scale_grid
             data[name] = d
             continue

@@ -5,7 +5,10 @@ zeros); `=` outputs are poisoned with NaN first and must come back fully
 written; `+=` outputs start from random values. The reference is the spec's
 direct semantics on the dequantized inputs (gemmspec.reference.direct). An FP8
 output's scales are poisoned too, and it is compared dequantized (values times scales)
-with the reference's, which quantizes the float64 result by the same rule.
+with the reference's, which quantizes the float64 result by the same rule; statements
+that read an FP8 output are checked against the reference run on the FP8 values and
+scales the GPU wrote (a result a hair from the reference's may round to the next FP8
+value, and the reference of what reads it would carry that step along).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from ..reference.data import (
     NUMPY_TYPES,
     Runtime,
+    TensorData,
     dim_size,
     element_offsets,
     expand_scales,
@@ -164,6 +168,18 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
             grid = sbuf.to_numpy((size,), np.float32).astype(np.float64) if size else np.zeros(0)
             results[t.scale.name] = grid[grid_off]
     reference = run_direct(spec, rt, data, init)
+    read = {r for g in spec.gemms for r in g.reads}
+    as_written = {
+        n: TensorData(results[n], results[spec.tensor(n).scale.name])
+        for n in outputs
+        if spec.tensor(n).dtype in FP8_TYPES and n in read
+    }
+    if as_written:
+        # The FP8 outputs themselves against the reference; what reads them against the
+        # reference run on them as the GPU wrote them.
+        downstream = run_direct(spec, rt, data, init, given=as_written)
+        kept = set(as_written) | {spec.tensor(n).scale.name for n in as_written}
+        reference = {k: (reference[k] if k in kept else v) for k, v in downstream.items()}
     checks = []
     for name in sorted(outputs):
         t = spec.tensor(name)
@@ -179,9 +195,11 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         den = np.linalg.norm(ref[should]) or 1.0
         a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
         if t.dtype in FP8_TYPES:
-            # The GPU's f32 result and the reference's float64 one round to the same FP8 codes
-            # but for a few near a rounding boundary, one FP8 step (an eighth) apart.
-            tol = 1e-2
+            # The GPU's f32 result and the reference's float64 one round to the same FP8
+            # values but for those within the f32 error of a rounding boundary (of bf16, then
+            # of FP8): one FP8 step apart, an eighth to a sixteenth of the value. A few
+            # percent of such steps stay well under this; a wrong scale or rounding does not.
+            tol = 3e-2
         else:
             tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
         checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))

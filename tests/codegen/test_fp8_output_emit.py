@@ -10,9 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from gemmspec.codegen.emit import DSCALE_RECORD_BYTES, EPILOGUE_RECORD_BYTES, GATHER_RECORD_BYTES, emit
+from gemmspec.codegen.emit import (
+    DSCALE_RECORD_BYTES,
+    EPILOGUE_RECORD_BYTES,
+    GATHER_RECORD_BYTES,
+    emit,
+)
 from gemmspec.codegen.kernels import GemmKernelConfig, include_dir, render_gemm
-from gemmspec.codegen.manifest import DSCALE_BYTES, EPILOGUE_BYTES, GATHER_BYTES, LEAF_BYTES, launch_manifest
+from gemmspec.codegen.manifest import (
+    DSCALE_BYTES,
+    EPILOGUE_BYTES,
+    GATHER_BYTES,
+    LEAF_BYTES,
+    launch_manifest,
+)
 from gemmspec.pipeline import lower_file
 
 SPEC = """
