@@ -209,18 +209,18 @@ def test_fused_equals_bf16_output_then_quantize(case):
     assert np.array_equal(scales[rows].view(np.uint32), grid[rows].astype(np.float32).view(np.uint32))
     # The quantize pass itself on the device (2-D outputs): its output times its scales,
     # read through an identity GEMM, equals the fused values times the fused scales.
-    if len(y.dims) == 2 and not y.scale.pow2:
-        z = quantize_pass_on_device(as_values(b_bits, "bf16"), y.dtype, rt, written)
+    if len(y.dims) == 2:
+        z = quantize_pass_on_device(as_values(b_bits, "bf16"), y.dtype, y.scale.pow2, written)
         mine = (as_values(q_bits, y.dtype).astype(np.float32) * np.repeat(scales, 128, axis=1)).astype(np.float32)
         assert np.array_equal(z[written], mine[written])  # as values: the GEMM's 0 + (-0) is +0
 
 
 QUANTIZE_PASS = """
-gemm fp8out_quantize_pass_{dtype}_{n} {{
+gemm fp8out_quantize_pass_{dtype}_{n}{suffix} {{
   dim T
   dim C = {n}, D = {n}
   tensor yb  : bf16 [T, C]
-  tensor yq  : {dtype} [T, C] scale f32 [1, 128] = quantize(yb)
+  tensor yq  : {dtype} [T, C] scale f32 [1, 128] = quantize(yb{pow2})
   tensor eye : e4m3 [D, C] scale f32 [128, 128]
   tensor z   : f32 [T, D]
   z[t, d] = sum[c] yq[t, c] * eye[d, c]
@@ -228,11 +228,13 @@ gemm fp8out_quantize_pass_{dtype}_{n} {{
 """
 
 
-def quantize_pass_on_device(values: np.ndarray, dtype: str, rt: Runtime, written: np.ndarray) -> np.ndarray:
-    """quantize(yb) by the pre-pass, then z = yq times an identity with unit scales: each z
-    is exactly the float32 product of one FP8 value and its block's scale."""
+def quantize_pass_on_device(values: np.ndarray, dtype: str, pow2: bool, written: np.ndarray) -> np.ndarray:
+    """quantize(yb) (with pow2) by the pre-pass, then z = yq times an identity with unit
+    scales: each z is exactly the float32 product of one FP8 value and its block's scale."""
     t, n = values.shape
-    exe = gemmspec.build(QUANTIZE_PASS.format(dtype=dtype, n=n))
+    exe = gemmspec.build(
+        QUANTIZE_PASS.format(dtype=dtype, n=n, suffix="_pow2" if pow2 else "", pow2=", pow2" if pow2 else "")
+    )
     keep: list = []
     args = {
         "yb": _upload(np.where(written, values, 0.0), "bf16", keep),

@@ -225,3 +225,23 @@ def test_tensor_data_keeps_the_written_scales():
     got = run_direct(x.spec, rt, data, {"y": np.full((dim_size(x.spec, rt, "T"), 256), np.nan)})
     d = TensorData(got["y"], got["y_scale"])
     assert d.scale_grid.shape == (dim_size(x.spec, rt, "T"), 2)
+
+
+def test_statements_reading_an_fp8_output_may_take_it_as_given():
+    # run_direct(given=...) checks a reader against the FP8 values a device wrote: the
+    # statement writing h is skipped, h and its scales are the given ones.
+    (x,) = lower_file(FFN)
+    spec = x.spec
+    rng = np.random.default_rng(6)
+    rt = random_runtime(spec, rng, lengths={"expert": [3, 0, 129, 1, 127, 2, 0, 5]})
+    data = random_inputs(spec, rt, rng)
+    t = dim_size(spec, rt, "T")
+    init = {"y": np.full((t, 256), np.nan), "h": np.full((t, 256), np.nan)}
+    plain = run_direct(spec, rt, data, init)
+    h = quantize(rng.uniform(-448, 448, size=(t, 256)), "e4m3")
+    h_scale = np.full((t, 2), 0.5)
+    got = run_direct(spec, rt, data, init, given={"h": TensorData(h, h_scale)})
+    assert np.array_equal(got["h"], h) and np.array_equal(got["h_scale"], h_scale)
+    again = run_direct(spec, rt, data, init, given={"h": TensorData(plain["h"], plain["h_scale"])})
+    assert np.array_equal(again["y"], plain["y"], equal_nan=True)
+    assert not np.allclose(got["y"], plain["y"], equal_nan=True)
