@@ -61,7 +61,8 @@ def signature_key(spec: Spec, g: Gemm) -> tuple:
     """What a kernel fixes at compile time for this statement."""
     a, b, d = (spec.tensor(x.tensor) for x in (g.a, g.b, g.out))
     scales = tuple(t.scale.block if t.scale else None for t in (a, b))
-    return (a.dtype, b.dtype, d.dtype, g.accumulate, scales)
+    d_scale = (d.scale.block, d.scale.pow2) if d.scale else None  # an FP8 output's, written
+    return (a.dtype, b.dtype, d.dtype, g.accumulate, scales, d_scale)
 
 
 def describe_signature(spec: Spec, g: Gemm) -> str:
@@ -72,7 +73,8 @@ def describe_signature(spec: Spec, g: Gemm) -> str:
         ops = f"{a.dtype} x {b.dtype}"
     rows = f", A's rows through {g.gather}" if g.gather else ""
     rows += f", D's rows through {g.scatter}" if g.scatter else ""
-    return f"{ops} -> {d.dtype}{' (+=)' if g.accumulate else ''}{rows}"
+    out = d.dtype + (f" with scales {d.scale.block_text}{' pow2' if d.scale.pow2 else ''}" if d.scale else "")
+    return f"{ops} -> {out}{' (+=)' if g.accumulate else ''}{rows}"
 
 
 def n_extents(spec: Spec, g: Gemm) -> dict[int, int | None]:
@@ -112,6 +114,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     return choose_tile(
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
         per_channel=spec.per_channel(g), gather=g.gather is not None,
+        fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES,
     )
 
 
@@ -391,14 +394,30 @@ def _plan_launches(
             "by hand where its base or row stride is not a multiple of 16 bytes)"
         )
     reasons.append(loader)
+    out_t = spec.tensor(g.out.tensor)
+    fp8_out = out_t.dtype in FP8_TYPES
     if g.swiglu:
         reasons.append(
             f"{prefix}SwiGLU: each tile's columns 2j (gate) and 2j + 1 (up, the weight's "
             "interleaved rows) become output column j, silu(gate) * up in f32, so the output "
-            "tile is half the GEMM tile's width; stores straight from registers, masked at the "
-            "leaf's edges (neighbouring lanes swap halves so each stores two adjacent columns)"
+            "tile is half the GEMM tile's width"
+            + (
+                "; stores straight from registers, masked at the leaf's edges (neighbouring lanes "
+                "swap halves so each stores two adjacent columns)"
+                if not fp8_out else ""
+            )
         )
-    if g.scatter:
+    if fp8_out:
+        rule = "2^ceil(log2(amax / FP8 max))" if out_t.scale.pow2 else "amax / FP8 max"
+        reasons.append(
+            f"{prefix}stores: D ('{g.out.tensor}') is {out_t.dtype}, quantized in the epilogue as the "
+            f"quantize pass would quantize a bf16 result: each value rounded to bf16, then per row "
+            f"and 128 columns amax (the four lanes of a quad hold a row's columns of a block: two "
+            f"shuffles), scale = {rule}, values divided and converted with saturation; stored "
+            f"from registers (lanes swap values so each stores 4 bytes of one row), the scales "
+            f"into '{out_t.scale.name}' by one lane per row; rows past the leaf are not stored"
+        )
+    elif g.scatter:
         reasons.append(
             f"{prefix}stores: D ('{g.out.tensor}') scattered through {g.scatter}: each row stored "
             f"straight from registers at the row {g.scatter} names (masked at the leaf's edges); the "

@@ -139,6 +139,7 @@ class ScaleDecl:
     layout: LayoutDecl | None = None
     anchor: Name | None = None  # `per GROUP`: blocks restart at each group's start
     name: Name | None = None  # `as NAME`: the scale tensor's run-time name
+    pow2: tuple[Pos, ...] = ()  # each `pow2` written: power-of-two scales of an FP8 output
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,11 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
             "it reads or writes rows through an index tensor; their gradients would scatter-add "
             "(several rows into one), which no statement expresses yet"
         )
+    if spec.tensor(g.out.tensor).dtype in FP8_TYPES:
+        return (
+            f"its output '{g.out.tensor}' is FP8, quantized in the epilogue; the gradient of a "
+            "quantized output is not derived"
+        )
     read_later = {t for x in spec.gemms for t in x.reads}
     if g.out.tensor in read_later:
         return f"its output '{g.out.tensor}' is read by another statement"

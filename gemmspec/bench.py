@@ -233,6 +233,50 @@ gemm lora_shrink {{
 """
 
 
+# The expert FFN (examples/moe_ffn_fp8.gspec) and the same work as separate launches: the
+# up-projection into BF16, its quantization, the down-projection.
+FFN_DIMS = "dim H = 7168, N = 4096, F = 2048"
+FFN_UP_BF16 = """
+gemm ffn_up_bf16 {{
+  dim T, S
+  {dims}
+  group expert[E = {e}] = ragged(T, offsets = expert_offsets)
+  tensor src  : i32 [T]
+  tensor x    : e4m3 [S, H] scale f32 [1, 128]
+  tensor w_up : e4m3 [E, N, H] scale f32 [1, 128, 128]
+  tensor h    : bf16 [T, F]
+  h[t, j] = silu(sum[k] x[src[t], k] * w_up[expert(t), 2*j, k]) * sum[k] x[src[t], k] * w_up[expert(t), 2*j + 1, k]
+}}
+"""
+FFN_DOWN = """
+gemm ffn_down{suffix} {{
+  dim T
+  {dims}
+  group expert[E = {e}] = ragged(T, offsets = expert_offsets)
+  tensor dst     : i32 [T]
+  {h}
+  tensor w_down  : e4m3 [E, H, F] scale f32 [1, 128, 128]
+  tensor route_w : f32  [T]
+  tensor y       : bf16 [T, H]
+  y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w_down[expert(t), n, f]
+}}
+"""
+FFN_H_QUANTIZE_PASS = "tensor hb : bf16 [T, F]\n  tensor h : e4m3 [T, F] scale f32 [1, 128] = quantize(hb)"
+FFN_H_FP8 = "tensor h : e4m3 [T, F] scale f32 [1, 128]"
+
+
+def quantize_1x128(value):
+    """`value` (2-D) in e4m3 with one f32 scale per row and 128 columns, by torch operations:
+    amax / 448 (1 for an all-zero block), as the quantize pass computes it."""
+    torch = _torch()
+    rows, cols = value.shape
+    blocks = value.float().view(rows, cols // 128, 128)
+    amax = blocks.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(rows, cols), scale
+
+
 # ---------------------------------------------------------------------------- timing
 IDLE_MS = 0.0  # --idle: GPU idle time before each timed launch
 IDLE_LAUNCHES = 60
@@ -584,6 +628,81 @@ def case_lora(repeat):
     return out
 
 
+def case_ffn(repeat):
+    """The DeepSeek-V3-style expert FFN of examples/moe_ffn_fp8.gspec (8 experts, 16384 tokens
+    routed to 2 each, gathered by `src`, SwiGLU into FP8 h with its scales quantized in the
+    up-projection's epilogue, down-projection weighted and scattered by `dst`) against the
+    same work as separate launches: the up-projection into BF16, then h quantized (by the
+    quantize pass, or by torch operations), then the same down-projection."""
+    from pathlib import Path
+
+    torch = _torch()
+    name = "ffn_fp8_E8_T32768_H7168_F2048"
+    e, tokens, top_k, hid, n, f = 8, 16384, 2, 7168, 4096, 2048
+    t = tokens * top_k
+    text = (Path(__file__).resolve().parents[1] / "examples" / "moe_ffn_fp8.gspec").read_text()
+    fused = _build(text)
+    up = _build(FFN_UP_BF16.format(dims=FFN_DIMS, e=e))
+    down_pass = _build(FFN_DOWN.format(suffix="_quantize_pass", dims=FFN_DIMS, e=e, h=FFN_H_QUANTIZE_PASS))
+    down = _build(FFN_DOWN.format(suffix="", dims=FFN_DIMS, e=e, h=FFN_H_FP8))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    # Routed rows sorted by expert: row r reads token src[r]; y row s*k + c is token s's c-th
+    # expert (distinct: the rows a caller sums per token).
+    choice = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    order = torch.argsort(choice.reshape(-1), stable=True)
+    src = (order // top_k).to(torch.int32).cuda()
+    dst = order.to(torch.int32).cuda()
+    lengths = torch.bincount(choice.reshape(-1), minlength=e).tolist()
+    offs = _offsets(lengths)
+    x, xs = _fp8((tokens, hid)), _scales((tokens, hid // 128))
+    w_up, w_up_s = _fp8((e, n, hid)), _scales((e, n // 128, hid // 128))
+    w_down, w_down_s = _fp8((e, hid, f)), _scales((e, hid // 128, f // 128))
+    route_w = torch.rand((t,), device="cuda")
+    h = torch.full((t, f), float("nan"), dtype=torch.float8_e4m3fn, device="cuda")
+    h_s = torch.full((t, f // 128), float("nan"), device="cuda")
+    hb = torch.full((t, f), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y_fused = torch.full((t, hid), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y_pass = torch.full_like(y_fused, float("nan"))
+    y_torch = torch.full_like(y_fused, float("nan"))
+    stream = torch.cuda.current_stream()
+    common = dict(expert_offsets=offs, w_down=w_down, w_down_scale=w_down_s, route_w=route_w, dst=dst)
+    run_fused = fused.prepare(
+        stream, src=src, x=x, x_scale=xs, w_up=w_up, w_up_scale=w_up_s, h=h, h_scale=h_s, y=y_fused, **common
+    )
+    run_up = up.prepare(stream, src=src, x=x, x_scale=xs, w_up=w_up, h=hb, expert_offsets=offs, w_up_scale=w_up_s)
+    run_down_pass = down_pass.prepare(stream, hb=hb, y=y_pass, **common)
+
+    def separate_pass():
+        run_up.enqueue()
+        run_down_pass.enqueue()
+
+    hq, hq_s = quantize_1x128(torch.zeros((t, f), dtype=torch.bfloat16, device="cuda"))
+    run_down = down.prepare(stream, h=hq, h_scale=hq_s, y=y_torch, **common)
+
+    def separate_torch():
+        run_up.enqueue()
+        q, s = quantize_1x128(hb)
+        hq.copy_(q)
+        hq_s.copy_(s)
+        run_down.enqueue()
+
+    run_fused.enqueue()
+    separate_pass()
+    separate_torch()
+    torch.cuda.synchronize()
+    # The fused h is the up-projection's BF16 result quantized: against torch's quantization of
+    # the separate BF16 h (the two up kernels may tile differently), and y against both paths.
+    h_err = _rel_error(h.float() * h_s.repeat_interleave(128, 1), hq.float() * hq_s.repeat_interleave(128, 1))
+    y_err = max(_rel_error(y_fused, y_pass), _rel_error(y_fused, y_torch))
+    check = _checked(max(h_err, y_err), 3e-2, "separate launches (h and y)")
+    flops = 2.0 * t * n * hid + 2.0 * t * hid * f
+    return [
+        _result(name, "gemmspec fused (FP8 h from the epilogue)", _time(run_fused.enqueue, repeat), flops, check=check),
+        _result(name, "gemmspec BF16 h + quantize pass + down", _time(separate_pass, repeat), flops),
+        _result(name, "torch quantization between gemmspec BF16 up, FP8 down", _time(separate_torch, repeat), flops),
+    ]
+
+
 CASES = [
     Case("fp8_fwd_G8x4096_N4096_K7168", "FP8 1x128/128x128 M-grouped, 8 x 4096 tokens", Target(1230, 1.2), case_fp8_g8),
     Case("fp8_fwd_G8x4096_N7168_K2048", "same, N=7168, K=2048", Target(1160, 1.2), case_fp8_g8_k2048),
@@ -598,6 +717,8 @@ CASES = [
          case_gather),
     Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1), case_dense),
     Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24), case_lora, memory_bound=True),
+    Case("ffn_fp8_E8_T32768_H7168_F2048", "expert FFN, FP8 h quantized in the epilogue vs separate launches",
+         Target(vs_torch=1.0), case_ffn),
 ]
 
 

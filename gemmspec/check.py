@@ -22,6 +22,7 @@ from .spec import (
     ELEMENT_BYTES,
     EPILOGUE_KINDS,
     EPILOGUE_TYPES,
+    FP8_OUT_BLOCK,
     FP8_TYPES,
     INDEX_TYPE,
     KERNEL_K_BLOCK,
@@ -176,9 +177,10 @@ class _Checker:
             )
         gemms = tuple(self.check_statement(i, s) for i, s in enumerate(self.ast.statements))
         self.check_written_once(gemms)
+        self.check_pow2_scales(gemms)
         self.check_outputs_do_not_alias(gemms)
         self.check_derived_emittable(gemms)
-        directives = self.check_directives()
+        directives = self.check_directives(gemms)
         return Spec(
             name=self.ast.name.text,
             path=self.file.path,
@@ -702,7 +704,9 @@ class _Checker:
                     f"{dim} in a stride; keep {dim}'s blocks outermost (row_major)",
                     (s.layout or ast.LayoutDecl("row_major", s.pos)).pos,
                 )
-        return Scale(name.text, s.dtype.text, sizes, layout, anchor)
+        if len(s.pow2) > 1:
+            raise self.error(f"`pow2` is written twice in the scale of '{t.name.text}'", s.pow2[1])
+        return Scale(name.text, s.dtype.text, sizes, layout, anchor, pow2=bool(s.pow2))
 
     def block_size(self, b: ast.IntLit | ast.Name) -> int | str:
         """A scale block entry's size: a literal, or a dim's name standing for the whole
@@ -1614,11 +1618,7 @@ class _Checker:
         out_t = self.tensors[gemm.out.tensor]
         a_t, b_t = self.tensors[gemm.a.tensor], self.tensors[gemm.b.tensor]
         if out_t.dtype in FP8_TYPES:
-            raise self.error(
-                f"output '{out_t.name}' is {out_t.dtype}; FP8 output is not supported, use "
-                "bf16, f16 or f32",
-                s.out.tensor.pos,
-            )
+            self.check_fp8_output(gemm, s, out_t)
         for acc, ref in ((gemm.out, s.out), (gemm.a, s.lhs), (gemm.b, s.rhs)):
             t = self.tensors[acc.tensor]
             if t.layout.kind != "segment_major":
@@ -1663,6 +1663,134 @@ class _Checker:
             self.check_k_major(gemm, acc, ref, t)
         if a_fp8:
             self.check_same_k_scaling(gemm, a_t, b_t)
+
+    def check_fp8_output(self, gemm: Gemm, s: ast.Statement, t: Tensor) -> None:
+        """An FP8 output is the result rounded to bf16 and quantized in the epilogue, one
+        f32 scale per row and FP8_OUT_BLOCK columns, as the quantize pass would make it:
+        `=` at its own rows, row-major with the columns last, whole blocks of a fixed
+        column dim, scale blocks [1, ..., 1, 128] in the default layout."""
+        name = t.name
+        hint = f"declare `tensor {name} : {t.dtype} [{', '.join(t.dims)}] scale f32 [{_fp8_out_block(t.rank)}]`"
+        if gemm.accumulate:
+            raise self.error(
+                f"'{name}' is {t.dtype}: an FP8 output is stored with `=` (each block's scale comes "
+                "from the finished values); `+=` into FP8 is not supported",
+                s.assign_pos or s.out.tensor.pos,
+                "accumulate into a bf16 or f32 tensor, then quantize it (`= quantize(...)`)",
+            )
+        axis = gemm.out.axis_of_role("m")
+        via = s.out.indices[axis] if axis is not None else None
+        if isinstance(via, ast.Index) and via.via is not None:
+            raise self.error(
+                f"'{name}' is {t.dtype} and its rows are scattered through {via}; an FP8 output "
+                "is stored at its own rows only (not supported yet)",
+                via.via.pos,
+                f"write '{name}' in row order, or scatter a bf16 output",
+            )
+        if t.scale is None:
+            raise self.error(
+                f"FP8 output '{name}' has no scale; the epilogue writes one f32 scale per row and "
+                f"{FP8_OUT_BLOCK} columns",
+                s.out.tensor.pos,
+                hint,
+            )
+        decl = self.tensor_ast[name]
+        n_axis = gemm.out.axis_of_role("n")
+        assert n_axis is not None
+        if n_axis != t.rank - 1:
+            raise self.error(
+                f"FP8 output '{name}' has its columns ({t.dims[n_axis]}) at position {n_axis + 1} of "
+                f"{t.rank}; its scale blocks run along the last dim, so the columns come last",
+                s.out.indices[n_axis].pos,
+                f"index '{name}' with the column index last, e.g. {name}[..., {gemm.n.var}]",
+            )
+        for i, (b, entry) in enumerate(zip(t.scale.block, decl.scale.block)):
+            want = FP8_OUT_BLOCK if i == t.rank - 1 else 1
+            if b != want:
+                raise self.error(
+                    f"FP8 output '{name}' has scale block {t.scale.block_text}; the epilogue "
+                    f"writes one scale per row and {FP8_OUT_BLOCK} columns, [{_fp8_out_block(t.rank)}]",
+                    entry.pos,
+                    hint,
+                )
+        if decl.scale.layout is not None and t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
+            raise self.error(
+                f"the scales of FP8 output '{name}' are stored {t.scale.layout}; the epilogue "
+                "writes them row-major (the default)",
+                decl.scale.layout.pos,
+                "drop the scale's layout",
+            )
+        if t.scale.anchor is not None:
+            raise self.error(
+                f"the scales of FP8 output '{name}' are anchored per '{t.scale.anchor}'; with one "
+                "scale per row they need no anchor",
+                decl.scale.anchor.pos,
+                f"drop `per {t.scale.anchor}`",
+            )
+        if t.layout.kind != "strided" or t.layout.strides != tuple(
+            _row_major([self._size_poly(d) for d in t.dims], None)
+        ):
+            raise self.error(
+                f"FP8 output '{name}' is stored {t.layout}; the epilogue writes FP8 row-major "
+                "(the default, no padding)",
+                decl.layout.pos if decl.layout is not None else s.out.tensor.pos,
+                "drop the layout",
+            )
+        cols = self.dims[t.dims[n_axis]]
+        col_pos = s.out.indices[n_axis].pos
+        if cols.size is None or cols.size % FP8_OUT_BLOCK:
+            size = "known only at run time" if cols.size is None else f"{cols.size}"
+            raise self.error(
+                f"FP8 output '{name}' has {cols.name} = {size} columns; the epilogue quantizes "
+                f"whole {FP8_OUT_BLOCK}-column blocks, so {cols.name} must be fixed at compile time "
+                f"and a multiple of {FP8_OUT_BLOCK}",
+                col_pos,
+                f"declare `dim {cols.name} = ...` with a multiple of {FP8_OUT_BLOCK}",
+            )
+        b_t = self.tensors[gemm.b.tensor]
+        if gemm.swiglu and b_t.scale is not None and not self._per_channel(gemm):
+            # 128 gate/up pairs per tile: 256 columns, two 128-column wgmma halves, each with
+            # one B scale per K block.
+            b_axis = gemm.b.axis_of_role("n")
+            block = b_t.scale.block[b_axis]
+            if not self._covers(b_t, b_axis) and block % FP8_OUT_BLOCK:
+                raise self.error(
+                    f"'{b_t.name}' changes scale every {block} rows along {b_t.dims[b_axis]}; a SwiGLU "
+                    f"into FP8 runs tiles of {2 * FP8_OUT_BLOCK} gate/up rows as two "
+                    f"{FP8_OUT_BLOCK}-row halves, each with one scale of '{b_t.name}' per K block",
+                    self.tensor_ast[b_t.name].scale.block[b_axis].pos,
+                    f"use blocks of {FP8_OUT_BLOCK} (or a multiple) along {b_t.dims[b_axis]}",
+                )
+        splitting = [a.group for a in gemm.leaf_axes if a.group and self.groups[a.group].dim == cols.name]
+        if splitting:
+            raise self.error(
+                f"group '{splitting[0]}' splits the columns {cols.name} of FP8 output '{name}'; "
+                "its scale blocks run across whole rows of the output (not supported yet)",
+                col_pos,
+                "split the rows instead, or write one statement per column segment",
+            )
+
+    def check_pow2_scales(self, gemms: tuple[Gemm, ...]) -> None:
+        """`scale f32 [...] pow2` says how the epilogue computes the scales it writes, so it
+        belongs to FP8 outputs; a quantize pass spells it `quantize(SOURCE, pow2)`."""
+        written = {g.out.tensor for g in gemms}
+        for t in self.tensors.values():
+            if t.scale is None or not t.scale.pow2 or t.name in written:
+                continue
+            pos = self.tensor_ast[t.name].scale.pow2[0]
+            if t.derived is not None and t.derived.op == "quantize":
+                raise self.error(
+                    f"'{t.name}' is quantized by a pre-pass, whose option says how it computes its "
+                    "scales: write it there",
+                    pos,
+                    f"drop this `pow2` and declare `= quantize({t.derived.source}, pow2)`",
+                )
+            raise self.error(
+                f"`pow2` says how gemmspec computes the scales it writes, but no statement writes "
+                f"'{t.name}': its scales are passed in",
+                pos,
+                "drop `pow2` (power-of-two scales passed in need no declaration)",
+            )
 
     def check_same_k_scaling(self, gemm: Gemm, a_t: Tensor, b_t: Tensor) -> None:
         """Both operands blockwise (128 along K) or both per-channel (the whole K): the
@@ -2133,7 +2261,7 @@ class _Checker:
             return None
         return anchor
 
-    def check_directives(self) -> Directives:
+    def check_directives(self, gemms: tuple[Gemm, ...]) -> Directives:
         force = None
         force_pos = None
         target = "sm_90a"
@@ -2163,7 +2291,23 @@ class _Checker:
                         "rows by a multiple of 8 columns from 8 to 256",
                         d.pos,
                     )
-                if tn > 192 and scaled:
+                fp8_out = [
+                    (g, st) for g, st in zip(gemms, self.ast.statements)
+                    if self.tensors[g.out.tensor].dtype in FP8_TYPES
+                ]
+                for g, st in fp8_out:
+                    cols = tn // 2 if g.swiglu else tn
+                    if cols % FP8_OUT_BLOCK:
+                        what = f"{cols} output columns of a SwiGLU" if g.swiglu else f"{tn} columns"
+                        raise self.error(
+                            f"tile({tm}, {tn}) gives {what}, but the FP8 output "
+                            f"'{g.out.tensor}' (line {st.pos.line}) is quantized per row and "
+                            f"{FP8_OUT_BLOCK} columns: a tile covers whole blocks of it",
+                            d.pos,
+                            f"use tile({tm}, {2 * FP8_OUT_BLOCK if g.swiglu else FP8_OUT_BLOCK})",
+                        )
+                halves = bool(fp8_out) and all(g.swiglu for g, _ in fp8_out) and len(fp8_out) == len(gemms)
+                if tn > 192 and scaled and not (halves and tn == 2 * FP8_OUT_BLOCK):
                     raise self.error(
                         f"tile({tm}, {tn}) is too wide for scaled FP8: those kernels keep two "
                         "accumulator tiles in registers, so at most 192 columns",
@@ -2181,6 +2325,11 @@ class _Checker:
                 tile = (tm, tn)
         where = self.where(force_pos) if force_pos is not None else None
         return Directives(force, target, tile, force_where=where)
+
+
+def _fp8_out_block(rank: int) -> str:
+    """The scale block of an FP8 output of `rank` dims, as written: `1, 128`."""
+    return ", ".join(["1"] * (rank - 1) + [str(FP8_OUT_BLOCK)])
 
 
 def _short(x: object) -> str:

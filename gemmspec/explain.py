@@ -38,6 +38,7 @@ def _launch_json(launch: Launch) -> dict:
             "tile": [sig.tile_m, sig.tile_n, sig.tile_k],
             "cluster": sig.cluster,
             "swiglu": sig.swiglu,
+            "d_scale_pow2": sig.d_scale_pow2,
         },
         "extents": {e.role: str(e) for e in pg.extents},
         "operands": {
@@ -48,6 +49,7 @@ def _launch_json(launch: Launch) -> dict:
         "scales": {
             "A": _map_json(pg.sa) if pg.sa else None,
             "B": _map_json(pg.sb) if pg.sb else None,
+            "D": _map_json(pg.sd) if pg.sd else None,
         },
         "runtime_tensors": list(pg.runtime_tensors),
         "runtime_dims": list(pg.runtime_dims),
@@ -141,6 +143,11 @@ def _kernel_line(spec: Spec, launch) -> str:
         parts.append(f"A gathered through {pg.a.rows.tensor}: rows copied by the producer")
     if cfg.scatter:
         parts.append(f"D scattered through {pg.d.rows.tensor}: rows stored from registers")
+    if cfg.fp8_out:
+        rule = "power-of-two scales" if cfg.d_scale_pow2 else "scale amax / FP8 max"
+        parts.append(f"{cfg.d_type} output quantized in the epilogue (bf16 rounding, {rule} per row and 128 columns)")
+    if cfg.mma_parts > 1:
+        parts.append(f"each K block's wgmma in {cfg.mma_parts} batches of {cfg.tile_n // cfg.mma_parts} columns")
     if cfg.per_channel:
         parts.append("per-channel scales: the unscaled main loop, SA(row) * SB(column) in the epilogue")
     elif cfg.scaled:

@@ -209,6 +209,9 @@ class _ToAst(Transformer_NonRecursive):
     def scale_name(self, items):
         return ("name", _name(items[0]))
 
+    def scale_pow2(self, items):
+        return ("pow2", _pos(items[0]))
+
     def derived(self, items):
         return ast.Derivation(_name(items[0]), _name(items[1]), tuple(_name(t) for t in items[2:]))
 
@@ -290,14 +293,17 @@ class _ToAst(Transformer_NonRecursive):
     def scale_clause(self, meta, items):
         dtype, block, *opts = items
         layout = anchor = name = None
+        pow2: list[ast.Pos] = []
         for opt in opts:
             if isinstance(opt, ast.LayoutDecl):
                 layout = opt
             elif opt[0] == "anchor":
                 anchor = opt[1]
+            elif opt[0] == "pow2":
+                pow2.append(opt[1])
             else:
                 name = opt[1]
-        return ast.ScaleDecl(_name(dtype), block, _meta_pos(meta), layout, anchor, name)
+        return ast.ScaleDecl(_name(dtype), block, _meta_pos(meta), layout, anchor, name, tuple(pow2))
 
     @v_args(meta=True)
     def flatten(self, meta, items):

@@ -19,6 +19,9 @@ ELEMENT_BYTES = {"e4m3": 1, "e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 # The element type of index tensors (`x[idx[t], k]`): one int32 row number per row t.
 INDEX_TYPE = "i32"
 KERNEL_K_BLOCK = 128  # FP8 scales must be constant over K blocks of this width
+# An FP8 output is quantized in the GEMM's epilogue with one f32 scale per row and this
+# many columns (the quantize pass's [1, 128] blocks).
+FP8_OUT_BLOCK = 128
 
 # ---- limits: what the kernels' integer types and the compiler can hold ----------
 # The checker and the analysis enforce each one with a located error; docs/language.md
@@ -125,6 +128,9 @@ class Scale:
     block: tuple[int | str, ...]
     layout: Layout  # over the grid of scale blocks
     anchor: str | None  # blocks along dims split by this group restart at each segment
+    # `scale f32 [...] pow2` on an FP8 output: the epilogue writes power-of-two scales (the
+    # rule of quantize(SOURCE, pow2)).
+    pow2: bool = False
 
     def whole(self, axis: int) -> bool:
         """Whether one block covers the whole of a run-time dim along `axis`."""
@@ -145,6 +151,8 @@ class Scale:
         s = f"scale {self.dtype} {self.block_text} layout {self.layout}"
         if self.anchor:
             s += f" per {self.anchor}"
+        if self.pow2:
+            s += " pow2"
         return s + f" as {self.name}"
 
 
@@ -242,7 +250,7 @@ class RoleDim:
 # multiplied by the per-leaf scalar and the per-row weight, then the bias is added.
 EPILOGUE_KINDS = ("alpha", "row", "bias")
 EPILOGUE_TYPES = ("f32", "bf16", "f16")
-SWIGLU_OUTPUT_TYPES = ("bf16", "f32")
+SWIGLU_OUTPUT_TYPES = ("bf16", "f32", "e4m3", "e5m2")  # FP8: quantized in the epilogue
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,15 @@ the wgmma limit. The choice trades three things, in this order:
    the unscaled main loop and scale once in the epilogue: the unscaled widths up to 192
    (at 256 the epilogue's scale loads beside the accumulators spill).
 
-4. **One CTA per tile.** The kernels can pair CTAs into clusters that own neighbouring
+4. **FP8 outputs.** An FP8 output is quantized in the epilogue with one scale per row
+   and 128 of its columns, so a tile must cover whole 128-column blocks of the output,
+   from tile origins at multiples of 128: 128 columns (256 where the unscaled kernels'
+   cost prefers it), and for a SwiGLU, whose output tile is half the GEMM tile, 256
+   (128 gate/up pairs). A blockwise-scaled 256-column tile runs each K block's wgmma in
+   two 128-column halves, promoted one after the other, since two 256-column accumulator
+   tiles would not fit the registers.
+
+5. **One CTA per tile.** The kernels can pair CTAs into clusters that own neighbouring
    column blocks of the same rows and share (multicast) their A tile, a quarter less L2
    traffic. Measured on the H200 against single CTAs in the same runs, pairs were 1.5-2 %
    slower on the FP8 headline, 0-2.4 % on the other M-grouped FP8 shapes and 3 % on BF16
@@ -55,6 +63,10 @@ class TileChoice:
 
 
 MAX_BIAS_WIDTH = 128
+# The columns of an FP8 output that share one scale, and the SwiGLU tile that covers
+# them: 128 gate/up pairs.
+FP8_OUT_BLOCK = 128
+FP8_OUT_SWIGLU_WIDTH = 2 * FP8_OUT_BLOCK
 
 
 def candidate_widths(scaled: bool, sb_block_n: int, per_channel: bool = False) -> tuple[int, ...]:
@@ -84,11 +96,13 @@ def choose_tile(
     swiglu: bool = False,
     per_channel: bool = False,
     gather: bool = False,
+    fp8_out: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
     `m_bound`: the most rows any leaf can have (None: unbounded or run-time); `swiglu`:
     columns pair up (gate 2j, up 2j + 1), so a tile must hold whole pairs; `gather`: A's
-    rows come through an index tensor, copied row by row (no A tile to multicast)."""
+    rows come through an index tensor, copied row by row (no A tile to multicast); `fp8_out`:
+    the output is FP8, quantized per row and 128 of its columns in the epilogue."""
     known = [n for n in n_extents if n is not None]
     skinny = bool(known) and len(known) == len(n_extents) and max(known) <= 32
     if m_bound is not None and m_bound <= 64:
@@ -109,6 +123,13 @@ def choose_tile(
         # Tiles start at multiples of their width: an even width never splits a gate/up
         # pair between two tiles (every candidate is a multiple of 8 today).
         widths = tuple(w for w in widths if w % 2 == 0)
+    if fp8_out:
+        # Whole 128-column scale blocks of the output per tile (tiles start at multiples of
+        # their width): the output tile of a SwiGLU is half the GEMM tile.
+        if swiglu and scaled and not per_channel:
+            widths = (FP8_OUT_SWIGLU_WIDTH,)  # two 128-column wgmma halves per K block
+        widths = tuple(w for w in widths if (w // 2 if swiglu else w) % FP8_OUT_BLOCK == 0)
+        assert widths, "the checker admits FP8 outputs that some tile width serves"
     if len(known) < len(n_extents) or not known:
         tile_n = widths[0]
         why_n = f"{tile_n} columns (N is known only at run time: the widest tile)"
@@ -118,6 +139,18 @@ def choose_tile(
             f"{tile_n} columns (fewest operand bytes per output for N = "
             f"{', '.join(str(n) for n in sorted(set(known)))} among widths "
             f"{', '.join(map(str, widths))})"
+        )
+    if fp8_out:
+        why_n += (
+            f"; an FP8 output is quantized per row and {FP8_OUT_BLOCK} columns in the epilogue, so "
+            f"a tile covers whole {FP8_OUT_BLOCK}-column blocks of it"
+            + (f" ({tile_n // 2} output columns of a SwiGLU)" if swiglu else "")
+            + (
+                f", and runs each K block's wgmma in two {tile_n // 2}-column halves (two "
+                f"{tile_n}-column accumulator tiles would not fit the registers)"
+                if scaled and not per_channel and tile_n > max(SCALED_WIDTHS)
+                else ""
+            )
         )
     why_c = "one CTA per tile"
     if gather:

@@ -135,6 +135,9 @@ class GemmOp:
         for g in spec.gemms:
             if g.out.tensor not in written:
                 written.append(g.out.tensor)
+                scale = spec.tensor(g.out.tensor).scale
+                if scale is not None:  # an FP8 output: its scales are written with it
+                    written.append(scale.name)
         self.outputs = tuple(written)
         self.inputs = tuple(n for n in exe.argument_names() if n not in written)
         self.shapes = tuple(self._output_shape(name) for name in self.outputs)
@@ -153,6 +156,14 @@ class GemmOp:
     # ---- shapes -------------------------------------------------------------------------
     def _output_shape(self, name: str) -> OutputShape:
         spec = self.exe.spec
+        of = {t.scale.name: t for t in spec.tensors if t.scale is not None and t.name in self.outputs}
+        if name in of:
+            # An FP8 output's scale grid: one per row (as the output's rows) and per 128 of its
+            # fixed columns (the checker's [1, ..., 1, 128] blocks).
+            t = of[name]
+            data = self._output_shape(t.name)
+            dims = tuple(d if b == 1 else -(-d // b) for d, b in zip(data.dims, t.scale.block))
+            return OutputShape(name, "f32", dims, False)
         t = spec.tensor(name)
         where: dict[str, tuple[str, int]] = {}
         for other in spec.tensors:

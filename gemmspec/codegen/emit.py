@@ -44,6 +44,8 @@ HEADER = '#include "gemmspec_ptx.cuh"\n'
 # then sizeof(GsGather) (defined in the kernels that gather or scatter rows).
 EPILOGUE_RECORD_BYTES = 48
 GATHER_RECORD_BYTES = 32
+# Then sizeof(GsDScale) (defined in the kernels with an FP8 D): where its scales go.
+DSCALE_RECORD_BYTES = 32
 
 
 class EmitError(GemmspecError):
@@ -178,9 +180,7 @@ def _select(axis: str, values: tuple[int, ...]) -> str:
 def _bstart_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> list[str]:
     lines: list[str] = []
     done: set[str] = set()
-    for sm in (pg.sa, pg.sb):
-        if sm is None:
-            continue
+    for sm in pg.scale_maps:
         for role, block, anchor in zip(sm.roles, sm.block, sm.anchors):
             if role in done or f"bstart.{role}" not in _symbols(pg):
                 continue
@@ -218,9 +218,8 @@ def _bstart_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> l
 def _symbols(pg: ProblemGenerator) -> set[str]:
     polys = [pg.a.offset, *pg.a.strides, pg.b.offset, *pg.b.strides, pg.d.offset, *pg.d.strides]
     polys += [p for e in pg.epilogue for p in (e.offset, e.stride)]
-    for s in (pg.sa, pg.sb):
-        if s is not None:
-            polys += [s.offset, *s.strides]
+    for s in pg.scale_maps:
+        polys += [s.offset, *s.strides]
     return {sym for p in polys for sym in p.symbols}
 
 
@@ -251,6 +250,7 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         swiglu=sig.swiglu,
         gather=sig.gather,
         scatter=sig.scatter,
+        d_scale_pow2=sig.d_scale_pow2,
     )
 
 
@@ -318,6 +318,15 @@ def emit_launch(
             gather_fields.append((f"{prefix}_rows", where))
         for prefix, rows in (("a", pg.a.rows), ("d", pg.d.rows)):
             gather_fields.append((f"{prefix}_bound", f"static_cast<int>({c_expr(rows.bound)})" if rows else "0"))
+    dscale_fields: list[tuple[str, str]] = []
+    if pg.sd is not None:
+        # An FP8 D's scales: the leaf's first scale (SD advanced by the leaf's offset) and
+        # the strides per row and per 128-column block.
+        dscale_fields = [
+            ("sd", f"SD + {c_expr(pg.sd.offset)}"),
+            ("sd_sm", c_expr(pg.sd.strides[0])),
+            ("sd_sn", c_expr(pg.sd.strides[1])),
+        ]
     table_name = table_symbol(spec.name, launch.index)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
@@ -358,6 +367,11 @@ def emit_launch(
         gather_fields=gather_fields,
         gather_a=pg.a.rows is not None,
         gather_at=pg.leaf_count * EPILOGUE_RECORD_BYTES if pg.epilogue else 0,
+        dscale_fields=dscale_fields,
+        records_first=sum(map(bool, (epilogue_fields, gather_fields, dscale_fields))) >= 2,
+        dscale_at=pg.leaf_count * (
+            (EPILOGUE_RECORD_BYTES if pg.epilogue else 0) + (GATHER_RECORD_BYTES if pg.index_maps else 0)
+        ),
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(

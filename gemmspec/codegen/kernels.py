@@ -34,7 +34,9 @@ FP8_TYPES = frozenset({"e4m3", "e5m2"})
 EPILOGUE_KINDS = ("alpha", "row", "bias")  # the order the epilogue applies them
 OPERAND_TYPES = frozenset({"e4m3", "e5m2", "bf16", "f16"})
 OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
-SWIGLU_OUTPUT_TYPES = ("bf16", "f32")
+SWIGLU_OUTPUT_TYPES = ("bf16", "f32", "e4m3", "e5m2")  # FP8: quantized in the epilogue
+# An FP8 output is quantized in the epilogue, one f32 scale per row and this many columns.
+D_SCALE_COLS = 128
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -96,6 +98,8 @@ SMEM_RESERVED_PER_CTA = 1024
 MAX_STAGES = 12
 # A staged epilogue is worth its shared memory only while the ring stays this deep.
 MIN_STAGES_WITH_STAGING = 3
+# Columns of one wgmma batch when a blockwise tile runs its K block in parts (mma_parts).
+MMA_PART_N = 128
 # Registers per thread after reallocation: the producer warpgroup gives its registers to
 # the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
 PRODUCER_REGS = 56
@@ -186,6 +190,11 @@ class GemmKernelConfig:
     gather: bool = False
     scatter: bool = False
     programmatic: bool = True
+    # An FP8 D (``d_type`` e4m3 or e5m2): the epilogue rounds the result to bf16 and
+    # quantizes it as the quantize pass does, one f32 scale per row and D_SCALE_COLS
+    # columns of D (a GsDScale record per leaf says where). ``d_scale_pow2``: the scales
+    # are powers of two, as quantize(SOURCE, pow2) writes them.
+    d_scale_pow2: bool = False
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -224,6 +233,8 @@ class GemmKernelConfig:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
         elif self.store_tma and self.scatter:
             raise ValueError("a scattered D is stored from registers, row by row through its index")
+        elif self.store_tma and self.fp8_out:
+            raise ValueError("an FP8 D is quantized and stored from registers")
         elif self.store_tma and not self.store_tma_possible:
             raise ValueError(
                 f"a TMA-stored epilogue needs whole {self.box_cols}-column boxes and, for D +=, "
@@ -250,8 +261,8 @@ class GemmKernelConfig:
             raise ValueError(f"operand types must be in {sorted(OPERAND_TYPES)}, got {a}, {b}")
         if (a in FP8_TYPES) != (b in FP8_TYPES) or (a not in FP8_TYPES and a != b):
             raise ValueError(f"wgmma cannot mix operand types {a} and {b}")
-        if self.d_type not in OUTPUT_TYPES:
-            raise ValueError(f"output type must be in {sorted(OUTPUT_TYPES)}, got {self.d_type}")
+        if self.d_type not in OUTPUT_TYPES | FP8_TYPES:
+            raise ValueError(f"output type must be in {sorted(OUTPUT_TYPES | FP8_TYPES)}, got {self.d_type}")
         if self.scaled:
             if a not in FP8_TYPES:
                 raise ValueError("block scales are only supported on FP8 operands")
@@ -266,10 +277,10 @@ class GemmKernelConfig:
             raise ValueError("tile_m must be 64 or 128 (one consumer warpgroup per 64 rows)")
         if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
             raise ValueError("tile_n must be a multiple of 8 in [8, 256] (a wgmma N)")
-        if self.scaled and self.tile_n > 192:
-            # Blockwise: two accumulator tiles; per-channel: the scale loads beside a
-            # 256-wide accumulator tile spill.
-            raise ValueError("scaled kernels: tile_n must be <= 192")
+        if self.scaled and self.tile_n > 192 and not (self.blockwise and self.tile_n == 2 * MMA_PART_N):
+            # Blockwise: two accumulator tiles (256 columns only as two wgmma halves, see
+            # mma_parts); per-channel: the scale loads beside a 256-wide accumulator tile spill.
+            raise ValueError("scaled kernels: tile_n must be <= 192, or 256 for blockwise scales")
         if self.tile_k <= 0 or self.tile_k * ELEMENT_BYTES[a] != SWIZZLE_BYTES:
             raise ValueError("tile_k must fill exactly one 128-byte swizzle row")
         if self.raster < 1:
@@ -295,10 +306,39 @@ class GemmKernelConfig:
             raise ValueError("a gathered A is copied row by row: one CTA per tile (no multicast), no per-channel scales")
         if self.scatter and self.accumulate:
             raise ValueError("a scattered D is stored (=), never added into: rows sharing an index would race")
+        if self.fp8_out:
+            if self.accumulate or self.scatter:
+                raise ValueError("an FP8 D is stored (=) at its own rows: no +=, no scattered rows")
+            if self.d_tile_cols % D_SCALE_COLS:
+                raise ValueError(
+                    f"an FP8 D's tile must cover whole {D_SCALE_COLS}-column scale blocks of D "
+                    f"(tile_n {self.tile_n}{' of gate/up pairs' if self.swiglu else ''})"
+                )
+        elif self.d_scale_pow2:
+            raise ValueError("power-of-two scales belong to an FP8 D")
+        if self.mma_parts > 1 and self.sb_mode == 2:
+            raise ValueError("a 256-column blockwise tile takes one or two B scales per K block")
 
     @property
     def element_bytes(self) -> int:
         return ELEMENT_BYTES[self.a_type]
+
+    @property
+    def fp8_out(self) -> bool:
+        """D is FP8, quantized in the epilogue with one scale per row and 128 columns."""
+        return self.d_type in FP8_TYPES
+
+    @property
+    def d_tile_cols(self) -> int:
+        """Columns of D a tile writes: its width, or half of it for a SwiGLU."""
+        return self.tile_n // 2 if self.swiglu else self.tile_n
+
+    @property
+    def mma_parts(self) -> int:
+        """wgmma batches per K block: a blockwise tile of 256 columns runs its K block in two
+        128-column halves, each into one half-width K-block accumulator promoted before the
+        next (two full-width accumulator tiles would not fit the registers); else 1."""
+        return self.tile_n // MMA_PART_N if self.blockwise and self.tile_n > 192 else 1
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -388,7 +428,7 @@ class GemmKernelConfig:
         return self.blockwise and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
 
     def _store_tma_pays(self) -> bool:
-        if not self.store_tma_possible or self.swiglu or self.scatter:
+        if not self.store_tma_possible or self.swiglu or self.scatter or self.fp8_out:
             # A SwiGLU's output tile is TILE_N / 2 columns wide, which the staging boxes (and
             # the D map's box width) do not describe; from registers it needs no shared memory,
             # so the ring keeps those stages.
@@ -481,6 +521,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_scatter"
     if not cfg.programmatic:
         staged += "_nopdl"
+    if cfg.d_scale_pow2:
+        staged += "_pow2"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -602,12 +644,19 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         producer_regs=BULK_PRODUCER_REGS if cfg.bulk_scales else PRODUCER_REGS,
         consumer_regs=BULK_CONSUMER_REGS if cfg.bulk_scales else CONSUMER_REGS,
         smem_bytes=cfg.smem_bytes,
-        mma=wgmma_struct(cfg.tile_n, cfg.a_type, cfg.b_type),
+        mma=wgmma_struct(cfg.tile_n // cfg.mma_parts, cfg.a_type, cfg.b_type),
+        mma_parts=cfg.mma_parts,
         epilogue=dict(cfg.epilogue),
         swiglu=cfg.swiglu,
         gather=cfg.gather,
         scatter=cfg.scatter,
         programmatic=cfg.programmatic,
+        fp8_out=cfg.fp8_out,
+        out_max=repr(FP8_MAX[cfg.d_type]) if cfg.fp8_out else "",
+        out_interp=FP8_INTERP[cfg.d_type] if cfg.fp8_out else "",
+        d_scale_cols=D_SCALE_COLS,
+        pow2=cfg.d_scale_pow2,
+        out_max_exp=fp8_max_exponent(cfg.d_type) if cfg.fp8_out else 0,
     )
 
 

@@ -30,6 +30,7 @@ TARGET = "sm_90a"
 LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
 EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
 GATHER_BYTES = 32  # sizeof(GsGather): per leaf, after those, with rows through index tensors
+DSCALE_BYTES = 32  # sizeof(GsDScale): per leaf, after those, with an FP8 output
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
@@ -299,7 +300,9 @@ def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
         role = "output" if t.name in written else "index" if t.dtype == INDEX_TYPE else "input"
         out.append(Argument(t.name, role, t.dtype, _ptr(t.dtype, role != "output"), t.dims))
         if t.scale is not None:
-            out.append(Argument(t.scale.name, "scale", "f32", "const float*", scale_of=t.name))
+            # An FP8 output's scales are written with it.
+            ctype = "float*" if role == "output" else "const float*"
+            out.append(Argument(t.scale.name, "scale", "f32", ctype, scale_of=t.name))
     for g in spec.groups:
         if g.tensor:
             role = "counts" if g.kind == "masked" else "offsets"
@@ -545,12 +548,15 @@ class _Builder:
         epilogue_bytes = x.leaf_count * EPILOGUE_BYTES if pg.epilogue else 0
         # Rows read or written through index tensors: each leaf's row numbers after those.
         gather_bytes = x.leaf_count * GATHER_BYTES if pg.index_maps else 0
+        # An FP8 output: where each leaf's scales go, after those.
+        dscale_bytes = x.leaf_count * DSCALE_BYTES if pg.sd is not None else 0
         leaves = self.workspace(
             f"launch{i}.leaves",
-            Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes),
+            Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes + dscale_bytes),
             "the leaf table"
             + (" and its epilogue addresses" if pg.epilogue else "")
-            + (" and its row numbers (index tensors)" if pg.index_maps else ""),
+            + (" and its row numbers (index tensors)" if pg.index_maps else "")
+            + (" and its output scale addresses" if pg.sd is not None else ""),
         )
         maps_ws = self.workspace(
             f"launch{i}.maps",
@@ -582,6 +588,8 @@ class _Builder:
             for kind, pname in (("alpha", "ALPHA"), ("row", "ROW"), ("bias", "BIAS")):
                 e = by_kind.get(kind)
                 table_params.append(Param(pname, "const void*", self.where[e.tensor] if e else null))
+        if pg.sd is not None:
+            table_params.append(Param("SD", "float*", self.where[pg.sd.tensor]))
         one = Formula.const(1)
         self.steps.append(
             KernelLaunch(

@@ -179,6 +179,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     d = _operand(spec, gemm, gemm.out, ("m", "n"))
     sa = _scale(spec, gemm, gemm.a, ("m", "k"))
     sb = _scale(spec, gemm, gemm.b, ("n", "k"))
+    # An FP8 output's scales, written by the epilogue (one per row and 128 columns).
+    sd = _scale(spec, gemm, gemm.out, ("m", "n"))
     epilogue = _epilogue(spec, gemm)
     # The offsets and counts the extents read, then the index tensors rows go through.
     index_maps = [op.rows for op in (a, d) if op.rows is not None]
@@ -187,7 +189,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     polys += [p for r in index_maps for p in (r.offset, r.bound)]
     polys += [p for e in epilogue for p in (e.offset, e.stride)]
     polys += [e.size for e in extents]
-    for s in (sa, sb):
+    for s in (sa, sb, sd):
         if s is not None:
             polys += [s.offset, *s.strides]
     dims = spec.runtime_dims
@@ -204,6 +206,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         runtime_tensors=runtime_tensors,
         runtime_dims=runtime_dims,
         epilogue=epilogue,
+        sd=sd,
     )
     fp8 = a.dtype in FP8_TYPES
     sig = KernelSignature(
@@ -223,6 +226,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         swiglu=gemm.swiglu,
         gather=a.rows is not None,
         scatter=d.rows is not None,
+        d_scale_pow2=sd is not None and spec.tensor(d.tensor).scale.pow2,
     )
     return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
 

@@ -164,6 +164,13 @@ class ProblemGenerator:
     runtime_tensors: tuple[str, ...]
     runtime_dims: tuple[str, ...]
     epilogue: tuple[EpilogueMap, ...] = ()  # in spec.EPILOGUE_KINDS order
+    # An FP8 D's scales, which the epilogue writes: one per row and 128 of D's columns.
+    sd: ScaleMap | None = None
+
+    @property
+    def scale_maps(self) -> tuple[ScaleMap, ...]:
+        """A's, B's and D's scale maps, those the launch has."""
+        return tuple(s for s in (self.sa, self.sb, self.sd) if s is not None)
 
     @property
     def index_maps(self) -> tuple[IndexMap, ...]:
@@ -205,6 +212,8 @@ class ProblemGenerator:
             lines.append(f"  scale A {self.sa}")
         if self.sb:
             lines.append(f"  scale B {self.sb}")
+        if self.sd:
+            lines.append(f"  scale D {self.sd}  (written)")
         lines += [f"  epilogue {e}" for e in self.epilogue]
         if self.runtime_tensors:
             lines.append(f"  reads at run time: {', '.join(self.runtime_tensors)}")
@@ -236,6 +245,9 @@ class KernelSignature:
     # D's rows written through one (stored from registers).
     gather: bool = False
     scatter: bool = False
+    # An FP8 D (d_type e4m3/e5m2) is quantized in the epilogue, one scale per row and 128
+    # columns; with power-of-two scales when this is set.
+    d_scale_pow2: bool = False
 
     @property
     def epilogue_name(self) -> str:
@@ -243,7 +255,8 @@ class KernelSignature:
         `_swiglu` for a SwiGLU, `_gather` and `_scatter` for rows through index tensors."""
         name = "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
         name += "_swiglu" if self.swiglu else ""
-        return name + ("_gather" if self.gather else "") + ("_scatter" if self.scatter else "")
+        name += ("_gather" if self.gather else "") + ("_scatter" if self.scatter else "")
+        return name + ("_pow2" if self.d_scale_pow2 else "")
 
     @property
     def name(self) -> str:
@@ -292,6 +305,11 @@ class Launch:
                 f"  loads: A gathered through {pg.a.rows.tensor}: rows copied by the producer "
                 f"(16-byte cp.async copies into the swizzled stage, each row's address from "
                 f"{pg.a.rows.row('m')}; TMA cannot follow an index per row){scales}; B by TMA where it can describe it"
+            )
+        if pg.sd is not None:
+            lines.append(
+                f"  stores: D quantized in the epilogue: rounded to bf16, then per row and 128 columns "
+                f"amax, scale and FP8 values as the quantize pass makes them; scales into {pg.sd.tensor}"
             )
         if pg.d.rows is not None:
             lines.append(

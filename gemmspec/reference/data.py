@@ -154,7 +154,7 @@ def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -
     amax = np.zeros(scale_grid_shape(spec, rt, target), dtype=np.float32)
     np.fmax.at(amax, np.ix_(*blocks), np.abs(x))
     with np.errstate(invalid="ignore"):
-        if target.derived is not None and target.derived.pow2:
+        if _pow2(target):
             grid = pow2_scales(amax, target.dtype)
         else:
             grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
@@ -162,6 +162,36 @@ def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -
         with np.errstate(divide="ignore"):
             ratio = np.clip(x / scale, -fp8_max, fp8_max)  # NaN stays NaN
     return ratio.astype(NUMPY_TYPES[target.dtype]).astype(np.float64), grid
+
+
+def _pow2(t: Tensor) -> bool:
+    """Whether `t`'s scales are powers of two: quantize(SOURCE, pow2), or an FP8 output
+    declared `scale f32 [...] pow2`."""
+    return (t.derived is not None and t.derived.pow2) or (t.scale is not None and t.scale.pow2)
+
+
+def fp8_output_values(spec: Spec, rt: Runtime, result: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """An FP8 output's stored values and scale grid (docs/language.md, FP8 outputs): the
+    statement's result rounded to bf16 (as a bf16 output stores it), then quantized as
+    quantize(SOURCE) does with the output's [1, ..., 1, 128] blocks."""
+    return quantize_values(spec, rt, quantize(result, "bf16"), target)
+
+
+def quantize_rows(values: np.ndarray, dtype: str, pow2: bool = False, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """`values` [rows, cols] (cols a multiple of `block`) as an FP8 output's leaf stores it:
+    rounded to bf16, then per row and `block` columns amax (NaN ignored), the scale
+    (amax / FP8 max, or a power of two; 1 for an all-zero block) and fp8(value / scale),
+    all in float32. Returns (fp8 values as float64, scales [rows, cols / block])."""
+    rows, cols = values.shape
+    x = quantize(values, "bf16").astype(np.float32).reshape(rows, cols // block, block)
+    fp8_max = np.float32(FP8_MAX[dtype])
+    amax = np.fmax.reduce(np.abs(x), axis=2, initial=np.float32(0))  # fmax: NaN ignored
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scales = pow2_scales(amax, dtype) if pow2 else np.where(amax > 0, amax / fp8_max, np.float32(1))
+        scales = scales.astype(np.float32)
+        ratio = np.clip(x / scales[:, :, None], -fp8_max, fp8_max)
+    q = ratio.astype(NUMPY_TYPES[dtype]).astype(np.float64).reshape(rows, cols)
+    return q, scales
 
 
 # ---- storage ------------------------------------------------------------------------------

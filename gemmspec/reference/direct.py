@@ -7,6 +7,8 @@ index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an in
 outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
 blocks; quantize: the same rounding from unscaled values; transpose: same values).
+An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
+own scale grid (returned under the scale's name beside the values).
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import itertools
 import numpy as np
 
 from ..analyse import dependency_order
-from ..spec import Gemm, Spec
+from ..spec import FP8_TYPES, Gemm, Spec, Tensor
 from .data import (
     Runtime,
     TensorData,
+    block_index,
     dim_size,
+    fp8_output_values,
     quantize_values,
     real_values,
     requantize_values,
     rows_through,
+    scale_grid_shape,
     segments,
 )
 
@@ -72,12 +77,21 @@ def chain_names(spec: Spec, group: str) -> tuple[str, ...]:
 
 def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], out: np.ndarray) -> np.ndarray:
     """Return the new value of the output tensor (float64, logical shape)."""
+    total, written = statement_result(spec, rt, gemm, data, out.shape)
+    if gemm.accumulate:
+        return out + total
+    return np.where(written, total, out)
+
+
+def statement_result(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The statement's result before it meets the output (float64, the output's logical
+    shape), and which elements it writes."""
     a_t, b_t = spec.tensor(gemm.a.tensor), spec.tensor(gemm.b.tensor)
     a_real = real_values(spec, rt, a_t, data[a_t.name])
     b_real = real_values(spec, rt, b_t, data[b_t.name])
     size = {r: dim_size(spec, rt, gemm.role(r).dim) for r in "mnk"}
-    total = np.zeros(out.shape)
-    written = np.zeros(out.shape, dtype=bool)
+    total = np.zeros(shape)
+    written = np.zeros(shape, dtype=bool)
     for combo in itertools.product(*[range(ax.count) for ax in gemm.leaf_axes]):
         at = {ax.name: i for ax, i in zip(gemm.leaf_axes, combo)}
         masks = {r: np.ones(size[r], dtype=bool) for r in "mnk"}
@@ -113,7 +127,7 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
             # `y[idx[t], n] = ...`: the leaf's row t lands on row idx[t]; two rows landing on
             # one element is an error of the caller's (the kernels would race).
             axis = gemm.out.axis_of_role("m")
-            d_rows = rows_through(data, gemm.scatter, im, out.shape[axis], gemm.out.tensor)
+            d_rows = rows_through(data, gemm.scatter, im, shape[axis], gemm.out.tensor)
             _distinct(gemm, im, d_rows)
         where = np.ix_(in_, d_rows) if mn_order == ["n", "m"] else np.ix_(d_rows, in_)
         if gemm.scatter and wview[where].any():
@@ -125,9 +139,30 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
         wview[where] = True
         total[sel] = view
         written[sel] = wview
-    if gemm.accumulate:
-        return out + total
-    return np.where(written, total, out)
+    return total, written
+
+
+def run_fp8_statement(
+    spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData
+) -> TensorData:
+    """An `=` statement into an FP8 output: the written elements' result rounded to bf16
+    and quantized per scale block (`fp8_output_values`); elements and scales the statement
+    does not write keep `old`'s. A block is written whole or not at all (the checker makes
+    the output's columns whole blocks of one leaf)."""
+    t = spec.tensor(gemm.out.tensor)
+    total, written = statement_result(spec, rt, gemm, data, old.values.shape)
+    q, grid = fp8_output_values(spec, rt, np.where(written, total, 0.0), t)
+    per_block = _block_counts(spec, rt, t, written)
+    whole = _block_counts(spec, rt, t, np.ones_like(written))
+    assert ((per_block == 0) | (per_block == whole)).all(), "a scale block written in part"
+    return TensorData(np.where(written, q, old.values), np.where(per_block > 0, grid, old.scale_grid))
+
+
+def _block_counts(spec: Spec, rt: Runtime, t: Tensor, mask: np.ndarray) -> np.ndarray:
+    """How many elements of `mask` each block of `t`'s scale grid holds."""
+    counts = np.zeros(scale_grid_shape(spec, rt, t), dtype=np.int64)
+    np.add.at(counts, np.ix_(*[block_index(spec, rt, t, a) for a in range(t.rank)]), mask.astype(np.int64))
+    return counts
 
 
 def _distinct(gemm: Gemm, rows: np.ndarray, picked: np.ndarray) -> None:
@@ -195,14 +230,45 @@ def _out_index(gemm: Gemm, at: dict[str, int]) -> tuple:
     return tuple(at[u.axis] if u.kind == "leaf" else slice(None) for u in gemm.out.uses)
 
 
-def run_direct(spec: Spec, rt: Runtime, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Evaluate every statement in order; `init` holds each output's starting values."""
+def run_direct(
+    spec: Spec,
+    rt: Runtime,
+    inputs: dict[str, TensorData],
+    init: dict[str, np.ndarray],
+    given: dict[str, TensorData] | None = None,
+) -> dict[str, np.ndarray]:
+    """Evaluate every statement in order; `init` holds each output's starting values (an
+    FP8 output's scale grid may start from `init[<scale name>]`, else NaN). An FP8
+    output's scale grid is returned under its scale's name. `given` names FP8 outputs to
+    take as they are (values and scales) instead of computing them, so that the
+    statements reading them can be checked against what a device wrote: FP8 rounding is
+    discontinuous, and a result a hair away from the reference's may round to the next
+    FP8 value."""
+    given = given or {}
     data = derive(spec, rt, inputs)
     results = {k: v.copy() for k, v in init.items()}
+    for t in fp8_outputs(spec):
+        if t.scale.name not in results:
+            results[t.scale.name] = np.full(scale_grid_shape(spec, rt, t), np.nan)
     # Statements take effect in data-dependency order (writers before readers).
     for index in dependency_order(spec):
         gemm = spec.gemms[index]
         name = gemm.out.tensor
+        out_t = spec.tensor(name)
+        if out_t.dtype in FP8_TYPES:
+            if name in given:
+                d = given[name]
+            else:
+                d = run_fp8_statement(spec, rt, gemm, data, TensorData(results[name], results[out_t.scale.name]))
+            results[name], results[out_t.scale.name] = d.values, d.scale_grid
+            data[name] = d
+            continue
         results[name] = run_statement(spec, rt, gemm, data, results[name])
         data[name] = TensorData(results[name])
     return results
+
+
+def fp8_outputs(spec: Spec) -> list[Tensor]:
+    """The tensors statements write in FP8 (with the scales their epilogue writes)."""
+    names = dict.fromkeys(g.out.tensor for g in spec.gemms)
+    return [spec.tensor(n) for n in names if spec.tensor(n).dtype in FP8_TYPES]

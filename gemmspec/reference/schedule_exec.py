@@ -6,7 +6,8 @@ the run-time offsets tensors (as the device-side table builder does), each
 operand is gathered through its offset/stride polynomials (rows read through an
 index tensor take their numbers from it, as the kernels do), the product is
 formed one 128-wide K block at a time with that block's scales, and D is stored
-or accumulated through its own polynomial (and index tensor).
+or accumulated through its own polynomial (and index tensor); an FP8 D is quantized
+per row and 128 columns of the leaf first, its scales stored through their own.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from .data import (
     TensorData,
     element_offsets,
     pack,
+    quantize_rows,
     quantize_values,
     real_values,
     requantize_values,
     scale_offsets,
     segments,
 )
-from .direct import chain_names, swiglu_pairs
+from .direct import chain_names, fp8_outputs, swiglu_pairs
 
 K_BLOCK = 128
 
@@ -76,9 +78,7 @@ def leaf_symbols(spec: Spec, rt: Runtime, pg: ProblemGenerator, leaf: int) -> di
     for ext in pg.extents:
         start, length = _segment_of(spec, rt, ext, idx)
         env[f"start.{ext.role}"], env[f"len.{ext.role}"] = start, length
-    for sm in (pg.sa, pg.sb):
-        if sm is None:
-            continue
+    for sm in pg.scale_maps:
         for role, block, anchor in zip(sm.roles, sm.block, sm.anchors):
             if sm.rows is not None and role == sm.roles[0]:
                 continue  # gathered rows find their scale blocks through the index
@@ -147,6 +147,13 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
         d_off = pg.d.offset.evaluate(env)
         ds0, ds1 = (s.evaluate(env) for s in pg.d.strides)
         where = (d_off + d_rows[:, None] * ds0 + rn[None, :] * ds1)[d_ok]
+        if pg.sd is not None:
+            # FP8 D: per row and 128 of the leaf's D columns (n is a multiple of 128), the
+            # bf16-rounded result quantized; the scales go where D's scale map says.
+            acc, scales = quantize_rows(acc, sig.d_type, sig.d_scale_pow2, pg.sd.block[1])
+            blocks = np.arange(scales.shape[1])
+            sd_where = _gather(np.arange(len(flat[pg.sd.tensor])), pg.sd, env, d_rows, blocks)
+            flat[pg.sd.tensor][sd_where[d_ok]] = scales[d_ok]
         if sig.accumulate:
             flat[pg.d.tensor][where] += acc[d_ok]
         else:
@@ -182,15 +189,24 @@ def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, 
         flat[name] = pack(element_offsets(spec, rt, t), d.values)
         if d.scale_grid is not None:
             flat[t.scale.name] = pack(scale_offsets(spec, rt, t), d.scale_grid)
+    # An FP8 output's scale grid starts from init (under the scale's name) or NaN.
+    fp8 = {t.scale.name: t for t in fp8_outputs(spec)}
     for name, v in init.items():
-        flat[name] = pack(element_offsets(spec, rt, spec.tensor(name)), v)
+        if name not in fp8:
+            flat[name] = pack(element_offsets(spec, rt, spec.tensor(name)), v)
+    for name, t in fp8.items():
+        grid = init.get(name, np.full(scale_offsets(spec, rt, t).shape, np.nan))
+        flat[name] = pack(scale_offsets(spec, rt, t), grid)
     for p in schedule.prepasses:
         run_prepass(spec, rt, p, flat)
     for launch in schedule.launches:
         run_launch(spec, rt, launch, flat)
     out = {}
     for name in init:
-        out[name] = flat[name][element_offsets(spec, rt, spec.tensor(name))]
+        if name not in fp8:
+            out[name] = flat[name][element_offsets(spec, rt, spec.tensor(name))]
+    for name, t in fp8.items():
+        out[name] = flat[name][scale_offsets(spec, rt, t)]
     return out
 
 

@@ -3,7 +3,12 @@
 Inputs are fresh random values quantized with the spec's own scales (never
 zeros); `=` outputs are poisoned with NaN first and must come back fully
 written; `+=` outputs start from random values. The reference is the spec's
-direct semantics on the dequantized inputs (gemmspec.reference.direct).
+direct semantics on the dequantized inputs (gemmspec.reference.direct). An FP8
+output's scales are poisoned too, and it is compared dequantized (values times scales)
+with the reference's, which quantizes the float64 result by the same rule; statements
+that read an FP8 output are checked against the reference run on the FP8 values and
+scales the GPU wrote (a result a hair from the reference's may round to the next FP8
+value, and the reference of what reads it would carry that step along).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import numpy as np
 from ..reference.data import (
     NUMPY_TYPES,
     Runtime,
+    TensorData,
     dim_size,
     element_offsets,
+    expand_scales,
     random_inputs,
     random_runtime,
     scale_grid_shape,
@@ -25,7 +32,7 @@ from ..reference.data import (
     segments,
 )
 from ..reference.direct import run_direct
-from ..spec import Tensor
+from ..spec import FP8_TYPES, Tensor
 from .arrays import DeviceBuffer
 from .executor import Executable
 
@@ -116,25 +123,53 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         t = spec.tensor(name)
         shape = tuple(dim_size(spec, rt, d) for d in t.dims)
         init[name] = data.pop(name).values if name in data else np.full(shape, np.nan)
-    args, keep, out_bufs = device_arguments(spec, rt, data, init)
+    scale_bufs: dict = {}
+    args, keep, out_bufs = device_arguments(spec, rt, data, init, scale_bufs)
     exe(**args)
     results = {}
     for name, (buf, host) in out_bufs.items():
         t = spec.tensor(name)
         flat = buf.to_numpy(host.shape, host.dtype).astype(np.float64)
         results[name] = flat[element_offsets(spec, rt, t)]
+        if name in scale_bufs:
+            sbuf, size, grid_off = scale_bufs[name]
+            grid = sbuf.to_numpy((size,), np.float32).astype(np.float64) if size else np.zeros(0)
+            results[t.scale.name] = grid[grid_off]
     reference = run_direct(spec, rt, data, init)
+    read = {r for g in spec.gemms for r in g.reads}
+    as_written = {
+        n: TensorData(results[n], results[spec.tensor(n).scale.name])
+        for n in outputs
+        if spec.tensor(n).dtype in FP8_TYPES and n in read
+    }
+    if as_written:
+        # The FP8 outputs themselves against the reference; what reads them against the
+        # reference run on them as the GPU wrote them.
+        downstream = run_direct(spec, rt, data, init, given=as_written)
+        kept = set(as_written) | {spec.tensor(n).scale.name for n in as_written}
+        reference = {k: (reference[k] if k in kept else v) for k, v in downstream.items()}
     checks = []
     for name in sorted(outputs):
         t = spec.tensor(name)
         ref, got = reference[name], results[name]
+        if t.dtype in FP8_TYPES:
+            # Dequantized; an unwritten scale (NaN) makes its block's values unwritten too.
+            ref = ref * expand_scales(spec, rt, t, reference[t.scale.name])
+            got = got * expand_scales(spec, rt, t, results[t.scale.name])
         should = ~np.isnan(ref)
         unwritten = int(np.isnan(got[should]).sum())
         clobbered = int((~np.isnan(got[~should])).sum())
         num = np.linalg.norm(np.nan_to_num(got[should]) - ref[should])
         den = np.linalg.norm(ref[should]) or 1.0
         a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
-        tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
+        if t.dtype in FP8_TYPES:
+            # The GPU's f32 result and the reference's float64 one round to the same FP8
+            # values but for those within the f32 error of a rounding boundary (of bf16, then
+            # of FP8): one FP8 step apart, an eighth to a sixteenth of the value. A few
+            # percent of such steps stay well under this; a wrong scale or rounding does not.
+            tol = 3e-2
+        else:
+            tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
         checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))
     # Timing: the whole schedule (the offsets check included), median of `repeats` runs.
     seconds = _time(exe, args, repeats) if repeats else 0.0
@@ -142,10 +177,14 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
     return RunReport(spec.name, dict(rt.dims), tuple(checks), seconds, _useful_flops(spec, rt))
 
 
-def device_arguments(spec, rt: Runtime, data: dict, init: dict) -> tuple[dict, list, dict]:
+def device_arguments(
+    spec, rt: Runtime, data: dict, init: dict, scale_bufs: dict | None = None
+) -> tuple[dict, list, dict]:
     """The arguments of a call on the device: the inputs of `data` with their scales, the
     outputs holding `init` (NaN where poisoned), and `rt`'s offsets and counts. Returns
-    (arguments by name, the buffers to keep alive, {output: (buffer, host copy)})."""
+    (arguments by name, the buffers to keep alive, {output: (buffer, host copy)}); an FP8
+    output's scales are poisoned too, and given `scale_bufs`, recorded there as
+    {output: (buffer, floats, grid offsets)}."""
     args: dict[str, object] = {}
     keep = []
     for name, d in data.items():
@@ -168,6 +207,15 @@ def device_arguments(spec, rt: Runtime, data: dict, init: dict) -> tuple[dict, l
         host, buf = _flat_buffer(spec, rt, t, v, np.nan)
         out_bufs[name] = (buf, host)
         args[name] = _shaped(buf, t, spec, rt)
+        if t.dtype in FP8_TYPES:  # an FP8 output: its scales are written too, poisoned first
+            grid_off = scale_offsets(spec, rt, t)
+            flat = np.full(int(grid_off.max(initial=-1)) + 1, np.nan, dtype=np.float32)
+            sbuf = DeviceBuffer.from_numpy(flat if flat.size else np.zeros(4, np.float32))
+            keep.append(sbuf)
+            if scale_bufs is not None:
+                scale_bufs[name] = (sbuf, flat.size, grid_off)
+            strides = tuple(s.evaluate(rt.dims) for s in t.scale.layout.strides)
+            args[t.scale.name] = sbuf.view(scale_grid_shape(spec, rt, t), "f32", strides)
     for name, arr in rt.tensors.items():
         buf = DeviceBuffer.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
         keep.append(buf)

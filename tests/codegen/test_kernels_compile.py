@@ -318,7 +318,7 @@ def test_sources_include_only_toolkit_headers() -> None:
     "kwargs",
     [
         dict(a_type="bf16", b_type="e4m3", d_type="bf16"),
-        dict(a_type="e4m3", b_type="e4m3", d_type="e4m3"),
+        dict(a_type="e4m3", b_type="e4m3", d_type="i32"),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", scaled=True),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bk=64),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_n=100),
@@ -326,7 +326,9 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_m=96),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_m=256),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_k=32),
-        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, tile_n=256),
+        # 256 scaled columns only as two blockwise wgmma halves, with one or two B scales.
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bk=0, sb_bk=0, sb_bn=1, tile_n=256),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sb_bn=64, tile_n=256),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", stages=1),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=256, stages=5),
         # A staged epilogue stores whole 128-byte boxes, and reduce-adds only f32.
@@ -340,6 +342,13 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="bf16", b_type="bf16", d_type="f16", swiglu=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", swiglu=True, store_tma=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", swiglu=True, epilogue=(("bias", "f32"),)),
+        # An FP8 D is stored (=) at its own rows from registers, in whole 128-column blocks.
+        dict(a_type="e4m3", b_type="e4m3", d_type="e4m3", scaled=True, accumulate=True),
+        dict(a_type="e4m3", b_type="e4m3", d_type="e4m3", scaled=True, scatter=True),
+        dict(a_type="e4m3", b_type="e4m3", d_type="e4m3", scaled=True, store_tma=True),
+        dict(a_type="e4m3", b_type="e4m3", d_type="e4m3", scaled=True, tile_n=192),
+        dict(a_type="e4m3", b_type="e4m3", d_type="e5m2", scaled=True, tile_n=128, swiglu=True),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", d_scale_pow2=True),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:

@@ -84,7 +84,7 @@ CASES = [
     ("reserved-prefix", edit(BASE, 5, "tensor x ", "tensor gs_x "), 5, "gs_x", "reserved for generated code"),
     ("name-collision", edit(BASE, 5, "tensor x ", "tensor offs "), 5, "offs", "collides with the offsets tensor"),
     ("scale-name-collision", insert(edit(FP8, 7, "tensor y", "tensor x_scale"), 8, ""), None, None, None),
-    ("output-fp8", edit(FP8, 7, "bf16 [T, N]", "e4m3 [T, N] scale f32 [1, 1]"), 8, "y", "FP8 output is not supported"),
+    ("output-fp8-block", edit(FP8, 7, "bf16 [T, N]", "e4m3 [T, N] scale f32 [1, 1]"), 7, "1]", "writes one scale per row and 128 columns"),
     ("f32-operand", edit(BASE, 5, "bf16 [T, K]", "f32 [T, K]"), 8, "x[", "tensor cores take FP8, BF16 or F16"),
     ("split-sizes-sum", insert(BASE, 4, "  group part[P = 2] = split(N, sizes = [100, 100])"), 5, "100, 100", "add up to 200 but dim 'N' is 256"),
     ("uniform-not-divisible", insert(BASE, 4, "  group part[P = 3] = uniform(N)"), 5, "N", "compile-time multiple of 3"),

@@ -29,6 +29,7 @@ EXPECTED = {
     "moe_fp8_rowwise": ("flatten", [8], []),
     "moe_fp8_tensorwise": ("flatten", [8], []),
     "moe_fp8_gather_scatter": ("flatten", [8], []),
+    "moe_ffn_fp8": ("split", [8, 8], []),
     "linear_fp8_training": ("split", [1, 1, 1], ["transpose", "requantize", "requantize"]),
 }
 

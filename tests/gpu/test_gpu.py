@@ -22,6 +22,8 @@ EXAMPLE_CASES = {
     "moe_fp8_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     # 6166 routed rows read from and written to 6200 tokens through random permutations.
     "moe_fp8_gather_scatter": ({"expert": [*EDGE, 300, 1000, 512]}, {"S": 6200}),
+    # The expert FFN: FP8 intermediate with its scales written by the up-projection's epilogue.
+    "moe_ffn_fp8": ({"expert": [*EDGE, 300, 1000, 512]}, {"S": 6200}),
     "moe_bf16_forward": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_bf16_in_fp8": ({"expert": [*EDGE, 300, 1000, 512]}, {}),
     "moe_masked_decode": ({"expert": [0, 1, 127, 129, 256, 200, 64, 3]}, {}),

@@ -322,3 +322,51 @@ def test_per_tensor_scales_have_one_entry_per_tensor_or_expert():
     assert "scale 'h_scale' must have shape [1, 1], got [512, 1]" in msg
     msg = refused(w_scale=FakeCuda((E, n // 128, 1), "<f4", strides=(4, 4, 4), ptr=BASE["w_scale"]))
     assert "scale 'w_scale' must have shape [8, 1, 1], got [8, 56, 1]" in msg
+
+
+# ---- an FP8 output: its scales are an output argument too ----------------------------------
+FP8_OUT = """
+gemm fp8_out {
+  dim T
+  dim N = 512, K = 256
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x : e4m3 [T, K] scale f32 [1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : e4m3 [T, N] scale f32 [1, 128]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}
+"""
+FP8_BASE = {name: (i + 1) * GIB for i, name in enumerate(["x", "x_scale", "w", "w_scale", "y", "y_scale", "offs"])}
+
+
+def fp8_out_args(**changes):
+    args = {
+        "x": FakeCuda((T, 256), "|u1", ptr=FP8_BASE["x"]),
+        "x_scale": FakeCuda((T, 2), "<f4", ptr=FP8_BASE["x_scale"]),
+        "w": FakeCuda((4, 512, 256), "|u1", ptr=FP8_BASE["w"]),
+        "w_scale": FakeCuda((4, 4, 2), "<f4", ptr=FP8_BASE["w_scale"]),
+        "y": FakeCuda((T, 512), "|u1", ptr=FP8_BASE["y"]),
+        "y_scale": FakeCuda((T, 4), "<f4", ptr=FP8_BASE["y_scale"]),
+        "offs": FakeCuda((5,), "<i4", ptr=FP8_BASE["offs"]),
+    }
+    args.update(changes)
+    return args
+
+
+@pytest.fixture(scope="module")
+def fp8_out():
+    return gemmspec.build(FP8_OUT)
+
+
+def test_fp8_output_scales_are_an_output(fp8_out, monkeypatch):
+    assert fp8_out.argument_names() == ["x", "x_scale", "w", "w_scale", "y", "y_scale", "offs"]
+    assert fp8_out._argument_roles()["y_scale"] == "output"
+    values = np.linspace(0, T, 5).astype(np.int32)
+    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: values.reshape(shape))
+    fp8_out._bind(fp8_out_args())
+    with pytest.raises(ArgumentError, match="output 'y_scale' is read-only"):
+        fp8_out._bind(fp8_out_args(y_scale=FakeCuda((T, 4), "<f4", ptr=FP8_BASE["y_scale"], readonly=True)))
+    with pytest.raises(ArgumentError, match="output 'y_scale' overlaps input 'x'"):
+        fp8_out._bind(fp8_out_args(y_scale=FakeCuda((T, 4), "<f4", ptr=FP8_BASE["x"])))
+    with pytest.raises(ArgumentError, match="scale 'y_scale' must have"):
+        fp8_out._bind(fp8_out_args(y_scale=FakeCuda((T, 8), "<f4", ptr=FP8_BASE["y_scale"])))
