@@ -153,8 +153,6 @@ def _kernel_line(spec: Spec, launch) -> str:
     elif cfg.scaled:
         count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]
         where = "staged by the producer"
-        if cfg.bulk_scales:
-            where = "staged by the producer's TMA issuer (two 1-D bulk copies per stage)"
         if cfg.consumer_scales:
             where = "read by the consumers" + (" a K block ahead" if cfg.prefetch_scales else "")
         parts.append(f"{count} and K block, {where}")

@@ -437,7 +437,6 @@ _DERIVED = {
     "store_tma": None,
     "consumer_scales": None,
     "prefetch_scales": None,
-    "bulk_scales": None,
     "lean_registers": None,
 }
 

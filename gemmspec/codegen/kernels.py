@@ -104,11 +104,6 @@ MMA_PART_N = 128
 # the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
 PRODUCER_REGS = 56
 CONSUMER_REGS = 224
-# A producer that issues bulk scale copies beside the TMA loads keeps more addresses live;
-# its consumers (per-column B scales: 128-wide tiles) need fewer (128 * 64 + 256 * 216 <= 64512,
-# what 384 threads of 168 hand back).
-BULK_PRODUCER_REGS = 64
-BULK_CONSUMER_REGS = 216
 
 
 @dataclass(frozen=True)
@@ -132,13 +127,6 @@ class GemmKernelConfig:
     one otherwise"; the ring then gets half the shared memory and the grid twice the blocks;
     ``name`` "" means the procedural name. Unscaled configs normalise the scale block
     sizes to 1 so that equal kernels compare (and hash) equal.
-
-    ``bulk_scales`` None means "when the producer stages per-row A scales and per-column
-    B scales (WGRAD's 128 x 1 on both sides), its TMA issuer copies each stage's two scale
-    runs with 1-D bulk copies that complete on the full barrier (one arrival per stage)";
-    False keeps every producer lane copying a scale and arriving (129 arrivals per stage).
-    Leaves whose scale runs are not 16-byte aligned whole units are copied float by float
-    by the issuer either way.
 
     ``gather``: A's rows are read through an index tensor (each leaf's row numbers in its
     GsGather record): the producer copies them with 16-byte loads, never by TMA, and stages
@@ -177,7 +165,6 @@ class GemmKernelConfig:
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
     lean_registers: bool | None = None
-    bulk_scales: bool | None = None
     ctas_per_sm: int = 0
     name: str = ""
     # Fused epilogue operands, (kind, element type) in EPILOGUE_KINDS order: "alpha" (a
@@ -220,13 +207,6 @@ class GemmKernelConfig:
             # Only scales the consumers read can be loaded ahead; normalised so that
             # equal kernels compare equal.
             object.__setattr__(self, "prefetch_scales", False)
-        bulk_possible = (
-            self.blockwise and not self.consumer_scales and not self.gather and self.sa_bm == 1 and self.sb_bn == 1
-        )
-        if self.bulk_scales is None:
-            object.__setattr__(self, "bulk_scales", bulk_possible)
-        elif self.bulk_scales and not bulk_possible:
-            raise ValueError("bulk scale copies need producer-staged per-row A and per-column B scales, no gather")
         if self.lean_registers is None:
             object.__setattr__(self, "lean_registers", self.bias_crowds_registers())
         if self.store_tma is None:
@@ -507,8 +487,6 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_smemscales"
     if cfg.consumer_scales and not cfg.prefetch_scales:
         staged += "_inplacescales"
-    if cfg.blockwise and cfg.sb_mode == 2 and not cfg.bulk_scales:
-        staged += "_lanescales"
     if cfg.lean_registers != cfg.bias_crowds_registers():  # not the default: named apart
         staged += "_lean" if cfg.lean_registers else "_roomy"
     if cfg.epilogue:
@@ -629,7 +607,6 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         consumer_scales=cfg.consumer_scales,
         prefetch_scales=cfg.prefetch_scales,
         lean_registers=cfg.lean_registers,
-        bulk_scales=cfg.bulk_scales,
         ctas_per_sm=cfg.ctas_per_sm,
         maps_per_leaf=len(map_specs(cfg)),
         tile_m=cfg.tile_m,
@@ -641,8 +618,8 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         consumer_wgs=cfg.consumer_warpgroups,
         threads=cfg.threads,
         realloc=cfg.reallocates_registers,
-        producer_regs=BULK_PRODUCER_REGS if cfg.bulk_scales else PRODUCER_REGS,
-        consumer_regs=BULK_CONSUMER_REGS if cfg.bulk_scales else CONSUMER_REGS,
+        producer_regs=PRODUCER_REGS,
+        consumer_regs=CONSUMER_REGS,
         smem_bytes=cfg.smem_bytes,
         mma=wgmma_struct(cfg.tile_n // cfg.mma_parts, cfg.a_type, cfg.b_type),
         mma_parts=cfg.mma_parts,

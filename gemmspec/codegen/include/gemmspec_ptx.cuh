@@ -254,14 +254,6 @@ __device__ __forceinline__ void gs_tma_reduce_add_2d(const GsTensorMap* map, uns
                : "memory");
 }
 
-// 1-D bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
-// to this CTA's shared memory, completing its bytes on the mbarrier `bar`.
-__device__ __forceinline__ void gs_bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
 __device__ __forceinline__ void gs_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // Waits until this thread's committed bulk stores have finished reading shared memory
