@@ -69,11 +69,11 @@ LORA_VARIANTS = {
     "check a kernel of its own, no PDL (3 launches)": {"fuse_check": False, "programmatic": False},
 }
 
-# FP8 WGRAD (K-grouped, 128 x 1 scales on both sides, f32 +=): how its producer stages the
+# FP8 WGRAD (K-grouped, 128 x 1 scales on both sides, f32 +=), its producer staging the
 # per-row and per-column scales of each stage.
 WGRAD_VARIANTS = {
     "as compiled": {},
-    "scales copied by every producer lane (129 arrivals per stage)": {"bulk_scales": False},
+    "registers epilogue (f32 read-modify-write)": {"store_tma": False},
     "as compiled (again: drift over the run)": {},
 }
 
