@@ -129,7 +129,7 @@ class GemmKernelConfig:
     sizes to 1 so that equal kernels compare (and hash) equal.
 
     ``gather``: A's rows are read through an index tensor (each leaf's row numbers in its
-    GsGather record): the producer copies them with 16-byte loads, never by TMA, and stages
+    GsGather record): the producer copies them with 16-byte cp.async copies, never by TMA, and stages
     their scales itself (``consumer_scales`` False), one CTA per tile (``cluster`` 1: there
     is no A tile to multicast). ``scatter``: D's rows are written through an index tensor,
     from registers (``store_tma`` False), with `=` only.
