@@ -484,7 +484,10 @@ class Executable:
         # A padded segment_major tensor's buffer has the padding rows along its segmented dim.
         shape = t.layout.storage_shape(self._shape(t, dims))
         if tuple(a.shape) != shape:
-            note = self._padding_note(t) if t.layout.pad_rows else ""
+            note = ""
+            if t.layout.pad_rows:
+                sizes = ", ".join(f"{d} = {dims[d]}" for d in dict.fromkeys(t.dims) if d in dims)
+                note = self._padding_note(t) + f", which is {list(shape)}" + (f" for {sizes}" if sizes else "")
             raise ArgumentError(
                 f"tensor '{t.name}' must have shape {self._declared_shape(t)}{note}, got {list(a.shape)}"
             )
