@@ -246,4 +246,4 @@ def test_manifest_names_the_padding_rows_of_an_argument():
     assert args["x"]["pad_rows"] == {"dim": "T", "rows": 120}
     assert "pad_rows" not in args["dw"] and "pad_rows" not in args["dy_scale"]
     header = render_header(exe.manifest)
-    assert "dy;  // input: e4m3 [T, N] stored in T + 120 rows (padded segments)" in header
+    assert "dy;  // input: e4m3 [T, N] stored in T + 120 rows (padded segments)\n" in header
