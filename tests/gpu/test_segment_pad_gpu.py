@@ -84,6 +84,30 @@ def test_requantize_into_padded_segments_feeds_wgrad():
     report_ok(run_random(exe, lengths={"expert": counts}, seed=21, repeats=0))
 
 
+NESTED_REQUANT = """
+gemm nested_requant_pad {
+  dim T
+  dim N = 264, K = 576
+  group lora[L = 2]   = ragged(T, offsets = lora_offsets)
+  group expert[E = 3] = ragged(T within lora, offsets = expert_offsets)
+  tensor x  : e4m3 [T, K] scale f32 [1, 128]
+  tensor dy : e4m3 [T, N] scale f32 [1, 128]
+  tensor x_q  : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x)
+  tensor dy_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy)
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] += sum[t in expert(e)] dy_q[t, n] * x_q[t, k]
+}
+"""
+
+
+def test_nested_requantize_into_padded_segments():
+    """The pass scans the nested offsets flattened (an empty segment between rows): its
+    padded prefixes must be the builder's."""
+    counts = [1, 129, 17, 0, 1000, 15]
+    exe = gemmspec.build(NESTED_REQUANT)
+    report_ok(run_random(exe, lengths={"lora": [147, 1015], "expert": counts}, seed=23, repeats=0))
+
+
 def test_nested_padded_segments():
     report_ok(run_random(gemmspec.build(NESTED), lengths={"lora": [1000, 1133], "expert": None}, seed=22, repeats=0))
 

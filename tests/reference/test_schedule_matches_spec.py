@@ -283,6 +283,29 @@ def test_nested_padded_segments_in_flat_order(lengths, seed):
     assert_same(*both_executors(NESTED_PAD, seed, {"lora": outer, "expert": lengths}))
 
 
+NESTED_REQUANT_PAD = """
+gemm nested_req {
+  dim T
+  dim N = 136, K = 260
+  group lora[L = 2]   = ragged(T, offsets = lo)
+  group expert[E = 3] = ragged(T within lora, offsets = eo)
+  tensor x  : e4m3 [T, K] scale f32 [1, 128]
+  tensor dy : e4m3 [T, N] scale f32 [1, 128]
+  tensor x_q  : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x)
+  tensor dy_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy)
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] += sum[t in expert(e)] dy_q[t, n] * x_q[t, k]
+}
+"""
+
+
+@SETTINGS
+@given(lengths=st.lists(PAD_LENGTHS, min_size=6, max_size=6), seed=st.integers(0, 2**16))
+def test_nested_requantize_into_padded_segments(lengths, seed):
+    outer = [sum(lengths[:3]), sum(lengths[3:])]
+    assert_same(*both_executors(NESTED_REQUANT_PAD, seed, {"lora": outer, "expert": lengths}))
+
+
 def test_split_groups_with_padded_segments():
     assert_same(*both_executors(SPLIT_PAD, 5))
 
