@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .errors import SourceLocation, SpecError
 from .spec import (
+    ELEMENT_BYTES,
     FP8_TYPES,
     MAX_LAUNCHES,
     MAX_LEAVES_PER_LAUNCH,
@@ -376,11 +377,32 @@ def _plan_launches(
         "zeros); a leaf whose operand base or row stride is not a multiple of 16 bytes is copied "
         "by the producer warpgroup with masked loads instead (correct, slower)"
     )
-    if strided_by_leaf:
+    # A padded segment_major operand has the padded length as row stride: whole 16-byte
+    # rows when pad * element size is a multiple of 16, whatever the segment's length.
+    aligned = [
+        n for n in strided_by_leaf
+        if (spec.tensor(n).layout.pad * ELEMENT_BYTES[spec.tensor(n).dtype]) % 16 == 0
+    ]
+    unaligned = [n for n in strided_by_leaf if n not in aligned]
+    if unaligned:
         loader += (
-            f"; {', '.join(strided_by_leaf)} {'has' if len(strided_by_leaf) == 1 else 'have'} "
+            f"; {', '.join(unaligned)} {'has' if len(unaligned) == 1 else 'have'} "
             "the segment length as row stride, so segments whose length is not a multiple of "
             "16 bytes take that path"
+        )
+        padded = [n for n in unaligned if spec.tensor(n).layout.padded]
+        if padded:
+            loader += (
+                f" (rounded up to its pad for {', '.join(padded)}; a pad of 16 bytes' worth "
+                "of elements would make every segment load by TMA)"
+            )
+    if aligned:
+        pads = sorted({spec.tensor(n).layout.pad for n in aligned})
+        loader += (
+            f"; {', '.join(aligned)} {'is' if len(aligned) == 1 else 'are'} stored with padded "
+            f"segments (segment_major pad {', '.join(map(str, pads))}): each segment starts at "
+            "a multiple of the pad and its rows are whole 16-byte units apart, so every leaf "
+            "loads by TMA whatever its length"
         )
     if g.gather:
         sa = spec.tensor(g.a.tensor).scale

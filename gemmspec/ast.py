@@ -129,6 +129,7 @@ class LayoutDecl:
     group: Name | None = None  # segment_major(g)
     strides: tuple[Expr, ...] = ()
     pad: int | None = None
+    pad_pos: Pos | None = None  # the number after `pad`
 
 
 @dataclass(frozen=True)

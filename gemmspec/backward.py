@@ -13,7 +13,8 @@ reads K-major operands; 2-D weights and 3-D ones such as an MoE's [E, N, K] get 
 checker's `transpose` pass, larger ones a copy the caller passes, `<B>_t`; either shares
 B's 128x128 scales); WGRAD reads dD and A through
 the `requantize` pass (1x128 -> 128x1 blocks, tokens contiguous, per segment when
-K-grouped). dA comes out in BF16 (or A's 16-bit type), dB in FP32.
+K-grouped, the segments padded to multiples of 16 tokens so that TMA loads them).
+dA comes out in BF16 (or A's 16-bit type), dB in FP32.
 
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
 and runs it through the whole front half, so the derived statements are checked,
@@ -248,7 +249,9 @@ def derive_backward(spec: Spec) -> Backward:
             e = names.fresh(spec.group(group).count_dim.lower(), "e")
             db_idx = [e if i == axis else idx for i, idx in enumerate(b_idx)]
             sums = f"{g.m.var} in {group}({e})"
-            seg_layout, per = f"segment_major({group})", f" per {group}"
+            # Segments padded to 16 tokens: every expert's FP8 rows are whole 16-byte
+            # units, so WGRAD loads them by TMA whatever the token counts.
+            seg_layout, per = f"segment_major({group}) pad 16", f" per {group}"
         else:
             db_idx, sums, seg_layout, per = b_idx, g.m.var, f"major({m_dim})", ""
         a_ref, d_ref = ta.name, dd

@@ -476,6 +476,54 @@ def case_wgrad(repeat):
     ]
 
 
+def case_wgrad_ragged(repeat):
+    """FP8 WGRAD on the ragged token counts of the forward row, stored `segment_major(expert)
+    pad 16` (every segment's rows whole 16-byte units: TMA for every expert), beside the
+    same statement unpadded, whose experts with counts not multiples of 16 are copied by hand."""
+    torch = _torch()
+    name, n, k = "fp8_wgrad_ragged_T32768_N4096_K7168", 4096, 7168
+    lengths, e, t = RAGGED, len(RAGGED), sum(RAGGED)
+    spec = WGRAD.format(n=n, k=k, e=e)
+    padded = _build(spec.replace("segment_major(expert)", "segment_major(expert) pad 16"))
+    unpadded = _build(spec)
+    rows = t + 15 * e  # 15 rows of padding per expert
+    dy, x = _fp8((rows * n,)), _fp8((rows * k,))
+    blocks = sum(-(-m // 128) for m in lengths)
+    dys, xs = _scales((blocks, n)), _scales((blocks, k))
+    dw = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
+    offs = _offsets(lengths)
+    stream = torch.cuda.current_stream()
+    run = padded.prepare(stream, dy=dy.view(rows, n), dy_scale=dys, x=x.view(rows, k), x_scale=xs, dw=dw, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    # Segment g of the padded storage: rows from p_g (padded prefix), pitch round_up(len, 16).
+    first, block0, outs, refs = [0], [0], [], []
+    for m in lengths:
+        first.append(first[-1] + -(-m // 16) * 16)
+        block0.append(block0[-1] + -(-m // 128))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for ei in (3, 5):  # 5155 and 129 tokens: neither a multiple of 16
+        m, p, b = lengths[ei], first[ei], block0[ei]
+        pitch = -(-m // 16) * 16
+        sel = torch.randperm(n, generator=g)[:64].cuda()
+        d_sc = dys[b : b + -(-m // 128)][:, sel].t().to(torch.float64).repeat_interleave(128, 1)[:, :m]
+        x_sc = xs[b : b + -(-m // 128)].t().to(torch.float64).repeat_interleave(128, 1)[:, :m]
+        dseg = dy[p * n : (p + pitch) * n].view(n, pitch)[sel, :m].to(torch.float64) * d_sc
+        xseg = x[p * k : (p + pitch) * k].view(k, pitch)[:, :m].to(torch.float64) * x_sc
+        refs.append(dseg @ xseg.t())
+        outs.append(dw[ei][sel])
+    check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 1e-3, "float64 reference (sampled rows)")
+    # The unpadded statement reads the same bytes as its own layout (values differ; only timed).
+    plain = unpadded.prepare(
+        stream, dy=dy[: t * n].view(t, n), dy_scale=dys, x=x[: t * k].view(t, k), x_scale=xs, dw=dw, offs=offs
+    )
+    flops = 2.0 * t * n * k
+    return [
+        _result(name, "gemmspec pad 16 (FP32 +=)", _time(run.enqueue, repeat), flops, check=check),
+        _result(name, "gemmspec unpadded (rows copied by hand)", _time(plain.enqueue, repeat), flops),
+    ]
+
+
 def case_masked(repeat):
     torch = _torch()
     name, mmax, n, k = "fp8_masked_G6_M1024_N4096_K7168", 1024, 4096, 7168
@@ -710,6 +758,8 @@ CASES = [
     Case("fp8_fwd_ragged_T32768_N4096_K7168", f"FP8 ragged unpadded, lengths {RAGGED}", Target(1200), case_fp8_ragged),
     Case("bf16_fwd_G8x4096_N4096_K7168", "BF16 M-grouped, 8 x 4096 tokens", Target(vs_torch=1.05), case_bf16),
     Case("fp8_wgrad_G8x4096_N4096_K7168", "FP8 WGRAD K-grouped 128x1, FP32 +=", Target(1040), case_wgrad),
+    Case("fp8_wgrad_ragged_T32768_N4096_K7168", f"FP8 WGRAD, ragged counts {RAGGED}, segment_major pad 16",
+         Target(1040), case_wgrad_ragged),
     Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130), case_masked),
     Case("fp8_rowwise_G8x4096_N4096_K7168", "FP8 per-channel scales M-grouped, 8 x 4096 tokens", Target(vs_torch=1.2),
          case_fp8_rowwise),

@@ -487,7 +487,10 @@ class _Checker:
                     )
             text = "strides(" + ", ".join(str(s) for s in strides) + ")"
             if decl.pad is not None:
-                raise self.error("pad applies to row_major and major(...) layouts", decl.pos)
+                raise self.error(
+                    "pad applies to row_major, major(...) and segment_major(...) layouts",
+                    decl.pad_pos or decl.pos,
+                )
             self.check_span(owner, sizes, strides, element_bytes, decl.pos)
             return Layout("strided", text, strides=strides)
         if kind == "segment_major":
@@ -505,12 +508,20 @@ class _Checker:
                 )
             axis = names.index(group.dim)
             others = [i for i in range(len(shape)) if i != axis]
-            # Inside a segment the other dims' strides are scaled by its length.
-            self.check_dense_strides(owner, [sizes[i] for i in others] + [sizes[axis]], None, where)
+            pad, pad_rows = self.segment_pad(decl, group, owner)
+            rows = sizes[axis] + pad_rows  # the storage's rows along the segmented dim
+            if pad_rows:
+                self.check_bytes(
+                    owner, [_least(rows if i == axis else p) for i, p in enumerate(sizes)],
+                    element_bytes, where,
+                )
+            # Inside a segment the other dims' strides are scaled by its (padded) length.
+            self.check_dense_strides(owner, [sizes[i] for i in others] + [rows], None, where)
             other_strides = _row_major([sizes[i] for i in others], None)
+            text = f"segment_major({gname})" + (f" pad {pad}" if decl.pad is not None else "")
             return Layout(
-                "segment_major", f"segment_major({gname})", group=gname, seg_axis=axis,
-                other_strides=tuple(other_strides),
+                "segment_major", text, group=gname, seg_axis=axis,
+                other_strides=tuple(other_strides), pad=pad, pad_rows=pad_rows,
             )
         order = list(range(len(shape)))
         text = "row_major"
@@ -545,6 +556,34 @@ class _Checker:
         if pad is not None:  # padding makes the span larger than the element count
             self.check_span(owner, sizes, strides, element_bytes, where)
         return Layout("strided", text, strides=tuple(strides))
+
+    def segment_pad(self, decl: ast.LayoutDecl, group: Group, owner: str) -> tuple[int, int]:
+        """`segment_major(G) pad P`: (P, the storage rows the padding adds). Each of G's
+        segments (in flat order, nested ones included) may need up to P - 1 rows more."""
+        if decl.pad is None:
+            return 1, 0
+        pad, pos = decl.pad, decl.pad_pos or decl.pos
+        if pad <= 0 or pad & (pad - 1):
+            raise self.error(
+                f"the pad of a segment_major layout must be a power of two; got {pad}",
+                pos,
+                "pad 16 rounds every segment to whole 16-byte rows of FP8 (8 for 16-bit types), "
+                "which TMA needs to load them",
+            )
+        segments = group.count
+        g = group
+        while g.within is not None:
+            g = self.groups[g.within]
+            segments *= g.count
+        pad_rows = (pad - 1) * segments
+        if pad_rows > MAX_EXTENT - 1:
+            raise self.error(
+                f"segment_major({group.name}) pad {pad} on '{owner}' adds up to {pad_rows} rows "
+                f"({pad - 1} for each of {segments} segments), more than 2^31 - 2: the kernels "
+                "index the padded rows with 32-bit integers",
+                pos,
+            )
+        return pad, pad_rows
 
     # ---- sizes the kernels' integer types can hold ----------------------------------
     # Two bounds. A stride is a number the kernels multiply by an index: it must fit

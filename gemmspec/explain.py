@@ -68,6 +68,9 @@ def _map_json(m) -> dict:
     if hasattr(m, "block"):
         doc["block"] = dict(zip(m.roles, m.block))
         doc["anchored_per"] = {r: a for r, a in zip(m.roles, m.anchors) if a}
+    pad = getattr(m, "pad", None)
+    if pad is not None:  # a segment_major operand with padded segments
+        doc["padded_segments"] = {"role": pad.role, "pad": pad.pad, "extra_rows": pad.extra_rows}
     if m.rows is not None:  # rows read or written through an index tensor
         doc["rows_through"] = {"tensor": m.rows.tensor, "offset": str(m.rows.offset), "bound": str(m.rows.bound)}
     return doc

@@ -198,7 +198,7 @@ class _ToAst(Transformer_NonRecursive):
         return ("segment_major", {"group": _name(items[0])})
 
     def pad(self, items):
-        return _int(items[0])
+        return _int(items[0]), _pos(items[0])
 
     def block_shape(self, items):
         return tuple(_name(t) if t.type == "NAME" else ast.IntLit(_int(t), _pos(t)) for t in items)
@@ -286,8 +286,8 @@ class _ToAst(Transformer_NonRecursive):
     @v_args(meta=True)
     def layout_clause(self, meta, items):
         (kind, fields), *rest = items
-        pad = rest[0] if rest else None
-        return ast.LayoutDecl(kind, _meta_pos(meta), pad=pad, **fields)
+        pad, pad_pos = rest[0] if rest else (None, None)
+        return ast.LayoutDecl(kind, _meta_pos(meta), pad=pad, pad_pos=pad_pos, **fields)
 
     @v_args(meta=True)
     def scale_clause(self, meta, items):

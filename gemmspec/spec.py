@@ -96,7 +96,12 @@ class Layout:
     segment_major: the dim `seg_axis` is cut into `group`'s segments; segment g
     (start s, length n) is a block at s * prod(other dims), in which the other
     dims are row-major with strides scaled by n and the segmented dim is
-    contiguous.
+    contiguous. With `pad` P > 1 every segment's length is rounded up to a multiple
+    of P (n' = round_up(n, P)) and the segments follow one another in those lengths:
+    segment g starts at p_g * prod(other dims), p_g the sum of n' over the segments
+    before it in flat order (outer groups first), and its other dims' strides are
+    scaled by n'. The storage then holds `pad_rows` = (P - 1) * segments more rows
+    along the segmented dim than the dim has.
     """
 
     kind: str  # "strided" or "segment_major"
@@ -105,6 +110,23 @@ class Layout:
     group: str | None = None
     seg_axis: int = -1
     other_strides: tuple[Poly, ...] = ()  # segment_major: strides of the other dims / n
+    pad: int = 1  # segment_major: segment lengths rounded up to a multiple of this
+    pad_rows: int = 0  # segment_major: rows of storage beyond the dim's size
+
+    @property
+    def padded(self) -> bool:
+        """A segment_major layout whose segments are padded (pad > 1)."""
+        return self.kind == "segment_major" and self.pad > 1
+
+    def storage_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the buffer a caller passes for a tensor of logical `shape`: the
+        logical shape, with `pad_rows` more along the segmented dim of a padded
+        segment_major layout (its storage is that many rows, contiguous)."""
+        if not self.pad_rows:
+            return tuple(shape)
+        out = list(shape)
+        out[self.seg_axis] += self.pad_rows
+        return tuple(out)
 
     def contiguous_axis(self) -> int | None:
         if self.kind == "segment_major":

@@ -110,11 +110,13 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class OutputShape:
-    """How to size an output from the inputs: per dim, a fixed size or (input, axis)."""
+    """How to size an output from the inputs: per dim, a fixed size or (input, axis,
+    rows added): the input's extent there plus that many rows (the difference of the two
+    tensors' padding rows when either is stored segment_major with `pad`, else 0)."""
 
     name: str
     dtype: str
-    dims: tuple[int | tuple[str, int], ...]
+    dims: tuple[int | tuple[str, int, int], ...]
     zero: bool  # a statement adds into it or scatters rows into it: a fresh one starts from zeros
 
 
@@ -147,8 +149,8 @@ class GemmOp:
         self._take_every = take(every)
         self._take_inputs = take(self.inputs)
         self._to_executable = take(tuple(every.index(n) for n in exe.argument_names()))
-        self._output_dims = tuple(  # per output, each dim: a size or (input index, axis)
-            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), d[1]) for d in s.dims)
+        self._output_dims = tuple(  # per output, each dim: a size or (input index, axis, rows added)
+            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), d[1], d[2]) for d in s.dims)
             for s in self.shapes
         )
         self._define()
@@ -165,20 +167,28 @@ class GemmOp:
             dims = tuple(d if b == 1 else -(-d // b) for d, b in zip(data.dims, t.scale.block))
             return OutputShape(name, "f32", dims, False)
         t = spec.tensor(name)
-        where: dict[str, tuple[str, int]] = {}
+        # A padded segment_major tensor's buffer has its padding rows along the segmented
+        # dim: an input there gives the dim's size less them, an output needs them added.
+        def extra(x, axis: int) -> int:
+            return x.layout.pad_rows if x.layout.pad_rows and axis == x.layout.seg_axis else 0
+
+        where: dict[str, tuple[str, int, int]] = {}
         for other in spec.tensors:
             if other.derived is None and other.name in self.inputs:
                 for axis, d in enumerate(other.dims):
-                    where.setdefault(d, (other.name, axis))
-        dims: list[int | tuple[str, int]] = []
-        for d in t.dims:
+                    # Prefer an input whose extent is the dim itself.
+                    if d not in where or (where[d][2] and not extra(other, axis)):
+                        where[d] = (other.name, axis, -extra(other, axis))
+        dims: list[int | tuple[str, int, int]] = []
+        for axis, d in enumerate(t.dims):
             size = spec.dim(d).size
             if size is None and d not in where:
                 raise GemmspecError(
                     f"{spec.name}: output '{name}' has run-time dim {d}, which no input "
                     "tensor has, so a fresh output cannot be sized; pass it in"
                 )
-            dims.append(size if size is not None else where[d])
+            rows = extra(t, axis)
+            dims.append(size + rows if size is not None else (*where[d][:2], where[d][2] + rows))
         # A statement adds into it, or writes only the rows an index tensor names: a fresh
         # one starts from zeros.
         zero = any((g.accumulate or g.scatter) and g.out.tensor == name for g in spec.gemms)
@@ -189,7 +199,10 @@ class GemmOp:
 
     def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
         """The size of each output, from the inputs in the op's order."""
-        return [[d if isinstance(d, int) else inputs[d[0]].shape[d[1]] for d in dims] for dims in self._output_dims]
+        return [
+            [d if isinstance(d, int) else inputs[d[0]].shape[d[1]] + d[2] for d in dims]
+            for dims in self._output_dims
+        ]
 
     def _allocate(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Fresh outputs for `inputs` (in the op's order), on their device."""

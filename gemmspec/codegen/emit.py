@@ -56,6 +56,8 @@ def c_symbol(sym: str) -> str:
     """Per-leaf symbols become locals; run-time dims become `dim_<name>` parameters."""
     if "." in sym:
         kind, name = sym.split(".", 1)
+        if kind.startswith(("pstart", "plen")):  # pstart16.k -> pstart16_k
+            return f"{kind}_{name}"
         return {"g": "g_", "start": "start_", "len": "len_", "bstart": "bstart_"}[kind] + name
     return f"dim_{sym}"
 
@@ -177,8 +179,39 @@ def _select(axis: str, values: tuple[int, ...]) -> str:
     return expr
 
 
-def _bstart_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> list[str]:
-    lines: list[str] = []
+@dataclass
+class _PrefixLoop:
+    """One scan over the segments before a leaf's (flat order) that accumulates prefix
+    sums over their clamped lengths `e - s`: anchored scale blocks, padded rows."""
+
+    role: str
+    group: str
+    inits: list[str]
+    adds: list[str]
+
+    def lines(self, spec: Spec, ext: Extent, counts: dict[str, int]) -> list[str]:
+        t = tensor_param(spec.group(self.group).tensor)
+        c = counts[self.group]
+        flat = _flat_index(ext.index_axes, counts)
+        size = c_expr(ext.size)
+        return [
+            *self.inits,
+            f"for (long long j = 0; j < {flat}; ++j) {{",
+            f"  long long s = {t}[(j / {c}) * {c + 1} + j % {c}];",
+            f"  long long e = {t}[(j / {c}) * {c + 1} + j % {c} + 1];",
+            f"  s = s < 0 ? 0 : (s > {size} ? {size} : s);",
+            f"  e = e < s ? s : (e > {size} ? {size} : e);",
+            *(f"  {a}" for a in self.adds),
+            "}",
+        ]
+
+
+def _prefix_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> list[str]:
+    """The per-leaf prefix sums over earlier segments: each scale's first block along a
+    role (bstart), then each padded segment_major operand's first row (pstart<P>) and
+    row pitch (plen<P>). Sums over the same ragged group share one scan of its offsets."""
+    items: list[list[str] | _PrefixLoop] = []
+    loops: dict[tuple[str, str], _PrefixLoop] = {}
     done: set[str] = set()
     for sm in pg.scale_maps:
         for role, block, anchor in zip(sm.roles, sm.block, sm.anchors):
@@ -186,33 +219,52 @@ def _bstart_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> l
                 continue
             done.add(role)
             if anchor is None:
-                lines.append(f"const long long bstart_{role} = start_{role} / {block};")
+                items.append([f"const long long bstart_{role} = start_{role} / {block};"])
                 continue
             g = spec.group(anchor)
-            ext = pg.extent(role)
             if g.kind != "ragged":
                 prefix, acc = [], 0
                 for s in g.sizes:
                     prefix.append(acc)
                     acc += -(-s // block)
-                lines.append(f"const long long bstart_{role} = {_select(anchor, tuple(prefix))};")
+                items.append([f"const long long bstart_{role} = {_select(anchor, tuple(prefix))};"])
                 continue
             # Anchored blocks: ceil(len / block) summed over every earlier segment.
-            t = tensor_param(g.tensor)
-            c = counts[anchor]
-            flat = _flat_index(ext.index_axes, counts)
-            size = c_expr(ext.size)
-            lines += [
-                f"long long bstart_{role} = 0;",
-                f"for (long long j = 0; j < {flat}; ++j) {{",
-                f"  long long s = {t}[(j / {c}) * {c + 1} + j % {c}];",
-                f"  long long e = {t}[(j / {c}) * {c + 1} + j % {c} + 1];",
-                f"  s = s < 0 ? 0 : (s > {size} ? {size} : s);",
-                f"  e = e < s ? s : (e > {size} ? {size} : e);",
-                f"  bstart_{role} += (e - s + {block - 1}) / {block};",
-                "}",
-            ]
-    return lines
+            loop = _PrefixLoop(
+                role, anchor, [f"long long bstart_{role} = 0;"],
+                [f"bstart_{role} += (e - s + {block - 1}) / {block};"],
+            )
+            loops[(role, anchor)] = loop
+            items.append(loop)
+    clamps: list[str] = []
+    for pad in pg.pads:
+        ext = pg.extent(pad.role)
+        start, length = c_symbol(pad.start), c_symbol(pad.length)
+        p = pad.pad
+        items.append([f"const long long {length} = (len_{pad.role} + {p - 1}) / {p} * {p};"])
+        g = spec.group(ext.group)
+        if g.kind != "ragged":
+            prefix, acc = [], 0
+            for s in g.sizes:
+                prefix.append(acc)
+                acc += -(-s // p) * p
+            items.append([f"const long long {start} = {_select(g.name, tuple(prefix))};"])
+            continue
+        # Padded rows: round_up(len, P) summed over every earlier segment, then kept so
+        # that the leaf's block ends inside the storage even for malformed offsets.
+        add = f"{start} += (e - s + {p - 1}) / {p} * {p};"
+        loop = loops.get((pad.role, g.name))
+        if loop is None:
+            loop = loops[(pad.role, g.name)] = _PrefixLoop(pad.role, g.name, [], [])
+            items.append(loop)
+        loop.inits.append(f"long long {start} = 0;")
+        loop.adds.append(add)
+        rows = c_expr(ext.size + pad.extra_rows)
+        clamps.append(f"{start} = {start} < {rows} - {length} ? {start} : {rows} - {length};")
+    lines: list[str] = []
+    for item in items:
+        lines += item.lines(spec, pg.extent(item.role), counts) if isinstance(item, _PrefixLoop) else item
+    return lines + clamps
 
 
 def _symbols(pg: ProblemGenerator) -> set[str]:
@@ -280,7 +332,7 @@ def emit_launch(
     body: list[str] = []
     for ext in pg.extents:
         body += _extent_lines(spec, ext, counts)
-    body += _bstart_lines(spec, pg, counts)
+    body += _prefix_lines(spec, pg, counts)
     fields = [
         ("a_off", c_expr(pg.a.offset)), ("a_sm", c_expr(pg.a.strides[0])), ("a_sk", c_expr(pg.a.strides[1])),
         ("b_off", c_expr(pg.b.offset)), ("b_sn", c_expr(pg.b.strides[0])), ("b_sk", c_expr(pg.b.strides[1])),
@@ -425,7 +477,8 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
             f"requantize {p.source} -> {p.target}: the emitted pass handles 2-D row-major "
             "[T, C] FP8 with [1, 128] scales into [128, 1] scales"
         )
-    cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype)
+    # A padded segment_major target takes a kernel that writes the padded segments.
+    cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype, pad=dst.layout.pad)
     cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
     return EmittedPrePass(p, cfg, HEADER + render_requant(cfg))
 

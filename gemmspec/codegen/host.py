@@ -118,6 +118,11 @@ class _Renderer:
             "layout_params": ", ".join([*(f"long long d_{d}" for d in dims), "long long* off"]),
             "layout_args": ", ".join([*(f"d_{d}" for d in dims), "off"]),
             "arguments": m.arguments,
+            # A padded segment_major argument's buffer has more rows than its dim.
+            "storage_notes": {
+                a.name: f" stored in {a.pad_rows[0]} + {a.pad_rows[1]} rows (padded segments)" if a.pad_rows else ""
+                for a in m.arguments
+            },
             "declarations": [declaration(k) for k in m.kernels],
             "workspaces": [(w.name, cexpr(w.bytes)) for w in m.workspaces],
             "align": WORKSPACE_ALIGN,

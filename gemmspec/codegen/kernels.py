@@ -518,10 +518,15 @@ class RequantKernelConfig:
     sx_bk: int = 128
     threads: int = 256
     name: str = ""
+    # Segments written in padded lengths (segment_major(G) pad P): segment g starts at the
+    # sum of round_up(len, pad) over the segments before it, its rows round_up(len, pad) apart.
+    pad: int = 1
 
     def __post_init__(self) -> None:
         if self.in_type not in FP8_TYPES or self.out_type not in FP8_TYPES:
             raise ValueError("requant reads and writes FP8")
+        if self.pad <= 0 or self.pad & (self.pad - 1):
+            raise ValueError("pad must be a power of two")
         if self.tile_c != self.sx_bk or self.tile_c % 4 or self.threads % self.tile_c:
             raise ValueError("tile_c must equal sx_bk, be a multiple of 4 and divide threads")
         if self.threads % 32 or self.block_t <= 0:
@@ -531,7 +536,8 @@ class RequantKernelConfig:
                 self,
                 "name",
                 f"gs_sm90a_requant_{self.in_type}_{self.out_type}_sx1x{self.sx_bk}"
-                f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}",
+                f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}"
+                f"{f'_p{self.pad}' if self.pad > 1 else ''}",
             )
 
 
@@ -650,6 +656,7 @@ def render_requant(cfg: RequantKernelConfig | None = None) -> str:
         tile_c=cfg.tile_c,
         sx_bk=cfg.sx_bk,
         threads=cfg.threads,
+        pad=cfg.pad,
     )
 
 

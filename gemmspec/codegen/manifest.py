@@ -67,6 +67,9 @@ class Argument:
     dims: tuple[str, ...] = ()  # tensors: dims as declared
     scale_of: str | None = None  # scales: the tensor they scale
     group: str | None = None  # offsets/counts: the group they describe
+    # segment_major(G) pad P: the buffer holds `pad_rows[1]` more rows along dim
+    # `pad_rows[0]` than the dim has (P - 1 per segment of G).
+    pad_rows: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,8 @@ def _argument_json(a: Argument) -> dict:
         doc["scale_of"] = a.scale_of
     if a.group is not None:
         doc["group"] = a.group
+    if a.pad_rows is not None:
+        doc["pad_rows"] = {"dim": a.pad_rows[0], "rows": a.pad_rows[1]}
     return doc
 
 
@@ -298,7 +303,8 @@ def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
         if t.derived is not None:
             continue
         role = "output" if t.name in written else "index" if t.dtype == INDEX_TYPE else "input"
-        out.append(Argument(t.name, role, t.dtype, _ptr(t.dtype, role != "output"), t.dims))
+        pad = (t.dims[t.layout.seg_axis], t.layout.pad_rows) if t.layout.pad_rows else None
+        out.append(Argument(t.name, role, t.dtype, _ptr(t.dtype, role != "output"), t.dims, pad_rows=pad))
         if t.scale is not None:
             # An FP8 output's scales are written with it.
             ctype = "float*" if role == "output" else "const float*"
@@ -322,11 +328,16 @@ def _layout_formula(spec: Spec, p) -> Formula:
 
 
 def tensor_elements(spec: Spec, t: Tensor) -> Formula:
-    """Elements a strided tensor's layout reaches: 1 + sum (n_i - 1) * s_i (0 when empty)."""
+    """Elements a tensor's storage holds: for a strided layout the elements it reaches,
+    1 + sum (n_i - 1) * s_i (0 when empty); for segment_major the elements of its storage
+    shape (the padding rows of `pad P` included)."""
     if t.layout.kind != "strided":
         total = Formula.const(1)
-        for d in t.dims:
-            total = total * dim_formula(spec, d)
+        for axis, d in enumerate(t.dims):
+            rows = dim_formula(spec, d)
+            if axis == t.layout.seg_axis and t.layout.pad_rows:
+                rows = rows + t.layout.pad_rows
+            total = total * rows
         return total
     reach = Formula.const(1)
     for d, s in zip(t.dims, t.layout.strides):
@@ -449,10 +460,12 @@ class _Builder:
         cfg = e.config
         tokens, channels = self.dim(src.dims[0]), self.dim(src.dims[1])
         offsets, groups = self.requant_segments(index, dst, tokens)
+        # A padded segment_major target needs up to pad - 1 more rows per segment.
         y = self.workspace(
             f"prepass{index}.{dst.name}",
-            tokens * channels * ELEMENT_BYTES[dst.dtype],
-            f"'{dst.name}', '{src.name}' requantized",
+            (tokens + dst.layout.pad_rows) * channels * ELEMENT_BYTES[dst.dtype],
+            f"'{dst.name}', '{src.name}' requantized"
+            + (f" (segments padded to multiples of {dst.layout.pad} tokens)" if dst.layout.padded else ""),
         )
         # Upper bound on the scale rows: sum_g ceil(len_g / block_t) <= ceil(T / block_t) + G.
         rows = tokens.ceil_div(cfg.block_t) + groups

@@ -22,6 +22,7 @@ from .schedule import (
     ProblemGenerator,
     ScaleMap,
     Schedule,
+    SegmentPad,
 )
 
 
@@ -74,6 +75,7 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
     lay = t.layout
     offset: Poly = ZERO
     stride: dict[str, Poly] = {}
+    pad: SegmentPad | None = None
     segmented = {r for r in roles if gemm.role(r).group is not None}
     if lay.kind == "strided":
         for i, use in enumerate(acc.uses):
@@ -89,8 +91,14 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
         seg_role = acc.uses[lay.seg_axis].role
         others = [i for i in range(t.rank) if i != lay.seg_axis]
         block = _dim_size(spec, t.dims[others[0]]) * lay.other_strides[0] if others else Poly.const(1)
-        seg_len = Poly.sym(f"len.{seg_role}")
-        offset = Poly.sym(f"start.{seg_role}") * block
+        if lay.padded:
+            # Segments in whole multiples of `pad` rows: the leaf's block starts at its
+            # padded prefix and its rows are its padded length apart.
+            pad = SegmentPad(seg_role, lay.pad, lay.pad_rows)
+            seg_start, seg_len = Poly.sym(pad.start), Poly.sym(pad.length)
+        else:
+            seg_start, seg_len = Poly.sym(f"start.{seg_role}"), Poly.sym(f"len.{seg_role}")
+        offset = seg_start * block
         stride[seg_role] = Poly.const(1)
         for j, i in enumerate(others):
             use = acc.uses[i]
@@ -100,7 +108,7 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
             else:
                 offset = offset + Poly.sym(f"g.{use.axis}") * s
     rows = _rows(spec, gemm, acc)
-    return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows)
+    return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows, pad)
 
 
 def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> ScaleMap | None:

@@ -10,6 +10,9 @@ how large its M, N and K are. Per-leaf symbols:
 - `len.<r>`       the leaf's extent along role r
 - `bstart.<r>`    index of the leaf's first scale block along role r (anchored
                   blocks: a prefix sum of ceil(len/block) over earlier segments)
+- `pstart<P>.<r>` first storage row of the leaf's segment in a `segment_major(G) pad P`
+                  operand: a prefix sum of round_up(len, P) over earlier segments
+- `plen<P>.<r>`   round_up(len.r, P), the row pitch inside that segment
 
 plus run-time dims by name. The reference executor and the device-side table
 builder both evaluate exactly these formulas.
@@ -81,6 +84,27 @@ class IndexMap:
 
 
 @dataclass(frozen=True)
+class SegmentPad:
+    """An operand stored `segment_major(G) pad P` along role `role`: its segments take
+    round_up(len, P) rows each, one after another, so a leaf's block starts at row
+    `pstart<P>.<role>` and its rows are `plen<P>.<role>` apart. The storage holds
+    `extra_rows` more rows than the dim; the table builder keeps every leaf's block
+    inside dim + extra_rows rows even for malformed offsets."""
+
+    role: str
+    pad: int
+    extra_rows: int
+
+    @property
+    def start(self) -> str:
+        return f"pstart{self.pad}.{self.role}"
+
+    @property
+    def length(self) -> str:
+        return f"plen{self.pad}.{self.role}"
+
+
+@dataclass(frozen=True)
 class OperandMap:
     """Element (i, j) of a leaf's operand lives at base + offset + i*stride_i + j*stride_j;
     with `rows`, at base + offset + rows(i)*stride_i + j*stride_j, rows(i) read from an
@@ -92,6 +116,7 @@ class OperandMap:
     offset: Poly
     strides: tuple[Poly, Poly]
     rows: IndexMap | None = None  # A's rows gathered or D's scattered through an index tensor
+    pad: SegmentPad | None = None  # stored segment_major with padded segments
 
     def __str__(self) -> str:
         r0, r1 = self.roles
@@ -178,6 +203,11 @@ class ProblemGenerator:
         return tuple(op.rows for op in (self.a, self.d) if op.rows is not None)
 
     @property
+    def pads(self) -> tuple[SegmentPad, ...]:
+        """The padded segment_major operands' paddings, each once (A, B, D order)."""
+        return tuple(dict.fromkeys(op.pad for op in (self.a, self.b, self.d) if op.pad is not None))
+
+    @property
     def free_axes(self) -> tuple[LeafAxis, ...]:
         pinned = dict(self.fixed_axes)
         return tuple(a for a in self.leaf_axes if a.name not in pinned)
@@ -215,6 +245,11 @@ class ProblemGenerator:
         if self.sd:
             lines.append(f"  scale D {self.sd}  (written)")
         lines += [f"  epilogue {e}" for e in self.epilogue]
+        for p in self.pads:
+            lines.append(
+                f"  padded segments: {p.start} = sum of round_up(len.{p.role}, {p.pad}) over the "
+                f"segments before the leaf's, {p.length} = round_up(len.{p.role}, {p.pad})"
+            )
         if self.runtime_tensors:
             lines.append(f"  reads at run time: {', '.join(self.runtime_tensors)}")
         return "\n".join(lines)

@@ -216,12 +216,27 @@ def element_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
     for j, a in enumerate(others):
         ix = np.arange(shape[a]).reshape([-1 if b == j else 1 for b in range(len(others))])
         other_pos = other_pos + ix * lay.other_strides[j].evaluate(env)
+    first = 0  # the segment's first storage row: its start, or with padding the padded prefix
     for seg in segments(spec, rt, lay.group):
+        pitch = -(-seg.length // lay.pad) * lay.pad  # rows of the block, padding included
+        if lay.pad == 1:
+            first = seg.start
         for i in range(seg.length):
             sl = [slice(None)] * t.rank
             sl[axis] = seg.start + i
-            off[tuple(sl)] = seg.start * inner + other_pos * seg.length + i
+            off[tuple(sl)] = first * inner + other_pos * pitch + i
+        first += pitch
     return off
+
+
+def storage_elements(spec: Spec, rt: Runtime, t: Tensor) -> int:
+    """Elements the buffer of `t` holds as a caller allocates it: the elements of its
+    storage shape (a padded segment_major layout's extra rows included), or for a strided
+    layout the farthest element it reaches plus one."""
+    shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+    if t.layout.kind != "strided":
+        return int(np.prod(t.layout.storage_shape(shape), dtype=np.int64))
+    return int(element_offsets(spec, rt, t).max(initial=-1)) + 1
 
 
 def pack(offsets: np.ndarray, values: np.ndarray, fill: float = np.nan) -> np.ndarray:

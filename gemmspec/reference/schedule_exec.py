@@ -23,6 +23,7 @@ from ..lower.schedule import (
     ProblemGenerator,
     ScaleMap,
     Schedule,
+    SegmentPad,
 )
 from ..spec import Spec
 from .data import (
@@ -69,6 +70,21 @@ def _anchored_block_start(spec: Spec, rt: Runtime, group: str, idx: dict[str, in
     raise AssertionError("segment not found")
 
 
+def _padded_start(spec: Spec, rt: Runtime, ext: Extent, idx: dict[str, int], pad: SegmentPad) -> int:
+    """First storage row of the leaf's segment in a padded segment_major layout: the sum
+    of round_up(len, P) over the segments before it (flat order), kept, as the table
+    builder keeps it, so that the block ends inside the storage's rows."""
+    want = tuple(idx[n] for n in chain_names(spec, ext.group))
+    total, pitch = 0, None
+    for seg in segments(spec, rt, ext.group):
+        if seg.chain == want:
+            pitch = -(-seg.length // pad.pad) * pad.pad
+            break
+        total += -(-seg.length // pad.pad) * pad.pad
+    assert pitch is not None, "segment not found"
+    return min(total, ext.size.evaluate(rt.dims) + pad.extra_rows - pitch)
+
+
 def leaf_symbols(spec: Spec, rt: Runtime, pg: ProblemGenerator, leaf: int) -> dict[str, int]:
     """Every per-leaf symbol of the problem generator, for leaf number `leaf`."""
     idx = pg.leaf_indices(leaf)
@@ -89,6 +105,10 @@ def leaf_symbols(spec: Spec, rt: Runtime, pg: ProblemGenerator, leaf: int) -> di
                 start = env[f"start.{role}"]
                 assert start % block == 0 or start + env[f"len.{role}"] <= block, "straddling blocks"
                 env[f"bstart.{role}"] = start // block
+    for pad in pg.pads:
+        length = env[f"len.{pad.role}"]
+        env[pad.length] = -(-length // pad.pad) * pad.pad
+        env[pad.start] = _padded_start(spec, rt, pg.extent(pad.role), idx, pad)
     return env
 
 

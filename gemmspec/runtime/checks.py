@@ -4,9 +4,10 @@ The checker bounds what a spec fixes (docs/language.md, "Limits"); what the shap
 of a call fix is checked here, before anything is planned or launched:
 
 - `check_sizes`: every run-time dim fits the kernels' 32-bit row, column and K
-  indices, each launch's output tiles fit the leaf table's 32-bit prefix sum, and
-  every number a launch hands a kernel fits that parameter's type (grids within
-  CUDA's limits, workspaces within 64-bit byte offsets).
+  indices (a padded segment_major tensor's rows with their padding too), each
+  launch's output tiles fit the leaf table's 32-bit prefix sum, and every number a
+  launch hands a kernel fits that parameter's type (grids within CUDA's limits,
+  workspaces within 64-bit byte offsets).
 - `check_written_layouts`: a written tensor whose layout depends on run-time dims
   keeps its elements at distinct addresses for these sizes.
 - `check_outputs`: outputs are writable and share no byte with any other argument.
@@ -50,6 +51,18 @@ def check_sizes(spec: Spec, schedule: Schedule, manifest: Manifest, dims: dict[s
                 f"{spec.name}: run-time dim {d} = {n} (from the shape of '{source}') is more "
                 "than 2^31 - 1: the kernels index rows, columns and K with 32-bit signed "
                 "integers; split the call"
+            )
+    for t in spec.tensors:
+        lay = t.layout
+        if not lay.pad_rows:
+            continue
+        d = t.dims[lay.seg_axis]
+        rows = dims.get(d, spec.dim(d).size) + lay.pad_rows
+        if rows > MAX_EXTENT:
+            raise ArgumentError(
+                f"{spec.name}: with {_dims_text(dims)}, '{t.name}' ({lay}) has {rows} rows "
+                f"along {d} with its padding, more than 2^31 - 1: the kernels index the "
+                "padded rows with 32-bit integers; split the call"
             )
     for launch in schedule.launches:
         g = spec.gemms[launch.statement]

@@ -337,12 +337,27 @@ class Executable:
         return tuple(self._dim_size(d, dims) for d in t.dims)
 
     def _declared_shape(self, t: Tensor) -> str:
-        """The shape as declared, run-time dims by name: '[T, 7168]'."""
-        sizes = (self.spec.dim(d).size for d in t.dims)
-        return "[" + ", ".join(d if n is None else str(n) for d, n in zip(t.dims, sizes)) + "]"
+        """The shape as declared, run-time dims by name: '[T, 7168]'; a padded
+        segment_major tensor's buffer with its padding rows: '[T + 120, 7168]'."""
+        sizes = [self.spec.dim(d).size for d in t.dims]
+        out = [d if n is None else str(n) for d, n in zip(t.dims, sizes)]
+        if t.layout.pad_rows:
+            axis, n = t.layout.seg_axis, sizes[t.layout.seg_axis]
+            out[axis] = f"{out[axis]} + {t.layout.pad_rows}" if n is None else str(n + t.layout.pad_rows)
+        return "[" + ", ".join(out) + "]"
+
+    def _padding_note(self, t: Tensor) -> str:
+        """Why a padded segment_major tensor's buffer has more rows than its dim."""
+        lay = t.layout
+        return (
+            f" ({lay}: {lay.pad - 1} rows of padding for each of its "
+            f"{lay.pad_rows // (lay.pad - 1)} segments, {lay.pad_rows} rows beyond "
+            f"{t.dims[lay.seg_axis]})"
+        )
 
     def _runtime_dims(self, arrays: dict[str, DeviceArray]) -> dict[str, int]:
         dims: dict[str, int] = {}
+        padded: list[tuple[Tensor, str, int]] = []
         for t in self.spec.tensors:
             if t.derived is not None:
                 continue
@@ -352,12 +367,25 @@ class Executable:
                     f"tensor '{t.name}' must have {t.rank} dims {self._declared_shape(t)}, "
                     f"got shape {list(shape)}"
                 )
-            for d, n in zip(t.dims, shape):
+            for axis, (d, n) in enumerate(zip(t.dims, shape)):
+                if t.layout.pad_rows and axis == t.layout.seg_axis:
+                    padded.append((t, d, int(n)))  # read after the plain shapes
+                    continue
                 if self.spec.dim(d).size is None:
                     if dims.setdefault(d, int(n)) != n:
                         raise ArgumentError(
                             f"dim {d} is {dims[d]} in an earlier tensor but {n} in '{t.name}'"
                         )
+        # A padded segment_major buffer has the dim's rows plus the padding along it: it
+        # gives the dim when no other tensor does (its shape is checked with the rest).
+        for t, d, n in padded:
+            if self.spec.dim(d).size is None and d not in dims:
+                if n < t.layout.pad_rows:
+                    raise ArgumentError(
+                        f"tensor '{t.name}' must have shape {self._declared_shape(t)}"
+                        f"{self._padding_note(t)}, got {list(arrays[t.name].shape)}"
+                    )
+                dims[d] = n - t.layout.pad_rows
         return dims
 
     def _group_tensor_shape(self, g) -> tuple[int, ...]:
@@ -462,10 +490,15 @@ class Executable:
         a = arrays[t.name]
         if a.dtype != t.dtype:
             raise ArgumentError(f"tensor '{t.name}' must be {t.dtype}, got {a.dtype}")
-        shape = self._shape(t, dims)
+        # A padded segment_major tensor's buffer has the padding rows along its segmented dim.
+        shape = t.layout.storage_shape(self._shape(t, dims))
         if tuple(a.shape) != shape:
+            note = ""
+            if t.layout.pad_rows:
+                sizes = ", ".join(f"{d} = {dims[d]}" for d in dict.fromkeys(t.dims) if d in dims)
+                note = self._padding_note(t) + f", which is {list(shape)}" + (f" for {sizes}" if sizes else "")
             raise ArgumentError(
-                f"tensor '{t.name}' must have shape {self._declared_shape(t)}, got {list(a.shape)}"
+                f"tensor '{t.name}' must have shape {self._declared_shape(t)}{note}, got {list(a.shape)}"
             )
         env = dict(dims)
         # An empty tensor addresses nothing: any strides describe it.

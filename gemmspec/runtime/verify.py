@@ -30,6 +30,7 @@ from ..reference.data import (
     scale_grid_shape,
     scale_offsets,
     segments,
+    storage_elements,
 )
 from ..reference.direct import run_direct
 from ..spec import FP8_TYPES, Tensor
@@ -79,7 +80,9 @@ class RunReport:
 
 def _flat_buffer(spec, rt, t: Tensor, values: np.ndarray, fill: float) -> tuple[np.ndarray, DeviceBuffer]:
     off = element_offsets(spec, rt, t)
-    n = int(off.max(initial=-1)) + 1
+    n = max(int(off.max(initial=-1)) + 1, storage_elements(spec, rt, t))
+    if t.layout.padded:
+        fill = np.nan  # the padding of padded segments is never read: poison it
     flat = np.full(n, fill, dtype=np.float64)
     flat[off] = values
     host = flat.astype(NUMPY_TYPES[t.dtype])
@@ -224,7 +227,8 @@ def device_arguments(
 
 
 def _shaped(buf: DeviceBuffer, t: Tensor, spec, rt):
-    shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+    # A padded segment_major buffer carries its padding rows in its shape.
+    shape = t.layout.storage_shape(tuple(dim_size(spec, rt, d) for d in t.dims))
     if t.layout.kind == "strided":
         strides = tuple(s.evaluate(rt.dims) for s in t.layout.strides)
     else:

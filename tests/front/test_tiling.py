@@ -55,7 +55,11 @@ def test_explain_states_the_tile_choice_and_loader():
     assert "one CTA per tile" in text
     assert "loads: TMA through a tensor map per leaf and operand" in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
-    assert "segments whose length is not a multiple of 16 bytes take that path" in wgrad
+    assert "are stored with padded segments (segment_major pad 16)" in wgrad
+    assert "so every leaf loads by TMA whatever its length" in wgrad
+    unpadded = gemmspec.build((EXAMPLES / "moe_fp8_wgrad.gspec").read_text().replace(" pad 16", "")).explain()
+    assert "segments whose length is not a multiple of 16 bytes take that path" in unpadded
+    assert "padded segments" not in unpadded
 
 
 def test_explain_names_the_emitted_kernel_and_its_configuration():

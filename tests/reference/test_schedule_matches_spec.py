@@ -5,6 +5,7 @@ K not a multiple of 128)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -207,6 +208,106 @@ def test_wgrad_requantized_operands_stay_close_to_the_originals():
     # The requantization pass changes values only by FP8 rounding.
     direct, _ = both_executors(TRAINING, 3, dims={"T": 257})
     assert np.isfinite(direct["dw"]).all()
+
+
+# ---- padded segment_major ------------------------------------------------------------------
+# Segments stored in lengths rounded up to multiples of the pad, one after another: the
+# schedule finds each leaf's block through its padded prefix (pstart<P>, plen<P>), the
+# layout's definition places it independently (reference/data.element_offsets). The
+# padding holds NaN in the flat buffers, so reading it would show.
+
+PAD_LENGTHS = st.sampled_from([0, 1, 15, 16, 17, 127, 129])
+
+WGRAD_PAD = WGRAD.replace("segment_major(expert)", "segment_major(expert) pad 16")
+
+REQUANT_PAD = """
+gemm wgrad_req {
+  dim T
+  dim N = 136, K = 260
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x  : e4m3 [T, K] scale f32 [1, 128]
+  tensor dy : e4m3 [T, N] scale f32 [1, 128]
+  tensor x_q  : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x)
+  tensor dy_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy)
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] = sum[t in expert(e)] dy_q[t, n] * x_q[t, k]
+}
+"""
+
+NESTED_PAD = """
+gemm nested_pad {
+  dim T
+  dim K = 200, R = 16
+  group lora[L = 2]   = ragged(T, offsets = lora_offsets)
+  group expert[E = 3] = ragged(T within lora, offsets = expert_offsets)
+  tensor x  : bf16 [T, K] layout segment_major(expert) pad 8
+  tensor wa : bf16 [L, E, R, K]
+  tensor y  : f32  [T, R] layout segment_major(expert) pad 4
+  y[t, r] = sum[k] x[t, k] * wa[lora(t), expert(t), r, k]
+}
+"""
+
+SPLIT_PAD = """
+gemm split_pad {
+  dim N = 40, K = 24, T = 300
+  group part[P = 3] = split(T, sizes = [17, 0, 283])
+  tensor dy : bf16 [T, N] layout segment_major(part) pad 8
+  tensor x  : bf16 [T, K] layout segment_major(part) pad 32
+  tensor dw : f32 [P, N, K]
+  dw[p, n, k] = sum[t in part(p)] dy[t, n] * x[t, k]
+}
+"""
+
+
+@SETTINGS
+@given(lengths=st.lists(PAD_LENGTHS, min_size=4, max_size=4), seed=st.integers(0, 2**16))
+def test_k_grouped_wgrad_with_padded_segments(lengths, seed):
+    assert_same(*both_executors(WGRAD_PAD, seed, {"expert": lengths}))
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 15, 16], [17, 127, 129, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+def test_padded_wgrad_on_the_listed_counts(lengths):
+    assert_same(*both_executors(WGRAD_PAD, sum(lengths), {"expert": lengths}))
+
+
+@SETTINGS
+@given(lengths=st.lists(PAD_LENGTHS, min_size=4, max_size=4), seed=st.integers(0, 2**16))
+def test_requantize_into_padded_segments_feeds_wgrad(lengths, seed):
+    assert_same(*both_executors(REQUANT_PAD, seed, {"expert": lengths}))
+
+
+@SETTINGS
+@given(lengths=st.lists(PAD_LENGTHS, min_size=6, max_size=6), seed=st.integers(0, 2**16))
+def test_nested_padded_segments_in_flat_order(lengths, seed):
+    outer = [sum(lengths[:3]), sum(lengths[3:])]
+    assert_same(*both_executors(NESTED_PAD, seed, {"lora": outer, "expert": lengths}))
+
+
+NESTED_REQUANT_PAD = """
+gemm nested_req {
+  dim T
+  dim N = 136, K = 260
+  group lora[L = 2]   = ragged(T, offsets = lo)
+  group expert[E = 3] = ragged(T within lora, offsets = eo)
+  tensor x  : e4m3 [T, K] scale f32 [1, 128]
+  tensor dy : e4m3 [T, N] scale f32 [1, 128]
+  tensor x_q  : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x)
+  tensor dy_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy)
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] += sum[t in expert(e)] dy_q[t, n] * x_q[t, k]
+}
+"""
+
+
+@SETTINGS
+@given(lengths=st.lists(PAD_LENGTHS, min_size=6, max_size=6), seed=st.integers(0, 2**16))
+def test_nested_requantize_into_padded_segments(lengths, seed):
+    outer = [sum(lengths[:3]), sum(lengths[3:])]
+    assert_same(*both_executors(NESTED_REQUANT_PAD, seed, {"lora": outer, "expert": lengths}))
+
+
+def test_split_groups_with_padded_segments():
+    assert_same(*both_executors(SPLIT_PAD, 5))
 
 
 # ---- fused epilogues ----------------------------------------------------------------------

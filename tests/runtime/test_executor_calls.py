@@ -313,7 +313,8 @@ def test_take_puts_names_in_order():
 def test_anchored_scale_rows_checked_against_their_range(offline):
     exe = gemmspec.build(EXAMPLES[0].parent / "moe_fp8_wgrad.gspec")
     t = 1000
-    seg = lambda n, c: DeviceArray(GIB * (c + 1), (t, n), (n, 1), "e4m3", 0)  # noqa: E731
+    # Buffers of T + 120 rows: 15 rows of padding for each of the 8 experts (pad 16).
+    seg = lambda n, c: DeviceArray(GIB * (c + 1), (t + 120, n), (n, 1), "e4m3", 0)  # noqa: E731
     args = {
         "dy": seg(4096, 0),
         "dy_scale": DeviceArray(GIB * 10, (7, 4096), (4096, 1), "f32", 0),  # too few rows

@@ -38,7 +38,7 @@ def _arrays(exe, host, rng):
     for t in spec.tensors:
         if t.derived is not None:
             continue
-        shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+        shape = t.layout.storage_shape(tuple(dim_size(spec, rt, d) for d in t.dims))
         strides = tuple(s.evaluate(rt.dims) for s in t.layout.strides) if t.layout.kind == "strided" else executor._row_major(shape)
         args[t.name] = DeviceArray(ptr, shape, strides, t.dtype, 0, None)
         if t.dtype == "i32":  # an index tensor: the host reads its values back

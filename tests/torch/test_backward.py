@@ -45,7 +45,8 @@ def test_fp8_moe_backward_follows_the_recipe():
     assert "tensor dy : e4m3 [T, N] scale f32 [1, 128]" in src  # 1x128 output gradient
     # w transposed by the backward's own pre-pass (3-D: a batch of experts), 128x128 kept.
     assert "layout major(N) scale f32 [1, 128, 128] layout row_major as w_t_scale = transpose(w)" in src
-    assert "segment_major(expert) scale f32 [128, 1] per expert = requantize(x)" in src
+    # Tokens of each expert padded to 16: FP8 rows of whole 16-byte units, loaded by TMA.
+    assert "segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x)" in src
     assert "tensor dx : bf16 [T, K]" in src and "tensor dw : f32 [E, N, K]" in src
     assert bw.transposed == ()  # nothing left for the caller to copy
 

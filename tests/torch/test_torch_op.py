@@ -28,7 +28,8 @@ def meta_inputs(op, t=300, device="meta"):
     for tensor in spec.tensors:
         if tensor.derived is not None or tensor.name not in op.inputs:
             continue
-        shape = [dim_size(spec, rt, d) for d in tensor.dims]
+        # A padded segment_major buffer carries its padding rows.
+        shape = list(tensor.layout.storage_shape(tuple(dim_size(spec, rt, d) for d in tensor.dims)))
         out[tensor.name] = torch.empty(shape, dtype=gt.torch_dtype(tensor.dtype), device=device)
         if tensor.scale:
             out[tensor.scale.name] = torch.empty(scale_grid_shape(spec, rt, tensor), device=device)
@@ -53,7 +54,7 @@ def test_fake_outputs_have_the_declared_shapes_and_dtypes(path):
             assert out.dtype == torch.float32 and out.device.type == "meta"
             continue
         t = spec.tensor(name)
-        assert tuple(out.shape) == tuple(dim_size(spec, rt, d) for d in t.dims), name
+        assert tuple(out.shape) == t.layout.storage_shape(tuple(dim_size(spec, rt, d) for d in t.dims)), name
         assert out.dtype == gt.torch_dtype(t.dtype) and out.device.type == "meta"
 
 
@@ -65,6 +66,33 @@ def test_fresh_outputs_are_sized_from_the_inputs_in_op_order(path):
     assert [list(o.shape) for o in outs] == op.output_sizes(inputs)
     assert [o.dtype for o in outs] == [gt.torch_dtype(s.dtype) for s in op.shapes]
     assert all(o.device.type == "meta" for o in outs)
+
+
+PADDED = """
+gemm padded_out {
+  dim T
+  dim K = 200, R = 16
+  group lora[L = 2]   = ragged(T, offsets = lora_offsets)
+  group expert[E = 3] = ragged(T within lora, offsets = expert_offsets)
+  tensor x  : bf16 [T, K] layout segment_major(expert) pad 8
+  tensor wa : bf16 [L, E, R, K]
+  tensor y  : f32  [T, R] layout segment_major(expert) pad 4
+  tensor z  : f32  [T, R]
+  y[t, r] = sum[k] x[t, k] * wa[lora(t), expert(t), r, k]
+  z[t, r] = sum[k] x[t, k] * wa[lora(t), expert(t), r, k]
+}
+"""
+
+
+def test_fresh_outputs_of_padded_layouts_carry_their_padding():
+    """T comes from x's buffer, T + 7 * 6 rows (pad 8 over 2 x 3 segments); y's buffer has
+    T + 3 * 6 rows (pad 4), z's T."""
+    op = gt.op(PADDED)
+    inputs, _ = meta_inputs(op, t=300)
+    assert list(inputs["x"].shape) == [342, 200]
+    y, z = op(**inputs)
+    assert list(y.shape) == [318, 16] and list(z.shape) == [300, 16]
+    assert op.output_sizes(inputs) == [[318, 16], [300, 16]]
 
 
 def test_the_op_hands_the_executable_its_arguments_in_order(monkeypatch):
