@@ -143,7 +143,8 @@ def _kernel_line(spec: Spec, launch) -> str:
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
     pg = launch.problems
     if cfg.gather:
-        parts.append(f"A gathered through {pg.a.rows.tensor}: rows copied by the producer")
+        how = "rows loaded by TMA, a one-row box each" if cfg.gather_tma else "rows copied by the producer"
+        parts.append(f"A gathered through {pg.a.rows.tensor}: {how}")
     if cfg.scatter:
         parts.append(f"D scattered through {pg.d.rows.tensor}: rows stored from registers")
     if cfg.fp8_out:

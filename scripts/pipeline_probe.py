@@ -9,7 +9,7 @@ is not the spec's result, it only shows what the load pipeline and wgmma sustain
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora | --wgrad] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora | --wgrad | --gather] [--idle MS]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import LORA, WGRAD, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
+from gemmspec.bench import GATHER, LORA, WGRAD, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -77,6 +77,14 @@ WGRAD_VARIANTS = {
     "as compiled (again: drift over the run)": {},
 }
 
+# FP8 M-grouped on rows gathered through an index (top-2 routing of E * M / 2 tokens): how
+# the producer loads the gathered A.
+GATHER_VARIANTS = {
+    "as compiled": {},
+    "rows by TMA, a one-row box per tile row": {"gather_tma": True},
+    "as compiled (again: drift over the run)": {},
+}
+
 
 def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
     """The benchmark's LoRA shrink: tokens split evenly over adapters, randomly over experts."""
@@ -110,6 +118,7 @@ def main() -> int:
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
     ap.add_argument("--lora", action="store_true", help="probe the memory-bound nested LoRA shrink instead")
     ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
+    ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
         help="time 60 launches each after MS ms of GPU idling (the card's power and thermal state "
@@ -122,6 +131,15 @@ def main() -> int:
         tensors, variants = lora_inputs(), LORA_VARIANTS
         spec = LORA.format(k=4096, r=16, l=4, e=8)
         t, n, k = 8192, 16, 4096
+    elif args.gather:
+        s = t // 2
+        g = torch.Generator(device="cpu").manual_seed(3)
+        idx = torch.cat([torch.randperm(s, generator=g), torch.randperm(s, generator=g)]).to(torch.int32).cuda()
+        tensors = {
+            "idx": idx, "x": _fp8((s, k)), "x_scale": _scales((s, k // 128)), "w": _fp8((e, n, k)),
+            "w_scale": _scales((e, n // 128, k // 128)),
+        }
+        variants, spec = GATHER_VARIANTS, GATHER.format(n=n, k=k, e=e)
     elif args.wgrad:
         # Segment-major operands (each expert's tokens contiguous per channel), 128 x 1 scales.
         tensors = {

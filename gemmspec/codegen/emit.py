@@ -418,6 +418,8 @@ def emit_launch(
         epilogue_fields=epilogue_fields,
         gather_fields=gather_fields,
         gather_a=pg.a.rows is not None,
+        # A gathered by TMA: the map covers all of A's rows (the index picks among them).
+        gather_a_rows=f"static_cast<int>({c_expr(pg.a.rows.bound)})" if cfg.gather_tma and pg.a.rows else "",
         gather_at=pg.leaf_count * EPILOGUE_RECORD_BYTES if pg.epilogue else 0,
         dscale_fields=dscale_fields,
         records_first=sum(map(bool, (epilogue_fields, gather_fields, dscale_fields))) >= 2,

@@ -176,6 +176,10 @@ class GemmKernelConfig:
     # Rows through index tensors: A's gathered (copied by the producer), D's scattered.
     gather: bool = False
     scatter: bool = False
+    # A gathered A loaded by TMA, one box of one row per tile row (each producer thread
+    # issues its row's box at the row number its index gives), where the leaf's A is one
+    # TMA can describe; else copied by hand.
+    gather_tma: bool = False
     programmatic: bool = True
     # An FP8 D (``d_type`` e4m3 or e5m2): the epilogue rounds the result to bf16 and
     # quantizes it as the quantize pass does, one f32 scale per row and D_SCALE_COLS
@@ -282,6 +286,8 @@ class GemmKernelConfig:
                 raise ValueError("a SwiGLU tile holds whole gate/up column pairs: tile_n must be even")
             if self.store_tma:
                 raise ValueError("a SwiGLU stores from registers (its output tile is half the tile's width)")
+        if self.gather_tma and not self.gather:
+            raise ValueError("rows by TMA are for a gathered A")
         if self.gather and (self.cluster != 1 or self.per_channel):
             raise ValueError("a gathered A is copied row by row: one CTA per tile (no multicast), no per-channel scales")
         if self.scatter and self.accumulate:
@@ -467,8 +473,9 @@ def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
     """The tensor maps each leaf of a launch owns, in their order in the maps buffer
     (leaf i's maps start at i * len(map_specs(cfg))). In a cluster each CTA loads (and
     multicasts) its share of A's rows."""
+    # A gathered by TMA: a box of one row, one load per tile row.
     maps = (
-        MapSpec("a", cfg.a_type, cfg.tile_k, cfg.tile_m // cfg.cluster),
+        MapSpec("a", cfg.a_type, cfg.tile_k, 1 if cfg.gather_tma else cfg.tile_m // cfg.cluster),
         MapSpec("b", cfg.b_type, cfg.tile_k, cfg.tile_n),
     )
     # The staged epilogue stores each consumer warpgroup's 64 rows one box at a time.
@@ -495,6 +502,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_swiglu"
     if cfg.gather:
         staged += "_gather"
+    if cfg.gather_tma:
+        staged += "_rowtma"
     if cfg.scatter:
         staged += "_scatter"
     if not cfg.programmatic:
@@ -632,6 +641,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         epilogue=dict(cfg.epilogue),
         swiglu=cfg.swiglu,
         gather=cfg.gather,
+        gather_tma=cfg.gather_tma,
         scatter=cfg.scatter,
         programmatic=cfg.programmatic,
         fp8_out=cfg.fp8_out,

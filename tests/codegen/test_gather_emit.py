@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from gemmspec.codegen.emit import EPILOGUE_RECORD_BYTES, GATHER_RECORD_BYTES, emit
-from gemmspec.codegen.kernels import GemmKernelConfig, include_dir, render_gemm
+from gemmspec.codegen.emit import (
+    EPILOGUE_RECORD_BYTES,
+    GATHER_RECORD_BYTES,
+    emit,
+    with_kernel_config,
+)
+from gemmspec.codegen.kernels import GemmKernelConfig, include_dir, map_specs, render_gemm
 from gemmspec.codegen.manifest import EPILOGUE_BYTES, GATHER_BYTES, LEAF_BYTES, launch_manifest
 from gemmspec.pipeline import lower_file
 
@@ -183,3 +188,33 @@ def test_emitted_launch_compiles_without_spills(key):
         assert "LDG.E.128" in sass, "no 16-byte loads of the gathered rows"
     if cfg.scatter:
         assert not re.search(r"\bUTMA(STG|REDG)\b", sass), "a scattered D stored by TMA"
+
+
+@pytest.mark.parametrize("key", sorted(k for k in CASES if "gather" in k))
+def test_rows_by_tma_option(key):
+    """gather_tma: A's map is a box of one row over all of A's rows, the builder writes it
+    for gathered leaves, and the producer issues one box per tile row."""
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
+    from nvrtc_helper import compile_cubin, disassemble
+
+    x, program, _ = launch_of(key)
+    (launch,) = with_kernel_config(x.spec, program, 0, gather_tma=True).launches
+    cfg = launch.gemm
+    assert cfg.gather_tma and "_rowtma" in cfg.name
+    a_map = map_specs(cfg)[0]
+    assert (a_map.operand, a_map.box_inner, a_map.box_rows) == ("a", cfg.tile_k, 1)
+    assert "a map over all of A's rows" in launch.source
+    assert "tile_rows[ptid]);" in launch.source
+    cubin, log = compile_cubin(launch.source, [include_dir()], name=f"{cfg.name}.cu")
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(s == ("0", "0") for s in spills), log
+    sass = disassemble(cubin)
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic in SASS"
+    # B's box by the issuer and the rows' boxes by every producer thread.
+    assert len(re.findall(r"\bUTMALDG\.2D\b", sass)) >= 2
+
+
+def test_rows_by_tma_only_for_a_gathered_a():
+    with pytest.raises(ValueError, match="gathered A"):
+        GemmKernelConfig("bf16", "bf16", "bf16", gather_tma=True)
