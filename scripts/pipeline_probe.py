@@ -81,7 +81,7 @@ WGRAD_VARIANTS = {
 # the producer loads the gathered A.
 GATHER_VARIANTS = {
     "as compiled": {},
-    "rows by TMA, a one-row box per tile row": {"gather_tma": True},
+    "rows copied by the producer (cp.async)": {"gather_tma": False},
     "as compiled (again: drift over the run)": {},
 }
 

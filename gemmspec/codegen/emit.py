@@ -301,6 +301,9 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         epilogue=sig.epilogue,
         swiglu=sig.swiglu,
         gather=sig.gather,
+        # Rows by TMA measured 11 % faster than the producer's copies on the H200 (FP8,
+        # top-2 routing); leaves TMA cannot describe are still copied by hand.
+        gather_tma=sig.gather,
         scatter=sig.scatter,
         d_scale_pow2=sig.d_scale_pow2,
     )

@@ -501,9 +501,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     if cfg.swiglu:
         staged += "_swiglu"
     if cfg.gather:
-        staged += "_gather"
-    if cfg.gather_tma:
-        staged += "_rowtma"
+        staged += "_gather" if cfg.gather_tma else "_gathercopy"  # by TMA: the default
     if cfg.scatter:
         staged += "_scatter"
     if not cfg.programmatic:

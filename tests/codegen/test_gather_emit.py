@@ -93,10 +93,10 @@ def test_kernel_configuration(key):
     assert cfg.gather == bool(g.gather) and cfg.scatter == bool(g.scatter)
     assert cfg.name.endswith(("_gather" if cfg.gather else "") + ("_scatter" if cfg.scatter else ""))
     if cfg.gather:
-        # Rows copied by the producer: one CTA per tile, the producer stages the scales.
-        assert cfg.cluster == 1 and not cfg.consumer_scales
-        assert "(void)A;  // A's rows are gathered" in launch.source
-        assert "write_map(own, slots + threadIdx.x, templates, A" not in launch.source
+        # Rows by TMA, one box each (copied by the producer where TMA cannot describe the
+        # leaf's A): one CTA per tile, the producer stages the scales.
+        assert cfg.cluster == 1 and not cfg.consumer_scales and cfg.gather_tma
+        assert "a map over all of A's rows" in launch.source
         assert f"Q.a_rows = p_{g.gather} + (start_m);" in launch.source
         assert "copy_rows<TILE_M>" in launch.source
     else:
@@ -191,17 +191,21 @@ def test_emitted_launch_compiles_without_spills(key):
 
 
 @pytest.mark.parametrize("key", sorted(k for k in CASES if "gather" in k))
-def test_rows_by_tma_option(key):
-    """gather_tma: A's map is a box of one row over all of A's rows, the builder writes it
-    for gathered leaves, and the producer issues one box per tile row."""
+def test_rows_by_tma_by_default(key):
+    """gather_tma (the default for a gathered A): A's map is a box of one row over all of
+    A's rows, the builder writes it for gathered leaves, and the producer issues one box
+    per tile row."""
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
     from nvrtc_helper import compile_cubin, disassemble
 
     x, program, _ = launch_of(key)
-    (launch,) = with_kernel_config(x.spec, program, 0, gather_tma=True).launches
+    (launch,) = program.launches
     cfg = launch.gemm
-    assert cfg.gather_tma and "_rowtma" in cfg.name
+    assert cfg.gather_tma and cfg.name.endswith(("_gather", "_gather_scatter"))
+    copy = with_kernel_config(x.spec, program, 0, gather_tma=False).launches[0]
+    assert "_gathercopy" in copy.gemm.name and "copy_rows<TILE_M>" in copy.source
+    assert "(void)A;  // A's rows are gathered" in copy.source
     a_map = map_specs(cfg)[0]
     assert (a_map.operand, a_map.box_inner, a_map.box_rows) == ("a", cfg.tile_k, 1)
     assert "a map over all of A's rows" in launch.source

@@ -143,7 +143,7 @@ def leaf_loads(exe, counts: list[int], n: int, k: int) -> np.ndarray:
     run.enqueue()
     run.check()
     (launch,) = exe.program.launches
-    table = next(a for kern, _g, _b, _s, a in run.launches if kern.name == launch.table_kernel)[0]
+    table = next(p.args for p in run.launches if p.kernel.name == launch.table_kernel)[0]
     leaves = table.to_numpy((e + 1) * LEAF_INTS, "i32").reshape(e + 1, LEAF_INTS)[:e]
     return leaves[:, [2, 4]]
 
@@ -194,7 +194,7 @@ def test_derived_backward_with_unaligned_counts():
     bexe = fn.backward_op.exe
     (x_wgrad,) = [x for x in bexe.program.launches if x.launch.problems.pads]
     run = next(reversed(bexe._plans.values()))
-    table = next(a for kern, _g, _b, _s, a in run.launches if kern.name == x_wgrad.table_kernel)[0]
+    table = next(p.args for p in run.launches if p.kernel.name == x_wgrad.table_kernel)[0]
     leaves = table.to_numpy((e + 1) * LEAF_INTS, "i32").reshape(e + 1, LEAF_INTS)[:e]
     both = GS_LOAD_A_TMA | GS_LOAD_B_TMA
     assert all((f & both) == both for f, c in zip(leaves[:, 4], counts) if c), leaves[:, [2, 4]]
