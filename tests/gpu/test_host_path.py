@@ -172,9 +172,9 @@ def test_runs_on_the_device_of_its_arrays():
         assert torch.cuda.current_device() == before  # the caller's device is left alone
         results.append(y.cpu())
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
-    x0 = torch.zeros(300, 256, device="cuda:0", dtype=torch.bfloat16)
+    x1 = torch.zeros(300, 256, device="cuda:1", dtype=torch.bfloat16)  # the rest on device 0
     with pytest.raises(ArgumentError, match="different devices"):
-        exe(x=x0, w=w, y=y, offs=offs)
+        exe(x=x1, w=w, y=y, offs=offs)
 
 
 def test_captured_in_a_graph_on_another_device():
@@ -197,7 +197,10 @@ def test_captured_in_a_graph_on_another_device():
             exe(x=x, w=w, y=y, offs=offs)  # warm-up: the plan for this stream
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # A capture stream of this device's own: torch's default capture stream is made
+        # once per process, on the device current then, and would carry later captures
+        # on device 0 over to device 1.
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
             exe(x=x, w=w, y=y, offs=offs)
         y.zero_()
         graph.replay()
