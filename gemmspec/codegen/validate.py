@@ -122,6 +122,8 @@ class ValidationKernel:
         """The check as a kernel of its own (one block of THREADS threads)."""
         return "\n".join(
             [
+                '#include "gemmspec_ptx.cuh"',  # the index scan's helper
+                "",
                 f"namespace {self.name}_impl {{",
                 "",
                 self.function,
@@ -279,12 +281,7 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
             else:  # a capacity group: rows past its last offset are not read
                 body.append(f"    const long long end = in{i}[{lg.count}];")
                 body.append("    n = end < n ? (end < 0 ? 0 : end) : n;")
-        body.append("    int outside = 0;")
-        body.append("#pragma unroll 4")
-        body.append("    for (long long s = threadIdx.x; s < n; s += blockDim.x) {")
-        body.append(f"      const long long v = ix{j}[s];")
-        body.append(f"      outside |= v < 0 || v >= {bound};")
-        body.append("    }")
+        body.append(f"    const int outside = gs_rows_outside(ix{j}, n, {bound});")
         flag("outside", Check(
             x.tensor,
             f"'{x.tensor}' holds a row number outside the {x.bound} rows of "

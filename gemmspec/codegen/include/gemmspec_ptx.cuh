@@ -385,3 +385,30 @@ template <typename T> struct GsPair;
 template <> struct GsPair<float> { typedef float2 type; };
 template <> struct GsPair<__nv_bfloat16> { typedef __nv_bfloat162 type; };
 template <> struct GsPair<__half> { typedef __half2 type; };
+
+// ---------------------------------------------------------------------------
+// The offsets check's scan of an index tensor.
+// ---------------------------------------------------------------------------
+// Whether any of the n row numbers at p (4-byte aligned) lies outside [0, bound), for the
+// block's threads together (each returns its own share's verdict). 16-byte loads after a
+// head that aligns them, eight in flight per thread: one block reads a routing's tens of
+// thousands of indices in a few memory latencies, not one latency per four bytes.
+__device__ __forceinline__ bool gs_row_outside(int v, long long bound) {
+  return static_cast<unsigned long long>(static_cast<long long>(v)) >= static_cast<unsigned long long>(bound);
+}
+__device__ __forceinline__ int gs_rows_outside(const int* __restrict__ p, long long n, long long bound) {
+  int outside = 0;
+  long long head = static_cast<long long>(((16u - static_cast<unsigned>(reinterpret_cast<unsigned long long>(p) & 15u)) & 15u) >> 2);
+  if (head > n) head = n;
+  for (long long s = threadIdx.x; s < head; s += blockDim.x) outside |= gs_row_outside(p[s], bound);
+  const int4* q = reinterpret_cast<const int4*>(p + head);
+  const long long vectors = (n - head) >> 2;
+#pragma unroll 8
+  for (long long s = threadIdx.x; s < vectors; s += blockDim.x) {
+    const int4 v = __ldg(q + s);
+    outside |= gs_row_outside(v.x, bound) | gs_row_outside(v.y, bound) | gs_row_outside(v.z, bound) |
+               gs_row_outside(v.w, bound);
+  }
+  for (long long s = head + (vectors << 2) + threadIdx.x; s < n; s += blockDim.x) outside |= gs_row_outside(p[s], bound);
+  return outside;
+}
