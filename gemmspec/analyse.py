@@ -407,10 +407,12 @@ def _plan_launches(
     if g.gather:
         sa = spec.tensor(g.a.tensor).scale
         loader = (
-            f"{prefix}loads: A ('{g.a.tensor}') gathered through {g.gather}: rows copied by the "
-            f"producer warpgroup (16-byte cp.async copies into the swizzled stage, several stages in flight, each row's address taken from "
-            f"{g.gather}, rows past the leaf skipped), because a TMA box cannot follow a row number per "
-            "row; one CTA per tile (no A tile to multicast)"
+            f"{prefix}loads: A ('{g.a.tensor}') gathered through {g.gather}: rows loaded by TMA, a "
+            f"box of one row each (each producer thread issues its tile row's box at the row number "
+            f"{g.gather} gives, through a map over all of A's rows; a number outside them reads "
+            "zeros), where TMA can describe A (base and row stride multiples of 16 bytes), else "
+            "copied by the producer warpgroup (16-byte cp.async copies into the swizzled stage, "
+            "several stages in flight); one CTA per tile (no A tile to multicast)"
             + (f"; its {list(sa.block)} scales read through {g.gather} too, staged by the producer" if sa else "")
             + f"; B ('{g.b.tensor}') by TMA through a tensor map per leaf built on the device (copied "
             "by hand where its base or row stride is not a multiple of 16 bytes)"

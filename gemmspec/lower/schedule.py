@@ -337,9 +337,9 @@ class Launch:
         if pg.a.rows is not None:
             scales = f", its scales read through {pg.a.rows.tensor} too" if pg.sa is not None else ""
             lines.append(
-                f"  loads: A gathered through {pg.a.rows.tensor}: rows copied by the producer "
-                f"(16-byte cp.async copies into the swizzled stage, each row's address from "
-                f"{pg.a.rows.row('m')}; TMA cannot follow an index per row){scales}; B by TMA where it can describe it"
+                f"  loads: A gathered through {pg.a.rows.tensor}: rows loaded by TMA, a box of one "
+                f"row each at {pg.a.rows.row('m')} (copied by the producer where TMA cannot describe "
+                f"A){scales}; B by TMA where it can describe it"
             )
         if pg.sd is not None:
             lines.append(

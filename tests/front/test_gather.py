@@ -231,8 +231,9 @@ def test_explain_says_which_loader_each_launch_uses_and_why(capsys, tmp_path):
     text = spec_with("ys[src[t], n] = sum[k] x[idx[t], k] * w[expert(t), n, k]")
     (x,) = lower_file(text)
     out = explain_text(x.spec, x.schedule)
-    assert "A gathered through idx: rows copied by the producer" in out  # the kernel line
-    assert "because a TMA box cannot follow a row number per row" in out  # the reason
+    assert "A gathered through idx: rows loaded by TMA, a one-row box each" in out  # the kernel line
+    assert "rows loaded by TMA, a box of one row each (each producer thread" in out  # how
+    assert "else copied by the producer warpgroup" in out  # and where TMA cannot
     assert "its [1, 128] scales read through idx too" in out
     assert "one CTA per tile (A's rows are gathered row by row" in out
     assert "D scattered through src: rows stored from registers" in out

@@ -272,7 +272,7 @@ def test_lowered_offsets_skip_the_leaf_start_and_name_the_index():
     assert launch.signature.name.endswith("_gather_scatter")
     text = str(launch)
     assert "x(m, k) = x_base[0 + idx[start.m + m]*(136) + k*(1)]" in text
-    assert "loads: A gathered through idx: rows copied by the producer" in text
+    assert "loads: A gathered through idx: rows loaded by TMA, a box of one row each" in text
     assert "stores: D scattered through idx" in text
 
 
