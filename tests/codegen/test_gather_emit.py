@@ -209,6 +209,10 @@ def test_rows_by_tma_by_default(key):
     a_map = map_specs(cfg)[0]
     assert (a_map.operand, a_map.box_inner, a_map.box_rows) == ("a", cfg.tile_k, 1)
     assert "a map over all of A's rows" in launch.source
+    # Rows by TMA only where B loads by TMA too (a stage with B by hand is copied whole).
+    gathered = launch.source[launch.source.index("a map over all of A's rows"):]
+    gathered = gathered[: gathered.index("L.loads |= GS_LOAD_A_TMA;")]
+    assert "tma_describable(B, L.b_off, L.b_sn, L.b_sk, L.n, L.k," in gathered
     assert "tile_rows[ptid]);" in launch.source
     cubin, log = compile_cubin(launch.source, [include_dir()], name=f"{cfg.name}.cu")
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)

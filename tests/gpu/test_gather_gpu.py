@@ -39,7 +39,7 @@ gemm {name} {{
   tensor xb : bf16 [S, K]
   tensor h  : bf16 [T, K]
   tensor w  : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor wb : bf16 [E, N, K]
+  tensor wb : bf16 [E, N, K]{wb_layout}
   tensor route_w : f32 [T]
   tensor bias : bf16 [E, N]
   tensor y  : {out} [T, N]
@@ -68,6 +68,8 @@ CASES = {
     "bf16_gather": (GATHER_BF16, {}, RAGGED, 64),
     "bf16_gather_deepseek_width": (GATHER_BF16, {"k": 7168, "n": 512}, [*RAGGED, 300, 1000, 0, 513], 0),
     "bf16_gather_f32_out": (GATHER_BF16, {"out": "f32"}, RAGGED, 9),
+    # B copied by hand (N contiguous: no TMA box along K) beside an A that TMA could load.
+    "bf16_gather_weights_n_major": (GATHER_BF16, {"wb_layout": " layout major(N)"}, RAGGED, 21),
     "bf16_scatter_row_weight": (SCATTER_BF16, {}, RAGGED, 50),
     "bf16_scatter_wide": (SCATTER_BF16, {"n": 512}, RAGGED, 0),
     "f32_scatter_bias": (
@@ -91,7 +93,7 @@ def spec_text(key: str) -> str:
     statement, opts, lengths, _ = CASES[key]
     params = {
         "name": key, "n": 256, "f": 128, "k": 576, "e": len(lengths), "bm": 1, "x_layout": "", "out": "bf16",
-        "capacity": "", "directive": "", "statement": statement,
+        "capacity": "", "directive": "", "wb_layout": "", "statement": statement,
     }
     params.update(opts)
     used = set(re.findall(r"\w+", statement))
