@@ -6,6 +6,7 @@ carries the ptxas resource report (registers, spills) the tests read.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -28,3 +29,13 @@ def compile_cubin(source: str, include_dirs: list[str], name: str = "kernel.cu")
 def disassemble(cubin: bytes) -> str:
     """SASS text (the dev extra installs the cuobjdump and nvdisasm wheels)."""
     return nvrtc.disassemble(cubin)
+
+
+def assert_spill_free(log: str, sass: str | None = None) -> None:
+    """ptxas reported its resources and 0 bytes of spill for every function; with `sass`,
+    no local-memory instruction (LDL/STL) either."""
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills, f"no ptxas resource report in log:\n{log}"
+    assert all(s == ("0", "0") for s in spills), f"register spills:\n{log}"
+    if sass is not None:
+        assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic in SASS"

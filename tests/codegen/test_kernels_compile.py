@@ -33,7 +33,7 @@ pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed"
 
 # The helper sits beside this file; no package __init__ needed under any import mode.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nvrtc_helper import compile_cubin, disassemble  # noqa: E402
+from nvrtc_helper import assert_spill_free, compile_cubin, disassemble  # noqa: E402
 
 GEMM_CONFIGS = {
     "bf16_store": GemmKernelConfig("bf16", "bf16", "bf16"),
@@ -148,19 +148,13 @@ def compiled():
     return get
 
 
-def _spill_free(log: str, sass: str) -> None:
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills, f"no ptxas resource report in log:\n{log}"
-    assert all(s == ("0", "0") for s in spills), f"register spills:\n{log}"
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic in SASS"
-
 
 @pytest.mark.parametrize("key", sorted(GEMM_CONFIGS))
 def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
     source, log, sass = compiled(key, render_gemm(cfg))
     assert f'extern "C" __global__ void __launch_bounds__({cfg.threads}, {cfg.ctas_per_sm})' in source
-    _spill_free(log, sass)
+    assert_spill_free(log, sass)
     assert re.search(r"\bUTMALDG\.2D\b", sass), "no TMA loads"
     assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", sass), "no mbarrier waits"
     realloc = set(re.findall(r"\bUSETMAXREG\.(\w+)", sass))
@@ -189,7 +183,7 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
 
 def test_requant_compiles(compiled) -> None:
     _, log, sass = compiled("requant", render_requant(RequantKernelConfig()))
-    _spill_free(log, sass)
+    assert_spill_free(log, sass)
 
 
 QUANTIZE_CONFIGS = {
@@ -204,7 +198,7 @@ QUANTIZE_CONFIGS = {
 def test_quantize_compiles(compiled, key: str) -> None:
     cfg = QUANTIZE_CONFIGS[key]
     _, log, sass = compiled(f"quantize_{key}", render_quantize(cfg))
-    _spill_free(log, sass)
+    assert_spill_free(log, sass)
     # Saturating FP8 conversions (two lanes' worth per instruction) and a true division:
     # the IEEE path, not the approximate MUFU.RCP-only one.
     assert re.search(r"\bF2FP\.SATFINITE\.E[45]M[23]\.F32\.PACK_AB", sass), "no saturating FP8 conversion"
@@ -233,7 +227,7 @@ def test_quantize_names() -> None:
 
 def test_transpose_compiles(compiled) -> None:
     _, log, sass = compiled("transpose", render_transpose(TransposeKernelConfig()))
-    _spill_free(log, sass)
+    assert_spill_free(log, sass)
 
 
 # ----------------------------------------------------------------------------- no compiler

@@ -21,7 +21,7 @@ from gemmspec.codegen.manifest import launch_manifest
 from gemmspec.pipeline import lower_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nvrtc_helper import compile_cubin, disassemble  # noqa: E402
+from nvrtc_helper import assert_spill_free, compile_cubin, disassemble  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.gspec"))
@@ -97,8 +97,7 @@ def test_manifest_and_launcher_follow_the_switch():
 def _opcodes(source: str, name: str) -> dict[str, Counter]:
     cubin, log = compile_cubin(source, [include_dir()], name=name)
     assert "warning" not in log, log
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(s == ("0", "0") for s in spills), log
+    assert_spill_free(log)
     out = {}
     for fn in re.split(r"\n\s*Function : ", disassemble(cubin))[1:]:
         ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", fn)

@@ -102,37 +102,32 @@ def test_requant_with_pad_is_a_kernel_of_its_own():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _spill_free(log: str, sass: str) -> None:
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(s == ("0", "0") for s in spills), log
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic in SASS"
-
 
 @pytest.mark.parametrize("key", sorted(SPECS))
 def test_padded_launch_compiles_without_spills(key):
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
-    from nvrtc_helper import compile_cubin, disassemble
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
 
     _, prog = launch_of(SPECS[key])
     for launch in prog.launches:
         cubin, log = compile_cubin(launch.source, [include_dir()], name=f"{launch.gemm.name}.cu")
         assert "warning" not in log, log
         sass = disassemble(cubin)
-        _spill_free(log, sass)
+        assert_spill_free(log, sass)
         assert launch.table_kernel in sass and re.search(r"\bUTMALDG\.2D\b", sass)
 
 
 def test_padded_requant_compiles_without_spills():
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
-    from nvrtc_helper import compile_cubin, disassemble
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
 
     for cfg in (RequantKernelConfig(pad=16), RequantKernelConfig(in_type="e5m2", out_type="e4m3", pad=32)):
         cubin, log = compile_cubin(render_requant(cfg), [include_dir()], name=f"{cfg.name}.cu")
         assert "warning" not in log, log
         sass = disassemble(cubin)
-        _spill_free(log, sass)
+        assert_spill_free(log, sass)
         assert cfg.name in sass
 
 
