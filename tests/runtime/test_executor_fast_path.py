@@ -445,20 +445,31 @@ def test_op_calls_on_another_torch_stream_get_their_own_plan(torch_op, torch_cud
     assert sorted(key[2] for key in op.exe._plans) == [0, 9]
 
 
-class PassingDispatchMode(__import__("torch").utils._python_dispatch.TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+# Each watcher is made when a test runs (torch is optional: the module must import without it).
+def _passing_dispatch_mode():
+    torch = pytest.importorskip("torch")
+
+    class PassingDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return PassingDispatchMode()
 
 
-class PassingFunctionMode(__import__("torch").overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+def _passing_function_mode():
+    torch = pytest.importorskip("torch")
+
+    class PassingFunctionMode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return PassingFunctionMode()
 
 
 WATCHERS = {
-    "dispatch mode": PassingDispatchMode,
-    "function mode": PassingFunctionMode,
-    "profiler": lambda: __import__("torch").autograd.profiler.profile(),
+    "dispatch mode": _passing_dispatch_mode,
+    "function mode": _passing_function_mode,
+    "profiler": lambda: pytest.importorskip("torch").autograd.profiler.profile(),
 }
 
 
