@@ -25,6 +25,7 @@ suggested unless the default is within `KEEP_WITHIN` of it.
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ class Candidate:
     tile: tuple[int, int] | None
     text: str
     written: tuple[int, int] | None = None  # the spec's own tile directive, if any
+    heuristic: str = ""  # the default's tiles when the heuristic picks them: "128x256"
 
     @property
     def is_default(self) -> bool:
@@ -68,7 +70,9 @@ class Candidate:
     def label(self) -> str:
         if self.tile is not None:
             return directive(self.tile)
-        return "as written" + (f" ({directive(self.written)})" if self.written else " (heuristic)")
+        if self.written is not None:
+            return f"as written ({directive(self.written)})"
+        return f"as written (heuristic: {self.heuristic})" if self.heuristic else "as written (heuristic)"
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,8 @@ def enumerate_candidates(text: str, path: str = "<string>", only: Sequence[tuple
     else:
         widths = _widths_to_try(default)
         tiles = [((m, w), why) for m in TILE_ROWS for w, why in widths]
-    candidates = [Candidate(None, text, own)]
+    chosen = dict.fromkeys(f"{p.tile_m}x{p.tile_n}" for p in default.decision.plans)
+    candidates = [Candidate(None, text, own, "" if own else ", ".join(chosen))]
     skipped = []
     for tile, why in tiles:
         if why is not None:
@@ -224,11 +229,8 @@ class Outcome:
 
     @property
     def ms(self) -> float | None:
-        if not self.samples_ms:
-            return None
-        ordered = sorted(self.samples_ms)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        """The median timing; None when not timed (FAILED)."""
+        return statistics.median(self.samples_ms) if self.samples_ms else None
 
     @property
     def tflops(self) -> float | None:

@@ -86,7 +86,7 @@ def test_default_first_then_every_tile_the_checker_accepts():
     found = tuning.enumerate_candidates(BF16)
     assert found.spec == "moe_bf16"
     first, *rest = found.candidates
-    assert first.is_default and first.text == BF16 and first.label == "as written (heuristic)"
+    assert first.is_default and first.text == BF16 and first.label == "as written (heuristic: 128x256)"
     tried = [c.tile for c in rest]
     assert (64, 256) in tried and (128, 160) in tried and (64, 64) in tried
     skipped = {s.tile: s.reason for s in found.skipped}
@@ -186,12 +186,12 @@ def _measure(fake: Fake, text: str = BF16, only=((128, 160), (64, 256), (128, 64
 
 def test_fastest_is_suggested_and_failures_are_not_timed():
     fake = Fake(
-        {"as written (heuristic)": 1.0, "tile(128, 160)": 0.8, "tile(64, 256)": 0.5, "tile(128, 64)": 2.0},
+        {"as written (heuristic: 128x256)": 1.0, "tile(128, 160)": 0.8, "tile(64, 256)": 0.5, "tile(128, 64)": 2.0},
         failing={"tile(64, 256)"},
     )
     report, lines = _measure(fake)
     assert lines == [
-        "[1/4] as written (heuristic) ...",
+        "[1/4] as written (heuristic: 128x256) ...",
         "[2/4] tile(128, 160) ...",
         "[3/4] tile(64, 256) ...",
         "[4/4] tile(128, 64) ...",
@@ -213,7 +213,7 @@ def test_fastest_is_suggested_and_failures_are_not_timed():
 
 
 def test_the_default_within_one_percent_is_kept():
-    fake = Fake({"as written (heuristic)": 1.0, "tile(128, 160)": 0.992, "tile(64, 256)": 1.3, "tile(128, 64)": 1.5})
+    fake = Fake({"as written (heuristic: 128x256)": 1.0, "tile(128, 160)": 0.992, "tile(64, 256)": 1.3, "tile(128, 64)": 1.5})
     report, _ = _measure(fake)
     assert report.ok and report.fastest.candidate.tile == (128, 160)
     assert report.suggestion is None
@@ -224,7 +224,7 @@ def test_the_default_within_one_percent_is_kept():
 
 
 def test_the_default_fastest_is_kept():
-    fake = Fake({"as written (heuristic)": 0.9, "tile(128, 160)": 1.0, "tile(64, 256)": 1.3, "tile(128, 64)": 1.5})
+    fake = Fake({"as written (heuristic: 128x256)": 0.9, "tile(128, 160)": 1.0, "tile(64, 256)": 1.3, "tile(128, 64)": 1.5})
     report, _ = _measure(fake)
     assert report.fastest.candidate.is_default and report.suggestion is None
     assert report.advice == "keep the spec as written (it is the fastest)"
@@ -232,7 +232,7 @@ def test_the_default_fastest_is_kept():
 
 
 def test_a_build_error_is_failed_with_its_first_line():
-    fake = Fake({"as written (heuristic)": 1.0, "tile(128, 160)": 0.8, "tile(128, 64)": 2.0}, broken={"tile(64, 256)"})
+    fake = Fake({"as written (heuristic: 128x256)": 1.0, "tile(128, 160)": 0.8, "tile(128, 64)": 2.0}, broken={"tile(64, 256)"})
     report, _ = _measure(fake)
     broken = report.outcomes[2]
     assert not broken.ok and broken.check == "build: NVRTC failed"
@@ -240,7 +240,7 @@ def test_a_build_error_is_failed_with_its_first_line():
 
 
 def test_a_failed_default_still_gets_a_suggestion():
-    fake = Fake({"tile(128, 160)": 0.8, "tile(64, 256)": 0.9, "tile(128, 64)": 2.0}, failing={"as written (heuristic)"})
+    fake = Fake({"tile(128, 160)": 0.8, "tile(64, 256)": 0.9, "tile(128, 64)": 2.0}, failing={"as written (heuristic: 128x256)"})
     report, _ = _measure(fake)
     assert report.ratio(report.fastest) is None
     assert report.suggestion == "tile(128, 160)"
@@ -248,7 +248,7 @@ def test_a_failed_default_still_gets_a_suggestion():
 
 
 def test_nothing_to_suggest_when_everything_fails():
-    fake = Fake({}, failing={"as written (heuristic)", "tile(128, 160)", "tile(64, 256)", "tile(128, 64)"})
+    fake = Fake({}, failing={"as written (heuristic: 128x256)", "tile(128, 160)", "tile(64, 256)", "tile(128, 64)"})
     report, _ = _measure(fake)
     assert fake.timed == [] and report.fastest is None and report.suggestion is None
     assert report.advice.startswith("no candidate matched the reference")
@@ -264,7 +264,7 @@ def test_a_written_tile_is_replaced_in_the_advice():
 
 def test_json_says_what_the_text_says():
     fake = Fake(
-        {"as written (heuristic)": 1.0, "tile(128, 160)": 0.8, "tile(64, 256)": 0.5, "tile(128, 64)": 2.0},
+        {"as written (heuristic: 128x256)": 1.0, "tile(128, 160)": 0.8, "tile(64, 256)": 0.5, "tile(128, 64)": 2.0},
         failing={"tile(64, 256)"},
     )
     report, _ = _measure(fake, only=[(128, 160), (64, 256), (128, 64), (64, 300)])
@@ -347,7 +347,7 @@ def fake_gpu(monkeypatch):
     """The command with a fake runner and timer in place of the GPU's."""
     import gemmspec.runtime.arrays as arrays
 
-    fake = Fake({"as written (heuristic)": 1.0, "tile(128, 160)": 0.8, "tile(64, 256)": 0.9})
+    fake = Fake({"as written (heuristic: 128x256)": 1.0, "tile(128, 160)": 0.8, "tile(64, 256)": 0.9})
     seen = {}
 
     def runner(dims=None, lengths=None, seed=0):

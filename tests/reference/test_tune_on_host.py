@@ -34,7 +34,7 @@ def test_tune_checks_each_candidate_through_check_random(monkeypatch):
     runner = tuning.gpu_runner(lengths={"expert": cases.RAGGED}, seed=2)
     report = tuning.tune(cases.FP8, only=[(128, 128), (64, 64)], runner=runner, timer=timer, repeat=3)
     assert report.ok, report.table()
-    assert [o.candidate.label for o in report.outcomes] == ["as written (heuristic)", "tile(128, 128)", "tile(64, 64)"]
+    assert [o.candidate.label for o in report.outcomes] == ["as written (heuristic: 128x192)", "tile(128, 128)", "tile(64, 64)"]
     assert all(o.dims == {"T": sum(cases.RAGGED)} and o.useful_flops > 0 for o in report.outcomes)
     assert len(timed) == 3 and report.fastest.candidate.is_default and report.suggestion is None
     tiles = [(x.signature.tile_m, x.signature.tile_n) for s in timed for x in s.launches]
