@@ -104,6 +104,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser(
+        "tune",
+        help="on a Hopper GPU: time the spec's tile choices and say which tile(M, N) to write",
+        description=(
+            "Time FILE's tile choices on the GPU: the spec as written, then the spec with each "
+            "tile(M, N) directive the checker accepts (M 64 or 128, N among the widths the tile "
+            "heuristic considers). Every candidate is built, run once on the same random inputs "
+            "and compared with the float64 reference (as `gemmspec run` does); one that fails is "
+            "reported FAILED and not timed. The others are timed by CUDA events, the L2 flushed "
+            "before each call. Prints a table, the fastest candidate and the line to add to the "
+            "spec, or says to keep the spec as written when it is within 1% of the fastest."
+        ),
+        epilog=(
+            "Exit status: 0 when every candidate built and matched the reference, 1 when one "
+            "failed (or on a spec error or without a GPU), 2 on a usage or file error. "
+            "Nothing is cached: the suggestion only counts once written into the spec."
+        ),
+    )
+    _add_common(p)
+    p.add_argument("--dims", nargs="*", default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and segment lengths (default 0)")
+    p.add_argument(
+        "--repeat", type=_positive, default=20, metavar="N", help="timed calls per candidate; the median counts (default 20)"
+    )
+    p.add_argument("--json", metavar="OUT", type=Path, help="also write the report as JSON to OUT")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        type=_tile_arg,
+        metavar="M,N",
+        help="try only these tiles (beside the spec as written), e.g. --only 128,160 64,192",
+    )
+    p.set_defaults(run=cmd_tune)
+
+    p = sub.add_parser(
         "bench",
         help="on a Hopper GPU: time gemmspec beside PyTorch's grouped GEMMs (needs torch)",
         description="Run the benchmark table; `gemmspec bench --help` lists its options.",
@@ -148,17 +182,69 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _tile_arg(text: str) -> tuple[int, int]:
+    m, sep, n = text.partition(",")
+    if not sep or not m.strip().isdigit() or not n.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected M,N (a tile such as 128,160), got {text!r}")
+    return int(m), int(n)
+
+
+def _dims(items: list[str]) -> dict[str, int] | None:
+    """--dims NAME=SIZE ...; None (after saying why) when one is malformed."""
+    dims = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not name or not value.isdigit():
+            print(f"gemmspec: error: --dims expects NAME=SIZE, got {item!r}", file=sys.stderr)
+            return None
+        dims[name] = int(value)
+    return dims
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .pipeline import check_output_dir, lower_file
+    from .tune import tune
+
+    dims = _dims(args.dims)
+    if dims is None:
+        return EXIT_USAGE
+    _check_output_dirs(args)
+    if args.json is not None:
+        if args.json.is_dir():
+            raise OutputError(f"cannot write the --json file {args.json}: it is a directory", str(args.json))
+        check_output_dir(args.json.parent, "--json file's directory")
+    if args.dump_ir is not None:
+        lower_file(args.file, args.dump_ir)
+
+    def on_candidates(found) -> None:
+        print(f"{found.spec}: {len(found.candidates)} candidate(s), {len(found.skipped)} skipped", file=sys.stderr)
+
+    report = tune(
+        args.file, dims=dims, seed=args.seed, repeat=args.repeat, only=args.only,
+        progress=lambda line: print(line, file=sys.stderr, flush=True), on_candidates=on_candidates,
+    )
+    print(report.text())
+    if args.json is not None:
+        from .pipeline import make_output_dir, write_if_changed
+
+        make_output_dir(args.json.parent, "--json file's directory")
+        write_if_changed(args.json, json.dumps(report.to_json(), indent=2) + "\n")
+    return 0 if report.ok else EXIT_SPEC_ERROR
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .build import build
     from .runtime.verify import run_random
 
-    dims = {}
-    for item in args.dims:
-        name, _, value = item.partition("=")
-        if not value.isdigit():
-            print(f"gemmspec: error: --dims expects NAME=SIZE, got {item!r}", file=sys.stderr)
-            return EXIT_USAGE
-        dims[name] = int(value)
+    dims = _dims(args.dims)
+    if dims is None:
+        return EXIT_USAGE
     exe = build(args.file)
     report = run_random(exe, dims=dims, seed=args.seed, repeats=args.repeats)
     for c in report.checks:

@@ -14,7 +14,7 @@ value, and the reference of what reads it would carry that step along).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from ..reference.data import (
 from ..reference.direct import run_direct
 from ..spec import FP8_TYPES, Tensor
 from .arrays import DeviceBuffer
-from .executor import Executable
+from .executor import Executable, PreparedRun
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,30 @@ def _useful_flops(spec, rt) -> float:
 
 
 def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dict | None = None, seed: int = 0, repeats: int = 10) -> RunReport:
+    """One call on random inputs checked against the float64 reference, then the median
+    wall time of `repeats` calls (the offsets check included; 0 when `repeats` is 0)."""
+    call = check_random(exe, dims=dims, lengths=lengths, seed=seed)
+    seconds = _time(call.prepare(), repeats) if repeats else 0.0
+    return replace(call.report, seconds=seconds)
+
+
+@dataclass(frozen=True)
+class RandomCall:
+    """A checked call on random inputs: its report (no time yet) and the device arguments,
+    kept alive so that the same call can be prepared again and timed."""
+
+    exe: Executable
+    report: RunReport
+    args: dict
+    keep: tuple
+
+    def prepare(self) -> PreparedRun:
+        return self.exe.prepare(**self.args)
+
+
+def check_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dict | None = None, seed: int = 0) -> RandomCall:
+    """Random inputs quantized with the spec's scales, `=` outputs poisoned, one call,
+    every output compared with the float64 reference (see the module's note)."""
     spec = exe.spec
     rng = np.random.default_rng(seed)
     rt: Runtime = random_runtime(spec, rng, lengths=lengths, dims=dims)
@@ -174,10 +198,8 @@ def run_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dic
         else:
             tol = 4e-3 if t.dtype in ("bf16", "f16") else (1e-3 if a_t.dtype in ("e4m3", "e5m2") else 1e-4)
         checks.append(OutputCheck(name, float(num / den), unwritten, clobbered, tol))
-    # Timing: the whole schedule (the offsets check included), median of `repeats` runs.
-    seconds = _time(exe, args, repeats) if repeats else 0.0
-    del keep
-    return RunReport(spec.name, dict(rt.dims), tuple(checks), seconds, _useful_flops(spec, rt))
+    report = RunReport(spec.name, dict(rt.dims), tuple(checks), 0.0, _useful_flops(spec, rt))
+    return RandomCall(exe, report, args, tuple(keep))
 
 
 def device_arguments(
@@ -236,9 +258,8 @@ def _shaped(buf: DeviceBuffer, t: Tensor, spec, rt):
     return buf.view(shape, t.dtype, strides)
 
 
-def _time(exe: Executable, args: dict, repeats: int) -> float:
+def _time(run: PreparedRun, repeats: int) -> float:
     """Median wall time of enqueue + synchronise (launch overhead included)."""
-    run = exe.prepare(**args)
     run.enqueue()
     run.synchronize()
     samples = []
@@ -250,4 +271,4 @@ def _time(exe: Executable, args: dict, repeats: int) -> float:
     return float(np.median(samples))
 
 
-__all__ = ["run_random", "device_arguments", "RunReport", "OutputCheck"]
+__all__ = ["run_random", "check_random", "device_arguments", "RandomCall", "RunReport", "OutputCheck"]
