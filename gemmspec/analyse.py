@@ -132,14 +132,15 @@ def dependency_order(spec: Spec) -> list[int]:
     """
     writers: dict[str, list[int]] = {}
     for g in spec.gemms:
-        writers.setdefault(g.out.tensor, []).append(g.index)
+        for w in g.writes:  # an FP8 output's copy is written with it
+            writers.setdefault(w, []).append(g.index)
     unwritten = {t: len(ws) for t, ws in writers.items()}  # writers of t still to run
     readers: dict[str, list[int]] = {}
     waiting = [0] * len(spec.gemms)  # tensors a statement reads that are not final yet
     for g in spec.gemms:
         for t in set(g.reads):
             # A statement's own output is no dependency (the checker forbids reading it).
-            if t in writers and t != g.out.tensor:
+            if t in writers and t not in g.writes:
                 readers.setdefault(t, []).append(g.index)
                 waiting[g.index] += 1
     ready = [i for i, n in enumerate(waiting) if n == 0]
@@ -148,13 +149,13 @@ def dependency_order(spec: Spec) -> list[int]:
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        t = spec.gemms[i].out.tensor
-        unwritten[t] -= 1
-        if unwritten[t] == 0:
-            for r in readers.get(t, ()):
-                waiting[r] -= 1
-                if waiting[r] == 0:
-                    heapq.heappush(ready, r)
+        for t in spec.gemms[i].writes:
+            unwritten[t] -= 1
+            if unwritten[t] == 0:
+                for r in readers.get(t, ()):
+                    waiting[r] -= 1
+                    if waiting[r] == 0:
+                        heapq.heappush(ready, r)
     if len(order) < len(spec.gemms):
         _raise_cycle(spec, set(order), unwritten, writers)
     return order
@@ -173,14 +174,14 @@ def _raise_cycle(
         on_path[i] = len(path)
         path.append(i)
         g = spec.gemms[i]
-        t = next(t for t in g.reads if t in pending and t != g.out.tensor)
+        t = next(t for t in g.reads if t in pending and t not in g.writes)
         i = pending[t]
     cycle = path[on_path[i]:]
     steps = []
     for j, s in enumerate(cycle):
         w = cycle[(j + 1) % len(cycle)]
         g = spec.gemms[s]
-        t = next(t for t in g.reads if t == spec.gemms[w].out.tensor)
+        t = next(t for t in g.reads if t in spec.gemms[w].writes)
         steps.append(f"#{s} reads '{t}', written by #{w}")
     first = min(cycle)
     if len(steps) > 6:
