@@ -115,7 +115,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     return choose_tile(
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
         per_channel=spec.per_channel(g), gather=g.gather is not None,
-        fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES,
+        fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES, copy=g.copy is not None,
     )
 
 
@@ -442,6 +442,18 @@ def _plan_launches(
             f"from registers (lanes swap values so each stores 4 bytes of one row), the scales "
             f"into '{out_t.scale.name}' by one lane per row; rows past the leaf are not stored"
         )
+        if g.copy is not None:
+            c_t = spec.tensor(g.copy)
+            rule = "2^ceil(log2(amax / FP8 max))" if c_t.scale.pow2 else "amax / FP8 max"
+            pad = f", segments padded to multiples of {c_t.layout.pad} rows" if c_t.layout.padded else ""
+            reasons.append(
+                f"{prefix}copy: the statement writes '{g.copy}' = copy({g.out.tensor}) in the same epilogue: "
+                f"the same bf16 values quantized per column and 128 rows of each '{g.m.group}' segment "
+                f"(blocks from the segment's first row, the last one short), scale = {rule}, stored "
+                f"{c_t.layout} (each segment's rows contiguous per column{pad}), the scales into "
+                f"'{c_t.scale.name}' ([128, 1] per {g.m.group}); equal, bit for bit, to a bf16 output "
+                f"quantized into that layout, without the pass"
+            )
     elif g.scatter:
         reasons.append(
             f"{prefix}stores: D ('{g.out.tensor}') scattered through {g.scatter}: each row stored "

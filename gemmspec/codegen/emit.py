@@ -327,6 +327,14 @@ def emit_launch(
     `check` the builder runs the spec's offsets check first and builds its table from
     the checked copies (and the index tensors) the check takes."""
     pg = launch.problems
+    if launch.signature.copy:
+        # The language, the schedule and the references have it; the kernel's epilogue does
+        # not write the segment-major copy yet, so no kernel is emitted that would skip it.
+        raise GemmspecError(
+            f"{spec.name}: launch {launch.index} writes '{pg.c.tensor}' = copy({pg.d.tensor}) in its "
+            "epilogue, which the GEMM kernels do not emit yet; declare the copy as a pre-pass "
+            f"(`= requantize({pg.d.tensor})`) for now"
+        )
     cfg = config or gemm_config(launch)
     # The symbol names the spec and launch, so that equal configurations in two launches
     # (or two specs) never define one symbol twice.

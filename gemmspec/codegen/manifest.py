@@ -297,7 +297,7 @@ def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
     """Every run-time tensor of a call, in the order the Python API lists them: each
     tensor no pass derives (then its scale), then each group's offsets or counts. An
     i32 tensor is an index tensor (role "index": rows read or written through it)."""
-    written = {g.out.tensor for g in spec.gemms}
+    written = {w for g in spec.gemms for w in g.writes}  # an FP8 output's copy too
     out: list[Argument] = []
     for t in spec.tensors:
         if t.derived is not None:
