@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from . import ast
-from .errors import ArgumentError, GemmspecError
 from .codegen.validate import group_chain_count
+from .errors import ArgumentError, GemmspecError
 from .runtime.executor import take
 from .runtime.quantize import QuantizeLaunch, plan_quantize
 from .runtime.streams import keep_context, torch_stream
@@ -170,7 +170,7 @@ class GemmOp:
             g = spec.group(t.scale.anchor)
             segments = group_chain_count(spec, g.name) * g.count
             dims = []
-            for axis, (d, b) in enumerate(zip(t.dims, t.scale.block)):
+            for d, b in zip(t.dims, t.scale.block):
                 size = self._logical_dim(d, name)
                 if d == g.dim:
                     grow = segments * (b - 1)
