@@ -115,7 +115,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
     return choose_tile(
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
         per_channel=spec.per_channel(g), gather=g.gather is not None,
-        fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES,
+        fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES, copy=g.copy is not None,
     )
 
 
@@ -132,14 +132,15 @@ def dependency_order(spec: Spec) -> list[int]:
     """
     writers: dict[str, list[int]] = {}
     for g in spec.gemms:
-        writers.setdefault(g.out.tensor, []).append(g.index)
+        for w in g.writes:  # an FP8 output's copy is written with it
+            writers.setdefault(w, []).append(g.index)
     unwritten = {t: len(ws) for t, ws in writers.items()}  # writers of t still to run
     readers: dict[str, list[int]] = {}
     waiting = [0] * len(spec.gemms)  # tensors a statement reads that are not final yet
     for g in spec.gemms:
         for t in set(g.reads):
             # A statement's own output is no dependency (the checker forbids reading it).
-            if t in writers and t != g.out.tensor:
+            if t in writers and t not in g.writes:
                 readers.setdefault(t, []).append(g.index)
                 waiting[g.index] += 1
     ready = [i for i, n in enumerate(waiting) if n == 0]
@@ -148,13 +149,13 @@ def dependency_order(spec: Spec) -> list[int]:
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        t = spec.gemms[i].out.tensor
-        unwritten[t] -= 1
-        if unwritten[t] == 0:
-            for r in readers.get(t, ()):
-                waiting[r] -= 1
-                if waiting[r] == 0:
-                    heapq.heappush(ready, r)
+        for t in spec.gemms[i].writes:
+            unwritten[t] -= 1
+            if unwritten[t] == 0:
+                for r in readers.get(t, ()):
+                    waiting[r] -= 1
+                    if waiting[r] == 0:
+                        heapq.heappush(ready, r)
     if len(order) < len(spec.gemms):
         _raise_cycle(spec, set(order), unwritten, writers)
     return order
@@ -173,14 +174,14 @@ def _raise_cycle(
         on_path[i] = len(path)
         path.append(i)
         g = spec.gemms[i]
-        t = next(t for t in g.reads if t in pending and t != g.out.tensor)
+        t = next(t for t in g.reads if t in pending and t not in g.writes)
         i = pending[t]
     cycle = path[on_path[i]:]
     steps = []
     for j, s in enumerate(cycle):
         w = cycle[(j + 1) % len(cycle)]
         g = spec.gemms[s]
-        t = next(t for t in g.reads if t == spec.gemms[w].out.tensor)
+        t = next(t for t in g.reads if t in spec.gemms[w].writes)
         steps.append(f"#{s} reads '{t}', written by #{w}")
     first = min(cycle)
     if len(steps) > 6:
@@ -441,6 +442,18 @@ def _plan_launches(
             f"from registers (lanes swap values so each stores 4 bytes of one row), the scales "
             f"into '{out_t.scale.name}' by one lane per row; rows past the leaf are not stored"
         )
+        if g.copy is not None:
+            c_t = spec.tensor(g.copy)
+            rule = "2^ceil(log2(amax / FP8 max))" if c_t.scale.pow2 else "amax / FP8 max"
+            pad = f", segments padded to multiples of {c_t.layout.pad} rows" if c_t.layout.padded else ""
+            reasons.append(
+                f"{prefix}copy: the statement writes '{g.copy}' = copy({g.out.tensor}) in the same epilogue: "
+                f"the same bf16 values quantized per column and 128 rows of each '{g.m.group}' segment "
+                f"(blocks from the segment's first row, the last one short), scale = {rule}, stored "
+                f"{c_t.layout} (each segment's rows contiguous per column{pad}), the scales into "
+                f"'{c_t.scale.name}' ([128, 1] per {g.m.group}); equal, bit for bit, to a bf16 output "
+                f"quantized into that layout, without the pass"
+            )
     elif g.scatter:
         reasons.append(
             f"{prefix}stores: D ('{g.out.tensor}') scattered through {g.scatter}: each row stored "

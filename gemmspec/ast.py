@@ -145,7 +145,7 @@ class ScaleDecl:
 
 @dataclass(frozen=True)
 class Derivation:
-    op: Name  # "requantize", "transpose" or "quantize"
+    op: Name  # "requantize", "transpose", "quantize" or "copy" (a second FP8 output)
     source: Name
     options: tuple[Name, ...] = ()  # after the source: `quantize(x, pow2)`
 

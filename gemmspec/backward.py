@@ -16,6 +16,12 @@ the `requantize` pass (1x128 -> 128x1 blocks, tokens contiguous, per segment whe
 K-grouped, the segments padded to multiples of 16 tokens so that TMA loads them).
 dA comes out in BF16 (or A's 16-bit type), dB in FP32.
 
+A forward `T = copy(A)` (the segment-major 128x1 form of an FP8 output A, written in the
+epilogue of A's statement) is not used here yet: the WGRAD still plans `requantize(A)`.
+Reading T instead would make it an input of the backward spec that the forward call keeps
+for it (as the autograd wrapper keeps A today); statements writing FP8 outputs are not
+derived at all so far, so that wiring waits for them.
+
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
 and runs it through the whole front half, so the derived statements are checked,
 analysed and lowered exactly as written ones; a statement whose gradient the

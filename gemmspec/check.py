@@ -58,6 +58,8 @@ QUANTIZE_SOURCE_TYPES = frozenset({"bf16", "f16", "f32"})
 QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
 # Derivations whose pre-pass writes the target's scales.
 SCALING_OPS = frozenset({"requantize", "quantize"})
+# `T = copy(S)`: a second FP8 output of the statement writing S, not a pre-pass.
+COPY_OP = "copy"
 # quantize(SOURCE, pow2): the pass writes power-of-two scales (its only option).
 QUANTIZE_POW2 = "pow2"
 
@@ -176,6 +178,7 @@ class _Checker:
                 "add one, e.g. y[t, n] = sum[k] x[t, k] * w[n, k]",
             )
         gemms = tuple(self.check_statement(i, s) for i, s in enumerate(self.ast.statements))
+        gemms = self.check_copies(gemms)
         self.check_written_once(gemms)
         self.check_pow2_scales(gemms)
         self.check_outputs_do_not_alias(gemms)
@@ -424,11 +427,14 @@ class _Checker:
             self.check_index_tensor(t, layout)
         scale = self.scale(t) if t.scale else None
         derived = None
-        if t.derived:
+        copy_of = None
+        if t.derived and t.derived.op.text == COPY_OP:
+            copy_of = t.derived.source.text  # a second output of a statement, not a pre-pass
+        elif t.derived:
             pow2 = any(o.text == QUANTIZE_POW2 for o in t.derived.options)  # checked in check_derivation
             derived = Derivation(t.derived.op.text, t.derived.source.text, pow2)
         self.tensors[t.name.text] = Tensor(
-            t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line
+            t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line, copy_of
         )
         self.tensor_ast[t.name.text] = t
 
@@ -768,6 +774,15 @@ class _Checker:
         if src.text not in self.tensors:
             raise self.error(f"unknown tensor '{src.text}'", src.pos)
         self.check_derivation_options(op, t.derived.options)
+        if op.text == COPY_OP:
+            self.check_copy_declaration(t)
+            return
+        if self.tensors[src.text].copy_of is not None:
+            raise self.error(
+                f"'{src.text}' is a copy written by a statement's epilogue; derive "
+                f"'{t.name.text}' from '{self.tensors[src.text].copy_of}', the tensor it copies",
+                src.pos,
+            )
         source, target = self.tensors[src.text], self.tensors[t.name.text]
         if src.text == t.name.text:
             raise self.error(
@@ -815,9 +830,183 @@ class _Checker:
                         op.pos,
                     )
 
+    def check_copy_declaration(self, t: ast.TensorDecl) -> None:
+        """`T = copy(S)`: S an FP8 output, T another FP8 tensor of S's shape and type with a
+        scale (the statement that writes S writes T; check_copies checks that side)."""
+        src = t.derived.source
+        source, target = self.tensors[src.text], self.tensors[t.name.text]
+        if src.text == t.name.text:
+            raise self.error(
+                f"'{t.name.text}' is a copy of itself; copy(...) names the FP8 output a "
+                "statement writes",
+                src.pos,
+            )
+        if source.copy_of is not None or source.derived is not None:
+            what = "a copy" if source.copy_of is not None else f"derived by {source.derived.op}(...)"
+            root = source.copy_of or source.derived.source
+            raise self.error(
+                f"'{src.text}' is {what}, and copies do not chain: copy(...) names the FP8 output "
+                "a statement writes",
+                src.pos,
+                f"copy the tensor the statement writes, e.g. `= copy({root})`"
+                if source.copy_of is not None else None,
+            )
+        if source.dtype not in FP8_TYPES or source.scale is None:
+            raise self.error(
+                f"copy({src.text}) makes a second FP8 output of the statement that writes "
+                f"'{src.text}', but '{src.text}' is {source.dtype}"
+                + (" with no scale" if source.dtype in FP8_TYPES else ""),
+                src.pos,
+                "declare the source e4m3 or e5m2 with `scale f32 [1, 128]`, or quantize a "
+                "bf16 tensor with `= quantize(...)`",
+            )
+        if target.dtype != source.dtype:
+            raise self.error(
+                f"copy({src.text}) has the FP8 type of '{src.text}' ({source.dtype}), but "
+                f"'{t.name.text}' is declared {target.dtype}",
+                t.dtype.pos,
+                f"declare '{t.name.text}' as {source.dtype}",
+            )
+        if source.dims != target.dims:
+            raise self.error(
+                f"copy({src.text}) keeps the logical shape [{', '.join(source.dims)}], but "
+                f"'{t.name.text}' is declared [{', '.join(target.dims)}]",
+                t.shape[0].pos,
+            )
+        if target.scale is None:
+            raise self.error(
+                f"copy({src.text}) is quantized with the scale blocks of '{t.name.text}', which "
+                "has no scale",
+                t.name.pos,
+                f"declare `scale f32 [128, 1] per GROUP` on '{t.name.text}'",
+            )
+
+    def check_copies(self, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+        """Each `T = copy(S)` is written by the one statement that writes S, in its epilogue:
+        S's rows split by a ragged group G (the statement M-grouped by G), T stored
+        segment_major(G) (pad P allowed) with [128, 1] scales per G, 128-row tiles.
+        Returns the statements with their copies attached."""
+        out = list(gemms)
+        for t in self.tensors.values():
+            if t.copy_of is None:
+                continue
+            decl = self.tensor_ast[t.name]
+            src_pos = decl.derived.source.pos
+            writers = [g for g in gemms if g.out.tensor == t.copy_of]
+            if not writers:
+                raise self.error(
+                    f"'{t.copy_of}' is not written by a statement of this spec; copy(...) is a "
+                    "second output of the statement that writes its source",
+                    src_pos,
+                    f"a tensor passed in is rearranged by a pre-pass: `= requantize({t.copy_of})`",
+                )
+            if len(writers) > 1:
+                lines = ", ".join(str(g.line) for g in writers)
+                raise self.error(
+                    f"'{t.copy_of}' is written by {len(writers)} statements (lines {lines}); "
+                    "copy(...) needs the one statement that writes it with `=`",
+                    src_pos,
+                )
+            g = writers[0]
+            if g.copy is not None:
+                raise self.error(
+                    f"the statement on line {g.line} already writes '{g.copy}' = copy({t.copy_of}); "
+                    "a statement writes one copy",
+                    decl.derived.op.pos,
+                )
+            self._check_copy_target(g, t, decl)
+            out[g.index] = replace(g, copy=t.name)
+        return tuple(out)
+
+    def _check_copy_target(self, g: Gemm, t: Tensor, decl: ast.TensorDecl) -> None:
+        src = t.copy_of
+        op_pos = decl.derived.op.pos
+        st = self.ast.statements[g.index]
+        if g.accumulate:  # an FP8 output is `=` only; said here too, for the copy
+            raise self.error(
+                f"copy({src}) is written by the statement on line {g.line} with `+=`; a copy "
+                "is quantized from the finished values",
+                st.assign_pos or st.out.tensor.pos,
+            )
+        if g.scatter:
+            raise self.error(
+                f"copy({src}) is written by a statement that scatters its rows through "
+                f"'{g.scatter}'; the copy is stored per segment of the statement's own rows",
+                st.out.tensor.pos,
+            )
+        m_axis = g.out.axis_of_role("m")
+        if t.rank != 2 or m_axis != 0:
+            raise self.error(
+                f"copy({src}) is generated for a 2-D output [rows, columns]; '{t.name}' is "
+                f"[{', '.join(t.dims)}]",
+                decl.shape[0].pos,
+            )
+        group = g.m.group
+        rows = t.dims[0]
+        lay = t.layout
+        hint = f"declare `layout segment_major({group or 'GROUP'})` (and `pad P` if you like)"
+        if group is None:
+            raise self.error(
+                f"copy({src}) stores each segment of a ragged group of {rows} with its rows "
+                f"contiguous, but the statement on line {g.line} does not split {rows} by a group",
+                op_pos,
+                "write the statement M-grouped, e.g. w[expert(t), n, k]",
+            )
+        grp = self.groups[group]
+        if grp.kind != "ragged" or grp.within is not None or grp.capacity:
+            why = (
+                f"'{group}' is {grp.kind}" if grp.kind != "ragged"
+                else f"'{group}' is nested within '{grp.within}'" if grp.within is not None
+                else f"'{group}' has a capacity (rows past its offsets)"
+            )
+            raise self.error(
+                f"copy({src}) is generated for statements whose rows are split by one ragged "
+                f"group (no `within`, no capacity); {why}",
+                op_pos,
+                "write the copy with a separate `= requantize(...)` pre-pass instead",
+            )
+        if lay.kind != "segment_major" or lay.seg_axis != 0 or lay.group != group:
+            raise self.error(
+                f"copy({src}) stores '{t.name}' segment_major({group}): each segment of "
+                f"'{group}' with its {rows} contiguous per column; '{t.name}' is {lay}",
+                decl.layout.pos if decl.layout is not None else decl.name.pos,
+                hint,
+            )
+        sd = decl.scale
+        scale = t.scale
+        assert scale is not None and sd is not None
+        if scale.block != (KERNEL_K_BLOCK, 1):
+            raise self.error(
+                f"copy({src}) writes one scale per column and {KERNEL_K_BLOCK} rows of each "
+                f"segment, [{KERNEL_K_BLOCK}, 1]; '{t.name}' has scale blocks {scale.block_text}",
+                sd.block[0].pos,
+                f"declare `scale f32 [{KERNEL_K_BLOCK}, 1] per {group}`",
+            )
+        if scale.anchor != group:
+            raise self.error(
+                f"copy({src}) starts the scale blocks of '{t.name}' at each segment of '{group}'"
+                + (f", but they are anchored per '{scale.anchor}'" if scale.anchor else
+                   ", but they are not anchored"),
+                sd.anchor.pos if sd.anchor is not None else sd.pos,
+                f"declare `scale f32 [{KERNEL_K_BLOCK}, 1] per {group}`",
+            )
+        if scale.layout.kind != "strided" or scale.layout.strides != (self._size_poly(t.dims[1]), ONE):
+            raise self.error(
+                f"copy({src}) writes the scales of '{t.name}' row-major (a row of {t.dims[1]} "
+                f"per block of {KERNEL_K_BLOCK} rows); its scale layout is {scale.layout}",
+                sd.layout.pos if sd.layout is not None else sd.pos,
+                "drop the scale's layout",
+            )
+
     def check_derivation_options(self, op: ast.Name, options: tuple[ast.Name, ...]) -> None:
         """quantize takes one option, pow2; the other derivations take none."""
         for i, o in enumerate(options):
+            if op.text == COPY_OP:
+                raise self.error(
+                    f"copy(...) takes no options, but '{o.text}' is given"
+                    + ("; write `pow2` after the scale block of the copy" if o.text == QUANTIZE_POW2 else ""),
+                    o.pos,
+                )
             if op.text != "quantize":
                 raise self.error(
                     f"{op.text}(...) takes no options, but '{o.text}' is given"
@@ -972,6 +1161,12 @@ class _Checker:
             raise self.error(
                 f"'{out_t.name}' is derived by {out_t.derived.op}({out_t.derived.source}) and "
                 "cannot be written by a statement",
+                s.out.tensor.pos,
+            )
+        if out_t.copy_of is not None:
+            raise self.error(
+                f"'{out_t.name}' = copy({out_t.copy_of}) is written by the statement that writes "
+                f"'{out_t.copy_of}', in its epilogue, and cannot be written by another",
                 s.out.tensor.pos,
             )
 
@@ -1812,7 +2007,7 @@ class _Checker:
     def check_pow2_scales(self, gemms: tuple[Gemm, ...]) -> None:
         """`scale f32 [...] pow2` says how the epilogue computes the scales it writes, so it
         belongs to FP8 outputs; a quantize pass spells it `quantize(SOURCE, pow2)`."""
-        written = {g.out.tensor for g in gemms}
+        written = {w for g in gemms for w in g.writes}
         for t in self.tensors.values():
             if t.scale is None or not t.scale.pow2 or t.name in written:
                 continue
@@ -2345,6 +2540,16 @@ class _Checker:
                             d.pos,
                             f"use tile({tm}, {2 * FP8_OUT_BLOCK if g.swiglu else FP8_OUT_BLOCK})",
                         )
+                copying = next(((g, st) for g, st in zip(gemms, self.ast.statements) if g.copy), None)
+                if copying is not None and tm != 128:
+                    g, st = copying
+                    raise self.error(
+                        f"tile({tm}, {tn}) has {tm} rows, but the statement on line {st.pos.line} "
+                        f"writes '{g.copy}' = copy({g.out.tensor}), whose [{KERNEL_K_BLOCK}, 1] scale "
+                        f"blocks are one 128-row tile each",
+                        d.pos,
+                        f"use tile(128, {tn})",
+                    )
                 halves = bool(fp8_out) and all(g.swiglu for g, _ in fp8_out) and len(fp8_out) == len(gemms)
                 if tn > 192 and scaled and not (halves and tn == 2 * FP8_OUT_BLOCK):
                     raise self.error(

@@ -54,6 +54,13 @@ def _launch_json(launch: Launch) -> dict:
         "runtime_tensors": list(pg.runtime_tensors),
         "runtime_dims": list(pg.runtime_dims),
     }
+    if pg.c is not None and pg.sc is not None:
+        # `T = copy(D)`: the second FP8 output the epilogue writes (only such launches
+        # have these keys).
+        doc["signature"]["copy"] = True
+        doc["signature"]["copy_scale_pow2"] = sig.copy_scale_pow2
+        doc["operands"]["C"] = _map_json(pg.c)
+        doc["scales"]["C"] = _map_json(pg.sc)
     if launch.note:
         doc["note"] = launch.note
     return doc
@@ -150,6 +157,12 @@ def _kernel_line(spec: Spec, launch) -> str:
     if cfg.fp8_out:
         rule = "power-of-two scales" if cfg.d_scale_pow2 else "scale amax / FP8 max"
         parts.append(f"{cfg.d_type} output quantized in the epilogue (bf16 rounding, {rule} per row and 128 columns)")
+    if launch.signature.copy:
+        rule = "power-of-two scales" if launch.signature.copy_scale_pow2 else "scale amax / FP8 max"
+        parts.append(
+            f"and its copy {pg.c.tensor} segment-major per segment, quantized in the same epilogue ({rule} per "
+            "column and 128 rows)"
+        )
     if cfg.mma_parts > 1:
         parts.append(f"each K block's wgmma in {cfg.mma_parts} batches of {cfg.tile_n // cfg.mma_parts} columns")
     if cfg.per_channel:

@@ -196,6 +196,10 @@ class Tensor:
     scale: Scale | None
     derived: Derivation | None
     line: int
+    # `= copy(SOURCE)`: a second FP8 output of the statement that writes the FP8 output
+    # SOURCE, quantized in the same epilogue with this tensor's layout and scale blocks
+    # (no pre-pass: `derived` is None).
+    copy_of: str | None = None
 
     @property
     def rank(self) -> int:
@@ -208,6 +212,8 @@ class Tensor:
         if self.derived:
             pow2 = ", pow2" if self.derived.pow2 else ""
             s += f" = {self.derived.op}({self.derived.source}{pow2})"
+        if self.copy_of:
+            s += f" = copy({self.copy_of})"
         return s
 
 
@@ -313,6 +319,14 @@ class Gemm:
     # SwiGLU: the GEMM's columns 2j (gate) and 2j + 1 (up) become output column j,
     # silu(gate) * up, before the epilogue factors; `n` runs over B's interleaved rows.
     swiglu: bool = False
+    # `T = copy(D)` of this statement's FP8 output D: the epilogue writes T too (its own
+    # layout and scale blocks, segment_major over the row group, 128x1 scales).
+    copy: str | None = None
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """Every tensor the statement writes: its output, then the output's copy."""
+        return (self.out.tensor, self.copy) if self.copy else (self.out.tensor,)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -416,5 +430,6 @@ class Spec:
                 + (" swiglu" if g.swiglu else "")
                 + (f" gather={g.gather}" if g.gather else "")
                 + (f" scatter={g.scatter}" if g.scatter else "")
+                + (f" copy={g.copy}" if g.copy else "")
             )
         return "\n".join(lines)

@@ -97,15 +97,19 @@ def choose_tile(
     per_channel: bool = False,
     gather: bool = False,
     fp8_out: bool = False,
+    copy: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
     `m_bound`: the most rows any leaf can have (None: unbounded or run-time); `swiglu`:
     columns pair up (gate 2j, up 2j + 1), so a tile must hold whole pairs; `gather`: A's
     rows come through an index tensor, copied row by row (no A tile to multicast); `fp8_out`:
-    the output is FP8, quantized per row and 128 of its columns in the epilogue."""
+    the output is FP8, quantized per row and 128 of its columns in the epilogue; `copy`: the
+    epilogue writes its segment-major copy too, whose [128, 1] scale blocks are 128-row tiles."""
     known = [n for n in n_extents if n is not None]
     skinny = bool(known) and len(known) == len(n_extents) and max(known) <= 32
-    if m_bound is not None and m_bound <= 64:
+    if copy:
+        tile_m, why_m = 128, "128-row tiles (one [128, 1] scale block of the copy each)"
+    elif m_bound is not None and m_bound <= 64:
         tile_m, why_m = 64, f"64-row tiles (no leaf has more than {m_bound} rows)"
     elif skinny:
         tile_m, why_m = 64, (

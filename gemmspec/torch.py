@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from . import ast
+from .codegen.validate import group_chain_count
 from .errors import ArgumentError, GemmspecError
 from .runtime.executor import take
 from .runtime.quantize import QuantizeLaunch, plan_quantize
@@ -116,7 +117,7 @@ class OutputShape:
 
     name: str
     dtype: str
-    dims: tuple[int | tuple[str, int, int], ...]
+    dims: tuple[int | tuple[str, int, int] | tuple[str, int, int, int], ...]
     zero: bool  # a statement adds into it or scatters rows into it: a fresh one starts from zeros
 
 
@@ -135,9 +136,11 @@ class GemmOp:
         spec = exe.spec
         written = []
         for g in spec.gemms:
-            if g.out.tensor not in written:
-                written.append(g.out.tensor)
-                scale = spec.tensor(g.out.tensor).scale
+            for w in g.writes:  # the output, then an FP8 output's copy
+                if w in written:
+                    continue
+                written.append(w)
+                scale = spec.tensor(w).scale
                 if scale is not None:  # an FP8 output: its scales are written with it
                     written.append(scale.name)
         self.outputs = tuple(written)
@@ -150,7 +153,7 @@ class GemmOp:
         self._take_inputs = take(self.inputs)
         self._to_executable = take(tuple(every.index(n) for n in exe.argument_names()))
         self._output_dims = tuple(  # per output, each dim: a size or (input index, axis, rows added)
-            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), d[1], d[2]) for d in s.dims)
+            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), *d[1:]) for d in s.dims)
             for s in self.shapes
         )
         self._define()
@@ -159,6 +162,22 @@ class GemmOp:
     def _output_shape(self, name: str) -> OutputShape:
         spec = self.exe.spec
         of = {t.scale.name: t for t in spec.tensors if t.scale is not None and t.name in self.outputs}
+        if name in of and of[name].scale.anchor:
+            # A copy's [128, 1] scales per ragged segment: the most rows the segments can
+            # need, (T + segments * 127) // 128, as the host check allows; the kernel writes
+            # the first ceil(len / 128) per segment (the device check counts them).
+            t = of[name]
+            g = spec.group(t.scale.anchor)
+            segments = group_chain_count(spec, g.name) * g.count
+            dims = []
+            for d, b in zip(t.dims, t.scale.block):
+                size = self._logical_dim(d, name)
+                if d == g.dim:
+                    grow = segments * (b - 1)
+                    dims.append((size + grow) // b if isinstance(size, int) else (size[0], size[1], size[2] + grow, b))
+                else:
+                    dims.append(-(-size // b) if isinstance(size, int) else (*size[:3], b))
+            return OutputShape(name, "f32", tuple(dims), False)
         if name in of:
             # An FP8 output's scale grid: one per row (as the output's rows) and per 128 of its
             # fixed columns (the checker's [1, ..., 1, 128] blocks).
@@ -194,13 +213,34 @@ class GemmOp:
         zero = any((g.accumulate or g.scatter) and g.out.tensor == name for g in spec.gemms)
         return OutputShape(name, t.dtype, tuple(dims), zero)
 
+    def _logical_dim(self, d: str, name: str) -> int | tuple[str, int, int]:
+        """Dim `d`'s size: fixed, or (input, axis, rows added) from an input holding it."""
+        spec = self.exe.spec
+        size = spec.dim(d).size
+        if size is not None:
+            return size
+        for other in spec.tensors:
+            if other.derived is None and other.name in self.inputs and d in other.dims:
+                axis = other.dims.index(d)
+                pad = other.layout.pad_rows if other.layout.pad_rows and axis == other.layout.seg_axis else 0
+                if not pad:
+                    return (other.name, axis, 0)
+        for other in spec.tensors:
+            if other.derived is None and other.name in self.inputs and d in other.dims:
+                return (other.name, other.dims.index(d), -other.layout.pad_rows)
+        raise GemmspecError(
+            f"{spec.name}: output '{name}' has run-time dim {d}, which no input tensor has, so "
+            "a fresh output cannot be sized; pass it in"
+        )
+
     def output_sizes(self, inputs: dict[str, torch.Tensor]) -> list[list]:
         return self._sizes_of(self._take_inputs(inputs))
 
     def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
         """The size of each output, from the inputs in the op's order."""
         return [
-            [d if isinstance(d, int) else inputs[d[0]].shape[d[1]] + d[2] for d in dims]
+            # (input, axis, rows added[, per]): a copy's anchored scale rows divide by `per`.
+            [d if isinstance(d, int) else (inputs[d[0]].shape[d[1]] + d[2]) // (d[3] if len(d) > 3 else 1) for d in dims]
             for dims in self._output_dims
         ]
 

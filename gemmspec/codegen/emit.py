@@ -46,6 +46,8 @@ EPILOGUE_RECORD_BYTES = 48
 GATHER_RECORD_BYTES = 32
 # Then sizeof(GsDScale) (defined in the kernels with an FP8 D): where its scales go.
 DSCALE_RECORD_BYTES = 32
+# Then sizeof(GsCopy) (defined in the kernels that write D's copy): where the copy goes.
+COPY_RECORD_BYTES = 32
 
 
 class EmitError(GemmspecError):
@@ -58,7 +60,7 @@ def c_symbol(sym: str) -> str:
         kind, name = sym.split(".", 1)
         if kind.startswith(("pstart", "plen")):  # pstart16.k -> pstart16_k
             return f"{kind}_{name}"
-        return {"g": "g_", "start": "start_", "len": "len_", "bstart": "bstart_"}[kind] + name
+        return {"g": "g_", "start": "start_", "len": "len_", "bstart": "bstart_", "cbstart": "cbstart_"}[kind] + name
     return f"dim_{sym}"
 
 
@@ -236,6 +238,16 @@ def _prefix_lines(spec: Spec, pg: ProblemGenerator, counts: dict[str, int]) -> l
             )
             loops[(role, anchor)] = loop
             items.append(loop)
+    if pg.sc is not None:
+        # A copy's [128, 1] blocks: ceil(len / 128) summed over every earlier segment of
+        # its (ragged, unnested) row group, in the scan the other sums over it share.
+        anchor, block = pg.sc.anchors[0], pg.sc.block[0]
+        loop = loops.get(("m", anchor))
+        if loop is None:
+            loop = loops[("m", anchor)] = _PrefixLoop("m", anchor, [], [])
+            items.append(loop)
+        loop.inits.append("long long cbstart_m = 0;")
+        loop.adds.append(f"cbstart_m += (e - s + {block - 1}) / {block};")
     clamps: list[str] = []
     for pad in pg.pads:
         ext = pg.extent(pad.role)
@@ -306,6 +318,8 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         gather_tma=sig.gather,
         scatter=sig.scatter,
         d_scale_pow2=sig.d_scale_pow2,
+        copy=sig.copy,
+        copy_pow2=sig.copy_scale_pow2,
     )
 
 
@@ -382,6 +396,16 @@ def emit_launch(
             ("sd_sm", c_expr(pg.sd.strides[0])),
             ("sd_sn", c_expr(pg.sd.strides[1])),
         ]
+    copy_fields: list[tuple[str, str]] = []
+    if pg.c is not None and pg.sc is not None:
+        # D's copy: the leaf's first element and scale, its column stride (the leaf's padded
+        # row count) and the floats per scale row.
+        copy_fields = [
+            ("c", f"static_cast<unsigned char*>(C) + {c_expr(pg.c.offset)}"),
+            ("sc", f"SC + {c_expr(pg.sc.offset)}"),
+            ("c_sn", c_expr(pg.c.strides[1])),
+            ("sc_sm", c_expr(pg.sc.strides[0])),
+        ]
     table_name = table_symbol(spec.name, launch.index)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
@@ -425,9 +449,14 @@ def emit_launch(
         gather_a_rows=f"static_cast<int>({c_expr(pg.a.rows.bound)})" if cfg.gather_tma and pg.a.rows else "",
         gather_at=pg.leaf_count * EPILOGUE_RECORD_BYTES if pg.epilogue else 0,
         dscale_fields=dscale_fields,
-        records_first=sum(map(bool, (epilogue_fields, gather_fields, dscale_fields))) >= 2,
+        records_first=sum(map(bool, (epilogue_fields, gather_fields, dscale_fields, copy_fields))) >= 2,
         dscale_at=pg.leaf_count * (
             (EPILOGUE_RECORD_BYTES if pg.epilogue else 0) + (GATHER_RECORD_BYTES if pg.index_maps else 0)
+        ),
+        copy_fields=copy_fields,
+        copy_at=pg.leaf_count * (
+            (EPILOGUE_RECORD_BYTES if pg.epilogue else 0) + (GATHER_RECORD_BYTES if pg.index_maps else 0)
+            + DSCALE_RECORD_BYTES
         ),
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table

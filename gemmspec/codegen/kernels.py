@@ -37,6 +37,9 @@ OUTPUT_TYPES = frozenset({"bf16", "f16", "f32"})
 SWIGLU_OUTPUT_TYPES = ("bf16", "f32", "e4m3", "e5m2")  # FP8: quantized in the epilogue
 # An FP8 output is quantized in the epilogue, one f32 scale per row and this many columns.
 D_SCALE_COLS = 128
+# A copy's staging: one row of this many bytes per column of D (128 rows and 16 bytes of
+# padding, so that the columns of one warp's byte stores fall in different banks).
+COPY_COL_PITCH = 144
 # Largest finite value of each FP8 format: the quantization target of a requant pass.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 
@@ -187,6 +190,12 @@ class GemmKernelConfig:
     # columns of D (a GsDScale record per leaf says where). ``d_scale_pow2``: the scales
     # are powers of two, as quantize(SOURCE, pow2) writes them.
     d_scale_pow2: bool = False
+    # `T = copy(D)` of an FP8 D: the epilogue also writes D's copy segment-major (each
+    # leaf's rows contiguous per column) with one f32 scale per column and 128 rows of the
+    # leaf (a 128-row tile is one block), from the same bf16 values (a GsCopy record per
+    # leaf says where). ``copy_pow2``: those scales are powers of two.
+    copy: bool = False
+    copy_pow2: bool = False
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -303,6 +312,10 @@ class GemmKernelConfig:
                 )
         elif self.d_scale_pow2:
             raise ValueError("power-of-two scales belong to an FP8 D")
+        if self.copy and (not self.fp8_out or self.tile_m != 128):
+            raise ValueError("a copy belongs to an FP8 D, in 128-row tiles (one [128, 1] scale block each)")
+        if self.copy_pow2 and not self.copy:
+            raise ValueError("power-of-two copy scales belong to a copy")
         if self.mma_parts > 1 and self.sb_mode == 2:
             raise ValueError("a 256-column blockwise tile takes one or two B scales per K block")
 
@@ -395,7 +408,17 @@ class GemmKernelConfig:
         """Ring stages (operands, scales, an mbarrier pair) that fit beside `staging` bytes
         (and a gathered tile's row numbers)."""
         per_stage = self.stage_bytes + self.scale_bytes + 16
-        return (self.smem_limit - SMEM_ALIGN - staging - self.rows_bytes) // per_stage
+        return (self.smem_limit - SMEM_ALIGN - staging - self.rows_bytes - self.copy_bytes) // per_stage
+
+    @property
+    def copy_bytes(self) -> int:
+        """Shared memory of a copy's epilogue, beside the ring: the tile's quantized bytes
+        staged transposed (a COPY_COL_PITCH-byte row per column of D), each consumer warp's
+        column amaxes, and the columns' scales."""
+        if not self.copy:
+            return 0
+        cols = self.d_tile_cols
+        return cols * COPY_COL_PITCH + 4 * cols * (4 * self.consumer_warpgroups) + 4 * cols
 
     @property
     def rows_bytes(self) -> int:
@@ -448,7 +471,7 @@ class GemmKernelConfig:
         full/empty mbarrier pair per stage and, when A is gathered, the tile's row numbers."""
         return (
             SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
-            + self.rows_bytes
+            + self.rows_bytes + self.copy_bytes
         )
 
     def tiles(self, m: int, n: int) -> int:
@@ -509,6 +532,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_nopdl"
     if cfg.d_scale_pow2:
         staged += "_pow2"
+    if cfg.copy:
+        staged += "_copy128x1" + ("pow2" if cfg.copy_pow2 else "")
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -649,6 +674,9 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         d_scale_cols=D_SCALE_COLS,
         pow2=cfg.d_scale_pow2,
         out_max_exp=fp8_max_exponent(cfg.d_type) if cfg.fp8_out else 0,
+        copy=cfg.copy,
+        copy_pow2=cfg.copy_pow2,
+        copy_col_pitch=COPY_COL_PITCH,
     )
 
 

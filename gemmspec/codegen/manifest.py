@@ -31,6 +31,7 @@ LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
 EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
 GATHER_BYTES = 32  # sizeof(GsGather): per leaf, after those, with rows through index tensors
 DSCALE_BYTES = 32  # sizeof(GsDScale): per leaf, after those, with an FP8 output
+COPY_BYTES = 32  # sizeof(GsCopy): per leaf, after those, with an FP8 output's copy
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
@@ -297,7 +298,7 @@ def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
     """Every run-time tensor of a call, in the order the Python API lists them: each
     tensor no pass derives (then its scale), then each group's offsets or counts. An
     i32 tensor is an index tensor (role "index": rows read or written through it)."""
-    written = {g.out.tensor for g in spec.gemms}
+    written = {w for g in spec.gemms for w in g.writes}  # an FP8 output's copy too
     out: list[Argument] = []
     for t in spec.tensors:
         if t.derived is not None:
@@ -563,13 +564,16 @@ class _Builder:
         gather_bytes = x.leaf_count * GATHER_BYTES if pg.index_maps else 0
         # An FP8 output: where each leaf's scales go, after those.
         dscale_bytes = x.leaf_count * DSCALE_BYTES if pg.sd is not None else 0
+        # Its copy: where each leaf's copy and copy scales go, after those.
+        copy_bytes = x.leaf_count * COPY_BYTES if pg.c is not None else 0
         leaves = self.workspace(
             f"launch{i}.leaves",
-            Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes + dscale_bytes),
+            Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes + dscale_bytes + copy_bytes),
             "the leaf table"
             + (" and its epilogue addresses" if pg.epilogue else "")
             + (" and its row numbers (index tensors)" if pg.index_maps else "")
-            + (" and its output scale addresses" if pg.sd is not None else ""),
+            + (" and its output scale addresses" if pg.sd is not None else "")
+            + (" and its copy addresses" if pg.c is not None else ""),
         )
         maps_ws = self.workspace(
             f"launch{i}.maps",
@@ -603,6 +607,9 @@ class _Builder:
                 table_params.append(Param(pname, "const void*", self.where[e.tensor] if e else null))
         if pg.sd is not None:
             table_params.append(Param("SD", "float*", self.where[pg.sd.tensor]))
+        if pg.c is not None and pg.sc is not None:
+            table_params.append(Param("C", "void*", self.where[pg.c.tensor]))
+            table_params.append(Param("SC", "float*", self.where[pg.sc.tensor]))
         one = Formula.const(1)
         self.steps.append(
             KernelLaunch(

@@ -53,6 +53,9 @@ class AnchoredRows:
     axis: int
     group: str
     block: int
+    # A copy's scales, written by the epilogue: at least that many rows (a fresh output is
+    # sized for the most rows the segments can need); the rows past them are not touched.
+    written: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def anchored_rows(spec: Spec, t: Tensor) -> tuple[AnchoredRows, ...]:
     if g.kind != "ragged":
         return ()
     return tuple(
-        AnchoredRows(sc.name, axis, g.name, sc.block[axis])
+        AnchoredRows(sc.name, axis, g.name, sc.block[axis], t.copy_of is not None)
         for axis, d in enumerate(t.dims)
         if d == g.dim
     )
@@ -306,8 +309,12 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
         body.append("    __syncthreads();")
         # A negative count is one the caller does not know (the C++ launcher is given
         # pointers, not shapes): not compared.
-        body.append(f"    const int wrong = rows{j} >= 0 && counted != (unsigned long long)rows{j};")
-        flag("wrong", Check(a.scale, f"scale '{a.scale}' must have one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
+        if a.written:
+            body.append(f"    const int wrong = rows{j} >= 0 && counted > (unsigned long long)rows{j};")
+            flag("wrong", Check(a.scale, f"scale '{a.scale}' must have at least one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
+        else:
+            body.append(f"    const int wrong = rows{j} >= 0 && counted != (unsigned long long)rows{j};")
+            flag("wrong", Check(a.scale, f"scale '{a.scale}' must have one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
         body.append("  }")
 
     params = ["int* __restrict__ flags"]

@@ -8,10 +8,13 @@ produce derived (quantized, requantized or transposed) operands.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..analyse import LaunchPlan, NestDecision
 from ..expr import ZERO, Poly
 from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
 from .schedule import (
+    COPY_BLOCK_START,
     EpilogueMap,
     Extent,
     IndexMap,
@@ -111,7 +114,9 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
     return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows, pad)
 
 
-def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> ScaleMap | None:
+def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str], block_start: str = "bstart") -> ScaleMap | None:
+    """`block_start`: the per-leaf symbol of the leaf's first block along a split role
+    (a copy's anchored blocks take their own, beside D's)."""
     t = spec.tensor(acc.tensor)
     sc = t.scale
     if sc is None:
@@ -142,7 +147,7 @@ def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Scale
             continue
         stride[r], block[r] = s, sc.block[i]
         if group is not None:
-            offset = offset + Poly.sym(f"bstart.{r}") * s
+            offset = offset + Poly.sym(f"{block_start}.{r}") * s
     return ScaleMap(
         sc.name,
         roles,
@@ -190,6 +195,12 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     # An FP8 output's scales, written by the epilogue (one per row and 128 columns).
     sd = _scale(spec, gemm, gemm.out, ("m", "n"))
     epilogue = _epilogue(spec, gemm)
+    # `T = copy(D)`: T is indexed as D is; its anchored scale blocks start at `cbstart.m`.
+    c = sc = None
+    if gemm.copy is not None:
+        copy_access = replace(gemm.out, tensor=gemm.copy)
+        c = _operand(spec, gemm, copy_access, ("m", "n"))
+        sc = _scale(spec, gemm, copy_access, ("m", "n"), COPY_BLOCK_START)
     # The offsets and counts the extents read, then the index tensors rows go through.
     index_maps = [op.rows for op in (a, d) if op.rows is not None]
     runtime_tensors = tuple(dict.fromkeys([*(e.tensor for e in extents if e.tensor), *(r.tensor for r in index_maps)]))
@@ -197,9 +208,11 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     polys += [p for r in index_maps for p in (r.offset, r.bound)]
     polys += [p for e in epilogue for p in (e.offset, e.stride)]
     polys += [e.size for e in extents]
-    for s in (sa, sb, sd):
+    for s in (sa, sb, sd, sc):
         if s is not None:
             polys += [s.offset, *s.strides]
+    if c is not None:
+        polys += [c.offset, *c.strides]
     dims = spec.runtime_dims
     runtime_dims = tuple(n for n in dims if any(n in p.symbols for p in polys))
     problems = ProblemGenerator(
@@ -215,6 +228,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         runtime_dims=runtime_dims,
         epilogue=epilogue,
         sd=sd,
+        c=c,
+        sc=sc,
     )
     fp8 = a.dtype in FP8_TYPES
     sig = KernelSignature(
@@ -235,6 +250,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         gather=a.rows is not None,
         scatter=d.rows is not None,
         d_scale_pow2=sd is not None and spec.tensor(d.tensor).scale.pow2,
+        copy=c is not None,
+        copy_scale_pow2=c is not None and spec.tensor(c.tensor).scale.pow2,
     )
     return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
 

@@ -83,6 +83,11 @@ class IndexMap:
         return f"{self.tensor}[{at}]"
 
 
+# The per-leaf symbol of a copy's first [128, 1] scale block (its blocks are anchored at
+# every segment, while D's one-per-row blocks start at `bstart.m`).
+COPY_BLOCK_START = "cbstart"
+
+
 @dataclass(frozen=True)
 class SegmentPad:
     """An operand stored `segment_major(G) pad P` along role `role`: its segments take
@@ -191,6 +196,11 @@ class ProblemGenerator:
     epilogue: tuple[EpilogueMap, ...] = ()  # in spec.EPILOGUE_KINDS order
     # An FP8 D's scales, which the epilogue writes: one per row and 128 of D's columns.
     sd: ScaleMap | None = None
+    # `T = copy(D)`: the epilogue writes D's second FP8 copy T too, segment_major over the
+    # row group (the leaf's rows contiguous per column), and its [128, 1] scales anchored at
+    # the leaf's first row: block i of the leaf is scale row `cbstart.m + i`.
+    c: OperandMap | None = None
+    sc: ScaleMap | None = None
 
     @property
     def scale_maps(self) -> tuple[ScaleMap, ...]:
@@ -205,7 +215,8 @@ class ProblemGenerator:
     @property
     def pads(self) -> tuple[SegmentPad, ...]:
         """The padded segment_major operands' paddings, each once (A, B, D order)."""
-        return tuple(dict.fromkeys(op.pad for op in (self.a, self.b, self.d) if op.pad is not None))
+        ops = (self.a, self.b, self.d) + ((self.c,) if self.c is not None else ())
+        return tuple(dict.fromkeys(op.pad for op in ops if op.pad is not None))
 
     @property
     def free_axes(self) -> tuple[LeafAxis, ...]:
@@ -244,6 +255,11 @@ class ProblemGenerator:
             lines.append(f"  scale B {self.sb}")
         if self.sd:
             lines.append(f"  scale D {self.sd}  (written)")
+        if self.c is not None and self.sc is not None:
+            lines.append(f"  copy C {self.c}  (written)")
+            lines.append(
+                f"  scale C {self.sc}  (written; cbstart.m = [128, 1] blocks of the segments before the leaf's)"
+            )
         lines += [f"  epilogue {e}" for e in self.epilogue]
         for p in self.pads:
             lines.append(
@@ -283,6 +299,10 @@ class KernelSignature:
     # An FP8 D (d_type e4m3/e5m2) is quantized in the epilogue, one scale per row and 128
     # columns; with power-of-two scales when this is set.
     d_scale_pow2: bool = False
+    # `T = copy(D)`: the epilogue also writes D's segment-major copy with [128, 1] scales
+    # per segment (power-of-two scales when copy_scale_pow2 is set).
+    copy: bool = False
+    copy_scale_pow2: bool = False
 
     @property
     def epilogue_name(self) -> str:
@@ -291,7 +311,8 @@ class KernelSignature:
         name = "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
         name += "_swiglu" if self.swiglu else ""
         name += ("_gather" if self.gather else "") + ("_scatter" if self.scatter else "")
-        return name + ("_pow2" if self.d_scale_pow2 else "")
+        name += "_pow2" if self.d_scale_pow2 else ""
+        return name + ("_copy128x1" + ("pow2" if self.copy_scale_pow2 else "") if self.copy else "")
 
     @property
     def name(self) -> str:

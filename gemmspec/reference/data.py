@@ -178,19 +178,24 @@ def fp8_output_values(spec: Spec, rt: Runtime, result: np.ndarray, target: Tenso
 
 
 def quantize_rows(values: np.ndarray, dtype: str, pow2: bool = False, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """`values` [rows, cols] (cols a multiple of `block`) as an FP8 output's leaf stores it:
-    rounded to bf16, then per row and `block` columns amax (NaN ignored), the scale
-    (amax / FP8 max, or a power of two; 1 for an all-zero block) and fp8(value / scale),
-    all in float32. Returns (fp8 values as float64, scales [rows, cols / block])."""
+    """`values` [rows, cols] as an FP8 output's leaf stores it: rounded to bf16, then per
+    row and `block` columns amax (NaN ignored), the scale (amax / FP8 max, or a power of
+    two; 1 for an all-zero block) and fp8(value / scale), all in float32. The last block
+    may be short (a copy's [128, 1] blocks along a segment). Returns (fp8 values as
+    float64, scales [rows, ceil(cols / block)])."""
     rows, cols = values.shape
-    x = quantize(values, "bf16").astype(np.float32).reshape(rows, cols // block, block)
+    whole = -(-cols // block) * block
+    x = quantize(values, "bf16").astype(np.float32)
+    if whole != cols:  # NaN fill: ignored by the amax, cut off below
+        x = np.concatenate([x, np.full((rows, whole - cols), np.nan, np.float32)], axis=1)
+    x = x.reshape(rows, whole // block, block)
     fp8_max = np.float32(FP8_MAX[dtype])
     amax = np.fmax.reduce(np.abs(x), axis=2, initial=np.float32(0))  # fmax: NaN ignored
     with np.errstate(invalid="ignore", divide="ignore"):
         scales = pow2_scales(amax, dtype) if pow2 else np.where(amax > 0, amax / fp8_max, np.float32(1))
         scales = scales.astype(np.float32)
         ratio = np.clip(x / scales[:, :, None], -fp8_max, fp8_max)
-    q = ratio.astype(NUMPY_TYPES[dtype]).astype(np.float64).reshape(rows, cols)
+    q = ratio.astype(NUMPY_TYPES[dtype]).astype(np.float64).reshape(rows, whole)[:, :cols]
     return q, scales
 
 
@@ -339,7 +344,7 @@ class TensorData:
 
 def random_inputs(spec: Spec, rt: Runtime, rng: np.random.Generator) -> dict[str, TensorData]:
     """Random data for every tensor that no statement writes and no pass derives."""
-    written = {g.out.tensor for g in spec.gemms}
+    written = {w for g in spec.gemms for w in g.writes}
     # FP8 operands at half their range overflow an f16 output (max 65504) by orders of
     # magnitude; their scales are drawn smaller so the products stay in its range.
     feeds_f16 = {

@@ -142,6 +142,21 @@ def statement_result(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, Tensor
     return total, written
 
 
+def run_fp8_copy(
+    spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData
+) -> TensorData:
+    """`T = copy(D)` of an `=` statement into the FP8 output D (docs/language.md, section 7
+    and FP8 outputs): the statement's result rounded to bf16, then quantized with T's own
+    scale blocks ([128, 1] per segment of the row group) exactly as quantize(SOURCE) would
+    quantize that bf16 tensor into T. The checker makes the statement write every row
+    (a ragged group without capacity), so every element and scale of T is written."""
+    t = spec.tensor(gemm.copy)
+    total, written = statement_result(spec, rt, gemm, data, old.values.shape)
+    assert written.all(), "a copy's statement writes every row"
+    q, grid = fp8_output_values(spec, rt, total, t)
+    return TensorData(q, grid)
+
+
 def run_fp8_statement(
     spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData
 ) -> TensorData:
@@ -262,6 +277,14 @@ def run_direct(
                 d = run_fp8_statement(spec, rt, gemm, data, TensorData(results[name], results[out_t.scale.name]))
             results[name], results[out_t.scale.name] = d.values, d.scale_grid
             data[name] = d
+            if gemm.copy is not None:
+                c_t = spec.tensor(gemm.copy)
+                if gemm.copy in given:
+                    c = given[gemm.copy]
+                else:
+                    c = run_fp8_copy(spec, rt, gemm, data, TensorData(results[gemm.copy], results[c_t.scale.name]))
+                results[gemm.copy], results[c_t.scale.name] = c.values, c.scale_grid
+                data[gemm.copy] = c
             continue
         results[name] = run_statement(spec, rt, gemm, data, results[name])
         data[name] = TensorData(results[name])
@@ -269,6 +292,7 @@ def run_direct(
 
 
 def fp8_outputs(spec: Spec) -> list[Tensor]:
-    """The tensors statements write in FP8 (with the scales their epilogue writes)."""
-    names = dict.fromkeys(g.out.tensor for g in spec.gemms)
+    """The tensors statements write in FP8 (with the scales their epilogue writes), an
+    output's copy after it."""
+    names = dict.fromkeys(w for g in spec.gemms for w in g.writes)
     return [spec.tensor(n) for n in names if spec.tensor(n).dtype in FP8_TYPES]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..lower.schedule import (
+    COPY_BLOCK_START,
     Extent,
     IndexMap,
     Launch,
@@ -105,6 +106,9 @@ def leaf_symbols(spec: Spec, rt: Runtime, pg: ProblemGenerator, leaf: int) -> di
                 start = env[f"start.{role}"]
                 assert start % block == 0 or start + env[f"len.{role}"] <= block, "straddling blocks"
                 env[f"bstart.{role}"] = start // block
+    if pg.sc is not None:
+        # A copy's [128, 1] blocks restart at every segment of the row group.
+        env[f"{COPY_BLOCK_START}.m"] = _anchored_block_start(spec, rt, pg.sc.anchors[0], idx, pg.sc.block[0])
     for pad in pg.pads:
         length = env[f"len.{pad.role}"]
         env[pad.length] = -(-length // pad.pad) * pad.pad
@@ -167,6 +171,7 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
         d_off = pg.d.offset.evaluate(env)
         ds0, ds1 = (s.evaluate(env) for s in pg.d.strides)
         where = (d_off + d_rows[:, None] * ds0 + rn[None, :] * ds1)[d_ok]
+        result = acc  # the f32 result after the epilogue, before any quantization
         if pg.sd is not None:
             # FP8 D: per row and 128 of the leaf's D columns (n is a multiple of 128), the
             # bf16-rounded result quantized; the scales go where D's scale map says.
@@ -174,6 +179,16 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
             blocks = np.arange(scales.shape[1])
             sd_where = _gather(np.arange(len(flat[pg.sd.tensor])), pg.sd, env, d_rows, blocks)
             flat[pg.sd.tensor][sd_where[d_ok]] = scales[d_ok]
+        if pg.c is not None and pg.sc is not None:
+            # D's copy: the same bf16-rounded result, quantized per column and 128 of the
+            # leaf's rows (blocks anchored at its first row), at the copy's own addresses.
+            copy, cscales = quantize_rows(result.T, sig.d_type, sig.copy_scale_pow2, pg.sc.block[0])
+            c_off = pg.c.offset.evaluate(env)
+            cs0, cs1 = (s.evaluate(env) for s in pg.c.strides)
+            flat[pg.c.tensor][c_off + rm[:, None] * cs0 + rn[None, :] * cs1] = copy.T
+            blocks = np.arange(cscales.shape[1])
+            sc_where = _gather(np.arange(len(flat[pg.sc.tensor])), pg.sc, env, blocks, rn)
+            flat[pg.sc.tensor][sc_where] = cscales.T
         if sig.accumulate:
             flat[pg.d.tensor][where] += acc[d_ok]
         else:

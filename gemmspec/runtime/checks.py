@@ -131,7 +131,8 @@ def _written(spec: Spec) -> list[tuple[str, Tensor, bool]]:
     read = {t for g in spec.gemms for t in (g.a.tensor, g.b.tensor)}
     out: dict[str, tuple[str, Tensor, bool]] = {}
     for g in spec.gemms:
-        out.setdefault(g.out.tensor, (f"output '{g.out.tensor}'", spec.tensor(g.out.tensor), False))
+        for w in g.writes:  # an FP8 output's copy is written with it
+            out.setdefault(w, (f"output '{w}'", spec.tensor(w), False))
     for t in spec.tensors:
         if t.derived is not None and t.name in read:
             out.setdefault(t.name, (f"'{t.name}', which a pre-pass writes,", t, False))

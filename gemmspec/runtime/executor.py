@@ -543,10 +543,11 @@ class Executable:
             if g.tensor:
                 roles[g.tensor] = "counts" if g.kind == "masked" else "offsets"
         for g in self.spec.gemms:
-            roles[g.out.tensor] = "output"  # even when a later statement reads it
-            scale = self.spec.tensor(g.out.tensor).scale
-            if scale is not None:  # an FP8 output's scales are written with it
-                roles[scale.name] = "output"
+            for w in g.writes:  # the output, and an FP8 output's copy
+                roles[w] = "output"  # even when a later statement reads it
+                scale = self.spec.tensor(w).scale
+                if scale is not None:  # an FP8 output's scales are written with it
+                    roles[scale.name] = "output"
         return roles
 
     def _check_outputs(self, arrays: dict[str, DeviceArray]) -> None:

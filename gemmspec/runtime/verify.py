@@ -144,7 +144,7 @@ def check_random(exe: Executable, dims: dict[str, int] | None = None, lengths: d
     rng = np.random.default_rng(seed)
     rt: Runtime = random_runtime(spec, rng, lengths=lengths, dims=dims)
     data = random_inputs(spec, rt, rng)
-    outputs = {g.out.tensor for g in spec.gemms}
+    outputs = {w for g in spec.gemms for w in g.writes}
     init = {}
     for name in outputs:
         t = spec.tensor(name)
@@ -188,7 +188,7 @@ def check_random(exe: Executable, dims: dict[str, int] | None = None, lengths: d
         clobbered = int((~np.isnan(got[~should])).sum())
         num = np.linalg.norm(np.nan_to_num(got[should]) - ref[should])
         den = np.linalg.norm(ref[should]) or 1.0
-        a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if g.out.tensor == name))
+        a_t = spec.tensor(next(g.a.tensor for g in spec.gemms if name in g.writes))
         if t.dtype in FP8_TYPES:
             # The GPU's f32 result and the reference's float64 one round to the same FP8
             # values but for those within the f32 error of a rounding boundary (of bf16, then
