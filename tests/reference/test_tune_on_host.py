@@ -31,9 +31,18 @@ def test_tune_checks_each_candidate_through_check_random(monkeypatch):
         timed.append(call.exe.schedule)
         return [1.0 + 0.1 * len(timed)] * repeat
 
+    references = []
+    run_direct = verify.run_direct
+
+    def counted(*args, **kwargs):
+        references.append(args[0].name)
+        return run_direct(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "run_direct", counted)
     runner = tuning.gpu_runner(lengths={"expert": cases.RAGGED}, seed=2)
     report = tuning.tune(cases.FP8, only=[(128, 128), (64, 64)], runner=runner, timer=timer, repeat=3)
     assert report.ok, report.table()
+    assert len(references) == 1  # the candidates share the first one's float64 reference
     assert [o.candidate.label for o in report.outcomes] == ["as written (heuristic: 128x192)", "tile(128, 128)", "tile(64, 64)"]
     assert all(o.dims == {"T": sum(cases.RAGGED)} and o.useful_flops > 0 for o in report.outcomes)
     assert len(timed) == 3 and report.fastest.candidate.is_default and report.suggestion is None
