@@ -13,6 +13,7 @@ import heapq
 from dataclasses import dataclass
 
 from .errors import SourceLocation, SpecError
+from .gather_plan import gather_reason
 from .spec import (
     ELEMENT_BYTES,
     FP8_TYPES,
@@ -60,7 +61,7 @@ class NestDecision:
 
 def signature_key(spec: Spec, g: Gemm) -> tuple:
     """What a kernel fixes at compile time for this statement."""
-    a, b, d = (spec.tensor(x.tensor) for x in (g.a, g.b, g.out))
+    a, b, d = (spec.tensor(x.tensor) for x in (g.loaded_a, g.b, g.out))
     scales = tuple(t.scale.block if t.scale else None for t in (a, b))
     d_scale = (d.scale.block, d.scale.pow2) if d.scale else None  # an FP8 output's, written
     return (a.dtype, b.dtype, d.dtype, g.accumulate, scales, d_scale)
@@ -72,7 +73,8 @@ def describe_signature(spec: Spec, g: Gemm) -> str:
         ops = f"{a.dtype} x {b.dtype} with scales {a.scale.block_text} x {b.scale.block_text}"
     else:
         ops = f"{a.dtype} x {b.dtype}"
-    rows = f", A's rows through {g.gather}" if g.gather else ""
+    rows = f", A's rows through {g.gather}" if g.kernel_gather else ""
+    rows += f", A's rows copied through {g.gather} by a pre-pass" if g.a_gathered else ""
     rows += f", D's rows through {g.scatter}" if g.scatter else ""
     out = d.dtype + (f" with scales {d.scale.block_text}{' pow2' if d.scale.pow2 else ''}" if d.scale else "")
     return f"{ops} -> {out}{' (+=)' if g.accumulate else ''}{rows}"
@@ -110,11 +112,11 @@ def b_scale_block_n(spec: Spec, g: Gemm) -> int:
 
 
 def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
-    scaled = spec.tensor(g.a.tensor).scale is not None
+    scaled = spec.tensor(g.loaded_a.tensor).scale is not None
     bias = g.epilogue_of("bias") is not None
     return choose_tile(
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
-        per_channel=spec.per_channel(g), gather=g.gather is not None,
+        per_channel=spec.per_channel(g), gather=g.kernel_gather is not None,
         fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES, copy=g.copy is not None,
     )
 
@@ -358,7 +360,7 @@ def _plan_launches(
     )
     strided_by_leaf = [
         spec.tensor(x.tensor).name
-        for x in (g.a, g.b, g.out)
+        for x in (g.loaded_a, g.b, g.out)
         if spec.tensor(x.tensor).layout.kind == "segment_major"
     ]
     if strided_by_leaf:
@@ -405,7 +407,7 @@ def _plan_launches(
             "a multiple of the pad and its rows are whole 16-byte units apart, so every leaf "
             "loads by TMA whatever its length"
         )
-    if g.gather:
+    if g.kernel_gather:
         sa = spec.tensor(g.a.tensor).scale
         loader = (
             f"{prefix}loads: A ('{g.a.tensor}') gathered through {g.gather}: rows loaded by TMA, a "
@@ -419,6 +421,8 @@ def _plan_launches(
             "by hand where its base or row stride is not a multiple of 16 bytes)"
         )
     reasons.append(loader)
+    if g.gather:
+        reasons.append(f"{prefix}gathered rows of '{g.a.tensor}': {gather_reason(spec, g)}")
     out_t = spec.tensor(g.out.tensor)
     fp8_out = out_t.dtype in FP8_TYPES
     if g.swiglu:

@@ -274,7 +274,7 @@ class Statement:
 
 @dataclass(frozen=True)
 class Directive:
-    """kind: "flatten", "split", "target" or "tile"."""
+    """kind: "flatten", "split", "target", "tile" or "gather"."""
 
     kind: str
     pos: Pos

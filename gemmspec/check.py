@@ -58,6 +58,7 @@ QUANTIZE_SOURCE_TYPES = frozenset({"bf16", "f16", "f32"})
 QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
 # Derivations whose pre-pass writes the target's scales.
 SCALING_OPS = frozenset({"requantize", "quantize"})
+GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choices
 # `T = copy(S)`: a second FP8 output of the statement writing S, not a pre-pass.
 COPY_OP = "copy"
 # quantize(SOURCE, pow2): the pass writes power-of-two scales (its only option).
@@ -2500,6 +2501,7 @@ class _Checker:
         force_pos = None
         target = "sm_90a"
         tile = None
+        gather_rows = "auto"
         scaled = any(t.scale is not None for t in self.ast.tensors)
         for d in self.ast.directives:
             if d.kind in ("flatten", "split"):
@@ -2567,8 +2569,25 @@ class _Checker:
                         f"use tile({tm}, {MAX_BIAS_WIDTH}) or narrower",
                     )
                 tile = (tm, tn)
+            elif d.kind == "gather":
+                mode = d.args[0]
+                if mode not in GATHER_MODES:
+                    raise self.error(
+                        f"gather({mode}) is not a way to read gathered rows: use "
+                        + ", ".join(f"gather({m})" for m in GATHER_MODES),
+                        d.pos,
+                    )
+                if not any(g.gather for g in gemms):
+                    raise self.error(
+                        f"gather({mode}): no statement reads rows through an index tensor "
+                        "(x[idx[t], k])",
+                        d.pos,
+                    )
+                if gather_rows != "auto" and mode != gather_rows:
+                    raise self.error(f"gather({mode}) contradicts the earlier gather({gather_rows})", d.pos)
+                gather_rows = mode
         where = self.where(force_pos) if force_pos is not None else None
-        return Directives(force, target, tile, force_where=where)
+        return Directives(force, target, tile, gather_rows, force_where=where)
 
 
 def _fp8_out_block(rank: int) -> str:

@@ -108,7 +108,11 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
                     {"name": p.source_scale, "block": list(p.source_block)}
                     if p.source_scale is not None else None  # quantize: an unscaled source
                 ),
-                "target_scale": {"name": p.target_scale, "block": list(p.target_block)},
+                "target_scale": (
+                    {"name": p.target_scale, "block": list(p.target_block)}
+                    if p.target_scale is not None else None  # gather: an unscaled source
+                ),
+                "index": p.index,
                 "anchored_per": p.anchor,
                 "pow2_scales": p.pow2,
                 "before_launches": list(p.reads_before),

@@ -321,6 +321,10 @@ class _ToAst(Transformer_NonRecursive):
     def tile(self, meta, items):
         return ("directive", ast.Directive("tile", _meta_pos(meta), tuple(str(_int(t)) for t in items)))
 
+    @v_args(meta=True)
+    def gather_rows(self, meta, items):
+        return ("directive", ast.Directive("gather", _meta_pos(meta), (str(items[0]),)))
+
     def spec(self, items):
         name = _name(items[0])
         dims, groups, tensors, statements, directives = [], [], [], [], []

@@ -19,6 +19,7 @@ from .analyse import NestDecision, analyse
 from .check import check
 from .errors import OutputError
 from .explain import schedule_json
+from .gather_plan import plan_gathers
 from .lower.lowering import lower
 from .lower.schedule import Schedule
 from .parse import parse, parse_file
@@ -115,6 +116,7 @@ def lower_file(source: str | Path | ast.FileAst, dump_dir: str | Path | None = N
     specs = check(file)
     out = []
     for spec in specs:
+        spec = plan_gathers(spec)
         decision = analyse(spec)
         schedule = lower(spec, decision)
         out.append(Lowered(spec, decision, schedule))

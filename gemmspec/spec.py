@@ -7,7 +7,7 @@ refers back to source text except the `line` and `where` fields kept for message
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from .errors import SourceLocation
@@ -180,11 +180,14 @@ class Scale:
 
 @dataclass(frozen=True)
 class Derivation:
-    op: str  # "requantize", "transpose" or "quantize"
+    op: str  # "requantize", "transpose", "quantize" or "gather"
     source: str
     # quantize(SOURCE, pow2): every scale the pass writes is a power of two, the least one
     # (at least 2^-127) whose multiple of the FP8 max holds the block's amax.
     pow2: bool = False
+    # gather: the rows of SOURCE that this int32 index tensor names, one per entry (the
+    # compiler plans it for a statement's gathered A, see gemmspec/gather_plan.py).
+    index: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,8 @@ class Tensor:
             s += f" {self.scale}"
         if self.derived:
             pow2 = ", pow2" if self.derived.pow2 else ""
-            s += f" = {self.derived.op}({self.derived.source}{pow2})"
+            via = f"[{self.derived.index}]" if self.derived.index else ""
+            s += f" = {self.derived.op}({self.derived.source}{via}{pow2})"
         if self.copy_of:
             s += f" = copy({self.copy_of})"
         return s
@@ -322,6 +326,23 @@ class Gemm:
     # `T = copy(D)` of this statement's FP8 output D: the epilogue writes T too (its own
     # layout and scale blocks, segment_major over the row group, 128x1 scales).
     copy: str | None = None
+    # A's rows gathered by a pre-pass into this derived tensor (planned by the compiler):
+    # the kernel loads it as a plain operand; `a` stays the statement as written.
+    a_gathered: str | None = None
+
+    @property
+    def loaded_a(self) -> Access:
+        """The A the kernel loads: the pre-pass's gathered copy (row for row, no index)
+        where one is planned, else A as written."""
+        if self.a_gathered is None:
+            return self.a
+        uses = tuple(replace(u, index=None) for u in self.a.uses)
+        return Access(self.a_gathered, uses)
+
+    @property
+    def kernel_gather(self) -> str | None:
+        """The index tensor the kernel itself gathers A's rows through, if any."""
+        return None if self.a_gathered else self.gather
 
     @property
     def writes(self) -> tuple[str, ...]:
@@ -367,6 +388,9 @@ class Directives:
     force: str | None = None  # "flatten" or "split"
     target: str = "sm_90a"
     tile: tuple[int, int] | None = None
+    # How a gathered A's rows are read: "auto" (gemmspec/gather_plan.py decides),
+    # "fused" (the GEMM gathers them in its loads) or "prepass" (a pass copies them first).
+    gather_rows: str = "auto"
     force_where: SourceLocation | None = field(default=None, compare=False)
 
 

@@ -20,12 +20,14 @@ from ..spec import KERNEL_K_BLOCK, Spec, Tensor
 from .kernels import (
     ELEMENT_BYTES,
     ENV,
+    GatherRowsKernelConfig,
     GemmKernelConfig,
     QuantizeKernelConfig,
     RequantKernelConfig,
     TransposeKernelConfig,
     gemm_kernel_name,
     map_specs,
+    render_gather_rows,
     render_gemm,
     render_quantize,
     render_requant,
@@ -107,7 +109,8 @@ class EmittedCheck:
 @dataclass(frozen=True)
 class EmittedPrePass:
     prepass: PrePass
-    config: TransposeKernelConfig | QuantizeKernelConfig | RequantKernelConfig  # what the source bakes in
+    # What the source bakes in.
+    config: TransposeKernelConfig | QuantizeKernelConfig | RequantKernelConfig | GatherRowsKernelConfig
     source: str
 
     @property
@@ -495,6 +498,12 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
         cfg = TransposeKernelConfig()
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
         return EmittedPrePass(p, cfg, HEADER + render_transpose(cfg))
+    if p.kind == "gather":
+        if src.rank != 2 or src.layout.contiguous_axis() != 1 or ELEMENT_BYTES[src.dtype] not in (1, 2):
+            raise EmitError(f"gather {p.source} -> {p.target}: the pass copies 2-D rows of 1- or 2-byte elements")
+        cfg = GatherRowsKernelConfig(elem_bytes=ELEMENT_BYTES[src.dtype], scaled=src.scale is not None)
+        cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
+        return EmittedPrePass(p, cfg, HEADER + render_gather_rows(cfg))
     if p.kind == "quantize":
         cfg = quantize_config(src, dst)
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))

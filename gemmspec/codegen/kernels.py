@@ -611,6 +611,30 @@ class QuantizeKernelConfig:
 
 
 @dataclass(frozen=True)
+class GatherRowsKernelConfig:
+    """Copy rows of X named by an int32 index into a dense Y (the gather pre-pass), with
+    their [1, 128] scales when `scaled`: one warp per row, 16-byte copies."""
+
+    elem_bytes: int = 1
+    scaled: bool = True
+    threads: int = 256
+    rows_per_cta: int = 32  # lane l of a warp copies the scales of the CTA's row l
+    unroll: int = 4  # 16-byte loads in flight per lane
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.elem_bytes not in (1, 2) or self.threads % 32 or self.rows_per_cta != 32:
+            raise ValueError("gather rows copies 1- or 2-byte elements, 32 rows per CTA of whole warps")
+        if self.rows_per_cta % (self.threads // 32):
+            raise ValueError("the warps split a CTA's rows evenly")
+        if not self.name:
+            object.__setattr__(
+                self, "name",
+                f"gs_sm90a_gather_rows_e{self.elem_bytes}{'_scaled' if self.scaled else ''}_w{self.threads}",
+            )
+
+
+@dataclass(frozen=True)
 class TransposeKernelConfig:
     """Batched byte transpose [Bt, K, N] -> [Bt, N, K] for FP8 operands."""
 
@@ -714,6 +738,14 @@ def render_quantize(cfg: QuantizeKernelConfig | None = None) -> str:
         threads=cfg.threads,
         pow2=cfg.pow2,
         out_max_exp=fp8_max_exponent(cfg.out_type),
+    )
+
+
+def render_gather_rows(cfg: GatherRowsKernelConfig | None = None) -> str:
+    cfg = cfg or GatherRowsKernelConfig()
+    return ENV.get_template("gather_rows.cu.jinja").render(
+        name=cfg.name, eb=cfg.elem_bytes, scaled=cfg.scaled, threads=cfg.threads,
+        rows_per_cta=cfg.rows_per_cta, unroll=cfg.unroll, block_c=128,
     )
 
 

@@ -127,7 +127,7 @@ class Upload:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    role: str  # "check", "transpose", "requantize", "quantize", "leaf_table" or "gemm"
+    role: str  # "check", "transpose", "requantize", "quantize", "gather", "leaf_table" or "gemm"
     symbol: str
     file: str
     owner: str  # "check", "prepass <i>" or "launch <i>"
@@ -420,6 +420,8 @@ class _Builder:
             self.transpose(index, e, p, src, dst, file)
         elif p.kind == "quantize":
             self.quantize(index, e, src, dst, file)
+        elif p.kind == "gather":
+            self.gather(index, e, p, src, dst, file)
         else:
             self.requantize(index, e, p, src, dst, file)
 
@@ -527,6 +529,46 @@ class _Builder:
             KernelLaunch("quantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
         )
         self.where[dst.name], self.where[dst.scale.name] = y, sy
+
+    def gather(self, index, e, p: PrePass, src: Tensor, dst: Tensor, file: str) -> None:
+        cfg = e.config
+        rows, cols = self.dim(dst.dims[0]), self.dim(dst.dims[1])
+        y = self.workspace(
+            f"prepass{index}.{dst.name}",
+            rows * cols * ELEMENT_BYTES[dst.dtype],
+            f"'{dst.name}', the rows of '{src.name}' that '{p.index}' names",
+        )
+        params = [
+            Param("X", "const unsigned char*", self.where[src.name]),
+            Param("ldx", "long long", self.value(_layout_formula(self.spec, src.layout.strides[0]))),
+            Param("idx", "const int*", self.where[p.index]),
+            Param("T", "int", self.value(rows)),
+            Param("S", "int", self.value(self.dim(src.dims[0]))),
+            Param("C", "int", self.value(cols)),
+            Param("Y", "unsigned char*", y),
+            Param("ldy", "long long", self.value(_layout_formula(self.spec, dst.layout.strides[0]))),
+        ]
+        if dst.scale is not None:
+            sy = self.workspace(
+                f"prepass{index}.{dst.scale.name}",
+                rows * cols.ceil_div(dst.scale.block[1]) * 4,
+                f"the scales of '{dst.name}'",
+            )
+            sx, sd = src.scale.layout.strides, dst.scale.layout.strides
+            params += [
+                Param("SX", "const float*", self.where[src.scale.name]),
+                Param("sx_r", "long long", self.value(_layout_formula(self.spec, sx[0]))),
+                Param("sx_c", "long long", self.value(_layout_formula(self.spec, sx[1]))),
+                Param("SY", "float*", sy),
+                Param("sy_r", "long long", self.value(_layout_formula(self.spec, sd[0]))),
+                Param("sy_c", "long long", self.value(_layout_formula(self.spec, sd[1]))),
+            ]
+            self.where[dst.scale.name] = sy
+        grid = (rows.ceil_div(cfg.rows_per_cta), Formula.const(1), Formula.const(1))
+        self.steps.append(
+            KernelLaunch("gather", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, tuple(params))
+        )
+        self.where[dst.name] = y
 
     def requant_segments(self, index: int, dst: Tensor, tokens: Formula) -> tuple[Source, Formula]:
         """The segments the requantize kernel restarts its scale blocks at, as a monotone

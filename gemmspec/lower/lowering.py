@@ -187,10 +187,11 @@ def _is_k_major(op: OperandMap) -> bool:
 def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
     gemm = spec.gemms[plan.statement]
     extents = tuple(_extent(spec, gemm, r) for r in ("m", "n", "k"))
-    a = _operand(spec, gemm, gemm.a, ("m", "k"))
+    # A as the kernel loads it: a gather pre-pass's copy, row for row, where one is planned.
+    a = _operand(spec, gemm, gemm.loaded_a, ("m", "k"))
     b = _operand(spec, gemm, gemm.b, ("n", "k"))
     d = _operand(spec, gemm, gemm.out, ("m", "n"))
-    sa = _scale(spec, gemm, gemm.a, ("m", "k"))
+    sa = _scale(spec, gemm, gemm.loaded_a, ("m", "k"))
     sb = _scale(spec, gemm, gemm.b, ("n", "k"))
     # An FP8 output's scales, written by the epilogue (one per row and 128 columns).
     sd = _scale(spec, gemm, gemm.out, ("m", "n"))
@@ -257,8 +258,24 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
 
 
 def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
-    assert t.derived is not None and t.scale is not None
+    assert t.derived is not None
     src = spec.tensor(t.derived.source)
+    if t.derived.op == "gather":  # rows through an index, scales (if any) with them
+        return PrePass(
+            kind="gather",
+            source=src.name,
+            target=t.name,
+            source_layout=str(src.layout),
+            target_layout=str(t.layout),
+            source_scale=src.scale.name if src.scale else None,
+            target_scale=t.scale.name if t.scale else None,
+            source_block=src.scale.block if src.scale else (),
+            target_block=t.scale.block if t.scale else (),
+            anchor=None,
+            reads_before=readers,
+            index=t.derived.index,
+        )
+    assert t.scale is not None
     assert src.scale is not None or t.derived.op == "quantize"
     return PrePass(
         kind=t.derived.op,
@@ -291,8 +308,9 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
         if readers:
             prepasses.append(_prepass(spec, t, readers))
             pow2 = ", pow2" if t.derived.pow2 else ""
+            via = f"[{t.derived.index}]" if t.derived.index else ""
             reasons.append(
-                f"pre-pass: {t.name} = {t.derived.op}({t.derived.source}{pow2}) before launch"
+                f"pre-pass: {t.name} = {t.derived.op}({t.derived.source}{via}{pow2}) before launch"
                 f"{'es' if len(readers) > 1 else ''} {', '.join(map(str, readers))}"
             )
     return Schedule(spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches)

@@ -386,6 +386,9 @@ class PrePass:
     kind "quantize": quantize an unscaled bf16/f16/f32 source into FP8 with fresh
     scales (the source has no scale: `source_scale` is None, `source_block` empty);
     with `pow2` each scale is rounded up to a power of two.
+    kind "gather": row t of the target is row index[t] of the source (a zero row for an
+    entry outside the source's rows), its [1, 128] scales copied with it (none for an
+    unscaled source); bytes move, nothing is requantized.
     """
 
     kind: str
@@ -394,14 +397,22 @@ class PrePass:
     source_layout: str
     target_layout: str
     source_scale: str | None
-    target_scale: str
+    target_scale: str | None
     source_block: tuple[int, ...]
     target_block: tuple[int, ...]
     anchor: str | None
     reads_before: tuple[int, ...] = field(default=())  # launches that read the target
     pow2: bool = False  # quantize: power-of-two scales
+    index: str | None = None  # gather: the int32 index tensor naming the source rows
 
     def describe(self) -> str:
+        if self.kind == "gather":
+            scales = f", scales {list(self.source_block)} with them" if self.source_scale else ""
+            return (
+                f"gather {self.source} ({self.source_layout}) rows through {self.index} -> "
+                f"{self.target} ({self.target_layout}){scales}: row t is row {self.index}[t], "
+                "copied once for every launch that reads it"
+            )
         if self.kind == "transpose":
             return (
                 f"transpose {self.source} ({self.source_layout}) -> {self.target} "

@@ -425,6 +425,17 @@ def rows_through(data: dict[str, TensorData], name: str, rows: np.ndarray, bound
     return picked
 
 
+def gathered_rows(index: np.ndarray, values: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The gather pre-pass: row t is row index[t] of `values` (of its [1, 128] scale grid
+    too); an entry outside the rows gives a zero row, its scales 1."""
+    picked = np.asarray(index).astype(np.int64)
+    inside = (picked >= 0) & (picked < values.shape[0])
+    rows = np.where(inside, picked, 0)
+    q = np.where(inside[:, None], values[rows], 0)
+    g = None if grid is None else np.where(inside[:, None], grid[rows], 1.0)
+    return q, g
+
+
 def real_values(spec: Spec, rt: Runtime, t: Tensor, d: TensorData) -> np.ndarray:
     if d.scale_grid is None:
         return d.values

@@ -25,6 +25,7 @@ from .data import (
     block_index,
     dim_size,
     fp8_output_values,
+    gathered_rows,
     quantize_values,
     real_values,
     requantize_values,
@@ -45,6 +46,10 @@ def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, Te
             out[t.name] = TensorData(data[src.name].values, data[src.name].scale_grid)
         elif t.derived.op == "quantize":
             q, grid = quantize_values(spec, rt, data[src.name].values, t)
+            out[t.name] = TensorData(q, grid)
+        elif t.derived.op == "gather":
+            d = data[src.name]
+            q, grid = gathered_rows(data[t.derived.index].values, d.values, d.scale_grid)
             out[t.name] = TensorData(q, grid)
         else:
             real = real_values(spec, rt, src, data[src.name])

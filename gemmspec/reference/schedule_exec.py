@@ -31,6 +31,7 @@ from .data import (
     Runtime,
     TensorData,
     element_offsets,
+    gathered_rows,
     pack,
     quantize_rows,
     quantize_values,
@@ -205,6 +206,14 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
         q, grid = quantize_values(spec, rt, q_src, dst)
         flat[dst.name] = pack(dst_off, q)
         flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
+        return
+    if p.kind == "gather":
+        index = flat[p.index][element_offsets(spec, rt, spec.tensor(p.index))]
+        grid = flat[src.scale.name][scale_offsets(spec, rt, src)] if src.scale else None
+        q, grid = gathered_rows(index, q_src, grid)
+        flat[dst.name] = pack(dst_off, q)
+        if dst.scale is not None:
+            flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
         return
     grid_src = flat[src.scale.name][scale_offsets(spec, rt, src)]
     if p.kind == "transpose":

@@ -128,7 +128,7 @@ def _check_manifest_values(spec: Spec, manifest: Manifest, dims: dict[str, int])
 def _written(spec: Spec) -> list[tuple[str, Tensor, bool]]:
     """(what, tensor, its scale?) for every tensor a call writes: statement outputs,
     derived tensors a pre-pass writes, and the scales a (re)quantize pass writes."""
-    read = {t for g in spec.gemms for t in (g.a.tensor, g.b.tensor)}
+    read = {t for g in spec.gemms for t in (g.loaded_a.tensor, g.b.tensor)}
     out: dict[str, tuple[str, Tensor, bool]] = {}
     for g in spec.gemms:
         for w in g.writes:  # an FP8 output's copy is written with it
@@ -136,7 +136,7 @@ def _written(spec: Spec) -> list[tuple[str, Tensor, bool]]:
     for t in spec.tensors:
         if t.derived is not None and t.name in read:
             out.setdefault(t.name, (f"'{t.name}', which a pre-pass writes,", t, False))
-            if t.derived.op in ("requantize", "quantize") and t.scale is not None:
+            if t.derived.op in ("requantize", "quantize", "gather") and t.scale is not None:
                 out[t.scale.name] = (f"'{t.scale.name}', which a pre-pass writes,", t, True)
     return list(out.values())
 

@@ -104,6 +104,11 @@ def spec_text(key: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_directive(text: str, directive: str) -> str:
+    body = text.rstrip()
+    return body[:-1] + f"  {directive}\n}}\n"
+
+
 def dims_and_lengths(key: str) -> tuple[dict, dict]:
     _, _, lengths, extra = CASES[key]
     t = sum(lengths)
@@ -128,12 +133,28 @@ def test_rows_copied_by_the_producer_match_reference(key):
     rows by TMA, a one-row box each, where the leaf's A allows it)."""
     from gemmspec.codegen.emit import with_kernel_config
 
-    exe = gemmspec.build(spec_text(key))
+    exe = gemmspec.build(with_directive(spec_text(key), "gather(fused)"))
     assert exe.program.launches[0].gemm.gather_tma
     exe.program = with_kernel_config(exe.spec, exe.program, gather_tma=False)
     assert not exe.program.launches[0].gemm.gather_tma
     dims, lengths = dims_and_lengths(key)
     report_ok(run_random(exe, dims=dims, lengths=lengths, seed=len(key) + 1, repeats=0))
+
+
+@pytest.mark.parametrize("key", sorted(k for k in CASES if "gather" in k))
+@pytest.mark.parametrize("mode", ["fused", "prepass"])
+def test_either_way_of_reading_gathered_rows_matches_reference(key, mode):
+    """Rows gathered in the GEMM's loads, or copied first by the gather pre-pass (where it
+    can copy them: not [128, 128] row blocks), whatever the automatic choice would be."""
+    from gemmspec.gather_plan import copyable
+
+    exe = gemmspec.build(with_directive(spec_text(key), f"gather({mode})"))
+    kinds = [p.kind for p in exe.schedule.prepasses]
+    can = copyable(exe.spec, exe.spec.gemms[0]) is None
+    assert kinds == (["gather"] if mode == "prepass" and can else [])
+    assert exe.program.launches[0].gemm.gather == (not kinds)
+    dims, lengths = dims_and_lengths(key)
+    report_ok(run_random(exe, dims=dims, lengths=lengths, seed=len(key) + 2, repeats=0))
 
 
 CAPACITY = """
@@ -151,10 +172,11 @@ gemm capacity_gather {
 BF16_NAN = 0x7FC0
 
 
-def test_capacity_rows_past_the_end_are_neither_read_nor_written():
+@pytest.mark.parametrize("mode", ["fused", "prepass"])
+def test_capacity_rows_past_the_end_are_neither_read_nor_written(mode):
     from gemmspec.runtime.arrays import DeviceBuffer
 
-    exe = gemmspec.build(CAPACITY)
+    exe = gemmspec.build(with_directive(CAPACITY, f"gather({mode})"))
     t, s, used = 500, 520, 257
     rng = np.random.default_rng(7)
     idx = rng.permutation(s)[:t].astype(np.int32)
@@ -193,10 +215,11 @@ gemm bad_index {
 """
 
 
-def test_bad_indices_are_caught_and_never_followed():
+@pytest.mark.parametrize("mode", ["fused", "prepass"])
+def test_bad_indices_are_caught_and_never_followed(mode):
     from gemmspec.runtime.arrays import DeviceBuffer
 
-    exe = gemmspec.build(BAD)
+    exe = gemmspec.build(with_directive(BAD, f"gather({mode})"))
     t, s = 10, 12
 
     def args(idx, src):

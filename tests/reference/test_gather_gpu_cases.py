@@ -36,6 +36,19 @@ def test_cases_run_on_the_reference(key, monkeypatch):
     assert report.ok, report.describe()  # within the output type's rounding, nothing missed
 
 
+@pytest.mark.parametrize("key", sorted(k for k in cases.CASES if "gather" in k))
+def test_cases_with_the_rows_copied_first_run_on_the_reference(key, monkeypatch):
+    """The same with every gathered A copied by the gather pre-pass where it can be."""
+    from gemmspec.runtime import verify
+
+    exe = gemmspec.build(cases.with_directive(cases.spec_text(key), "gather(prepass)"))
+    monkeypatch.setattr(verify, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(type(exe), "__call__", _run_on_host)
+    dims, lengths = cases.dims_and_lengths(key)
+    report = run_random(exe, dims=dims, lengths=lengths, seed=len(key) + 2, repeats=0)
+    assert report.ok, report.describe()
+
+
 class _HostBuffer:
     """DeviceBuffer's surface for verify.run_random, in host memory."""
 

@@ -142,8 +142,15 @@ def fp8(k=256, bm=1, layout="row_major"):
     return GATHER_FP8 % {"K": k, "BM": bm, "SL": layout}
 
 
-def run_both(text: str, seed: int, lengths=None, dims=None, edit=None):
-    (lowered,) = lower_file(text)
+def with_prepass(text: str) -> str:
+    """`text` with its gathered rows copied by the pre-pass (where it can copy them)."""
+    body = text.rstrip()
+    assert body.endswith("}")
+    return body[:-1] + "  gather(prepass)\n}\n"
+
+
+def run_both(text: str, seed: int, lengths=None, dims=None, edit=None, prepass=False):
+    (lowered,) = lower_file(with_prepass(text) if prepass else text)
     spec, schedule = lowered.spec, lowered.schedule
     rng = np.random.default_rng(seed)
     rt = random_runtime(spec, rng, lengths=lengths, dims=dims)
@@ -245,9 +252,11 @@ def test_an_index_outside_the_rows_is_an_error(value):
         run_both(fp8(), 5, {"expert": [2, 3, 0, 1]}, {"S": 40}, out_of_range)
 
 
-def test_the_schedule_skips_indices_outside_the_rows_as_the_kernels_do():
+@pytest.mark.parametrize("prepass", [False, True])
+def test_the_schedule_skips_indices_outside_the_rows_as_the_kernels_do(prepass):
     # What the kernels do with an index the device check flags: the row reads zeros.
-    (lowered,) = lower_file(fp8())
+    (lowered,) = lower_file(with_prepass(fp8()) if prepass else fp8())
+    assert bool(lowered.schedule.prepasses) == prepass
     spec = lowered.spec
     rng = np.random.default_rng(6)
     rt = random_runtime(spec, rng, lengths={"expert": [4, 0, 0, 0]}, dims={"S": 10})
@@ -286,11 +295,12 @@ def test_lowered_offsets_skip_the_leaf_start_and_name_the_index():
     scales=st.sampled_from([(1, "row_major"), (1, "major(S)"), (128, "row_major")]),
     extra=st.integers(0, 40),
     seed=st.integers(0, 2**16),
+    prepass=st.booleans(),
 )
-def test_gathered_fp8(lengths, k, scales, extra, seed):
+def test_gathered_fp8(lengths, k, scales, extra, seed, prepass):
     bm, layout = scales  # [1, 128] (MN-major too) or [128, 128] blocks over S's rows
     dims = {"S": sum(lengths) + extra}
-    assert_same(*run_both(fp8(k, bm, layout), seed, {"expert": lengths}, dims)[3:])
+    assert_same(*run_both(fp8(k, bm, layout), seed, {"expert": lengths}, dims, prepass=prepass)[3:])
 
 
 @SETTINGS
@@ -302,22 +312,23 @@ def test_scattered_bf16(lengths, extra, seed):
 
 
 @SETTINGS
-@given(lengths=st.lists(EDGE_LENGTHS, min_size=3, max_size=3), seed=st.integers(0, 2**16))
-def test_gathered_and_scattered_through_one_index(lengths, seed):
-    assert_same(*run_both(BOTH, seed, {"expert": lengths})[3:])
+@given(lengths=st.lists(EDGE_LENGTHS, min_size=3, max_size=3), seed=st.integers(0, 2**16), prepass=st.booleans())
+def test_gathered_and_scattered_through_one_index(lengths, seed, prepass):
+    assert_same(*run_both(BOTH, seed, {"expert": lengths}, prepass=prepass)[3:])
 
 
 @SETTINGS
-@given(lengths=st.lists(EDGE_LENGTHS, min_size=2, max_size=2), seed=st.integers(0, 2**16))
-def test_gathered_swiglu(lengths, seed):
-    assert_same(*run_both(SWIGLU, seed, {"expert": lengths})[3:])
+@given(lengths=st.lists(EDGE_LENGTHS, min_size=2, max_size=2), seed=st.integers(0, 2**16), prepass=st.booleans())
+def test_gathered_swiglu(lengths, seed, prepass):
+    assert_same(*run_both(SWIGLU, seed, {"expert": lengths}, prepass=prepass)[3:])
 
 
 @SETTINGS
 @given(lengths=st.lists(st.sampled_from([0, 1, 5, 127, 129]), min_size=6, max_size=6), seed=st.integers(0, 2**16))
 def test_gathered_nested(lengths, seed):
     outer = [sum(lengths[:3]), sum(lengths[3:])]
-    assert_same(*run_both(NESTED, seed, {"lora": outer, "expert": lengths})[3:])
+    for prepass in (False, True):
+        assert_same(*run_both(NESTED, seed, {"lora": outer, "expert": lengths}, prepass=prepass)[3:])
 
 
 @SETTINGS
@@ -329,14 +340,17 @@ def test_gathered_masked(counts, seed):
 @SETTINGS
 @given(t=st.sampled_from([1, 63, 64, 129]), extra=st.integers(0, 9), seed=st.integers(0, 2**16))
 def test_gathered_and_scattered_without_groups(t, extra, seed):
-    assert_same(*run_both(DENSE, seed, dims={"T": t, "S": t + extra})[3:])
+    for prepass in (False, True):
+        assert_same(*run_both(DENSE, seed, dims={"T": t, "S": t + extra}, prepass=prepass)[3:])
 
 
 @SETTINGS
 @given(lengths=st.lists(EDGE_LENGTHS, min_size=2, max_size=2), spare=st.integers(0, 30), seed=st.integers(0, 2**16))
-def test_gathered_and_scattered_capacity(lengths, spare, seed):
-    # Rows past the offsets' end are never read: their indices need not even be valid.
-    (lowered,) = lower_file(CAPACITY)
+@pytest.mark.parametrize("prepass", [False, True])
+def test_gathered_and_scattered_capacity(lengths, spare, seed, prepass):
+    # Rows past the offsets' end are never read: their indices need not even be valid
+    # (the pre-pass copies zero rows for them).
+    (lowered,) = lower_file(with_prepass(CAPACITY) if prepass else CAPACITY)
     spec = lowered.spec
     used, t = sum(lengths), sum(lengths) + spare
     rt = Runtime({"T": t, "S": t}, {"offs": np.array([0, *np.cumsum(lengths)], dtype=np.int64)})
