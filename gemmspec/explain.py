@@ -112,9 +112,9 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
                     {"name": p.target_scale, "block": list(p.target_block)}
                     if p.target_scale is not None else None  # gather: an unscaled source
                 ),
-                "index": p.index,
                 "anchored_per": p.anchor,
                 "pow2_scales": p.pow2,
+                "index": p.index,
                 "before_launches": list(p.reads_before),
                 "description": p.describe(),
             }

@@ -71,8 +71,8 @@ def wants_prepass(spec: Spec, g: Gemm) -> tuple[bool, str]:
             "gathered about once in the GEMM's loads, a copy would only add its traffic"
         )
     return True, (
-        f"N = {n}: each gathered row would be gathered again by each of about {tiles} "
-        f"column tiles in the GEMM's loads; one copy of the rows costs less"
+        f"N = {n} spans {tiles} column tiles of {SCALE_BLOCK}: gathered in the GEMM's loads, "
+        "each row would be gathered again for every column tile; one copy of the rows costs less"
     )
 
 

@@ -37,8 +37,11 @@ gemm g {{
 FFN_UP = (
     "h[t, j] = rw[t] * silu(sum[k] xs[src[t], k] * w_up[expert(t), 2*j, k]) * sum[k] xs[src[t], k] * w_up[expert(t), 2*j + 1, k]"
 )
+FFN_COPY = "tensor h_t : {out} [T, F] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = copy(h)"
 CASES = {
-    "ffn_up": (FFN_UP, "tensor h_t : {out} [T, F] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = copy(h)"),
+    "ffn_up": (FFN_UP, FFN_COPY),
+    # The same with the tokens gathered in the GEMM's loads instead of by the pre-pass.
+    "ffn_up_gathered_in_the_gemm": (FFN_UP + "\n  gather(fused)", FFN_COPY),
     "ffn_up_pow2_e5m2": (
         FFN_UP,
         "tensor h_t : {out} [T, F] layout segment_major(expert) scale f32 [128, 1] per expert pow2 = copy(h)",
@@ -74,7 +77,8 @@ def test_kernel_configuration_records_and_manifest(key):
     assert cfg.copy_bytes == cfg.d_tile_cols * (COPY_COL_PITCH + 4 * 8 + 4)
     assert cfg.smem_bytes <= 232448
     n = launch.leaf_count
-    at = n * ((48 if g.epilogue else 0) + (GATHER_RECORD_BYTES if g.index_tensors else 0) + DSCALE_RECORD_BYTES)
+    # A gather record where the kernel itself reads rows through an index.
+    at = n * ((48 if g.epilogue else 0) + (GATHER_RECORD_BYTES if cfg.gather or cfg.scatter else 0) + DSCALE_RECORD_BYTES)
     assert f"reinterpret_cast<unsigned char*>(leaves + {n + 1}) + {at})[leaf] = Y;" in launch.source
     assert "Y.sc = SC + " in launch.source and ", void* C, float* SC)" in launch.source
     assert "cbstart_m += (e - s + 127) / 128;" in launch.source

@@ -65,6 +65,7 @@ CASES = {
     "fp8_swiglu": (swiglu("x[t, k]", "w"), {}),
     # The expert FFN's up-projection: gathered tokens, a router weight, halves.
     "fp8_swiglu_gather_row": (swiglu("xs[idx[t], k]", "w", "rw[t] * "), {}),
+    "fp8_swiglu_gather_row_in_the_gemm": (swiglu("xs[idx[t], k]", "w", "rw[t] * ") + "\n  gather(fused)", {}),
     "bf16_swiglu": (swiglu("xb[t, k]", "wb"), {}),
     "bf16_operands": ("y[t, n] = sum[k] xb[t, k] * wb[expert(t), n, k]", {}),
     # A masked batch of 3-D outputs, at most 64 rows each: 64-row tiles.
@@ -102,7 +103,7 @@ def test_kernel_configuration_and_records(key):
     assert cfg.tile_m == (64 if key == "fp8_masked_m64" else 128)
     # The builder writes each leaf's GsDScale record after the other records.
     n = launch.leaf_count
-    at = n * ((EPILOGUE_BYTES if g.epilogue else 0) + (GATHER_BYTES if g.index_tensors else 0))
+    at = n * ((EPILOGUE_BYTES if g.epilogue else 0) + (GATHER_BYTES if cfg.gather or cfg.scatter else 0))
     assert f"reinterpret_cast<unsigned char*>(leaves + {n + 1}) + {at})[leaf] = S;" in launch.source
     assert "S.sd = SD + " in launch.source and ", float* SD)" in launch.source
     assert "store_tile_fp8(acc, leaves, num_leaves, li, L, D, m0, n0, row, lane);" in launch.source

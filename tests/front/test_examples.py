@@ -28,9 +28,9 @@ EXPECTED = {
     "moe_fp8_wgrad": ("flatten", [8], []),
     "moe_fp8_rowwise": ("flatten", [8], []),
     "moe_fp8_tensorwise": ("flatten", [8], []),
-    "moe_fp8_gather_scatter": ("flatten", [8], []),
-    "moe_ffn_fp8": ("split", [8, 8], []),
-    "moe_ffn_fp8_train": ("split", [8, 8], []),
+    "moe_fp8_gather_scatter": ("flatten", [8], ["gather"]),
+    "moe_ffn_fp8": ("split", [8, 8], ["gather"]),
+    "moe_ffn_fp8_train": ("split", [8, 8], ["gather"]),
     "linear_fp8_training": ("split", [1, 1, 1], ["transpose", "requantize", "requantize"]),
 }
 
