@@ -17,10 +17,15 @@ K-grouped, the segments padded to multiples of 16 tokens so that TMA loads them)
 dA comes out in BF16 (or A's 16-bit type), dB in FP32.
 
 A forward `T = copy(A)` (the segment-major 128x1 form of an FP8 output A, written in the
-epilogue of A's statement) is not used here yet: the WGRAD still plans `requantize(A)`.
-Reading T instead would make it an input of the backward spec that the forward call keeps
-for it (as the autograd wrapper keeps A today); statements writing FP8 outputs are not
-derived at all so far, so that wiring waits for them.
+epilogue of A's statement) replaces that pre-pass for A: when T's layout and scales are
+exactly what the WGRAD would requantize A into (`segment_major(G) pad 16` over the WGRAD's
+group G, e4m3, `[128, 1]` blocks along the rows `per G`), the WGRAD reads T, declared in
+the backward spec as a plain FP8 input of the same name (`copies` pairs them), and no
+`requantize(A)` runs; the caller passes the forward's T (the autograd wrapper keeps it
+in place of A). A copy of another layout keeps the requantize, and `text()` says why.
+The copy quantizes the statement's bf16 result once, where requantize(A) quantizes A's
+1x128-scaled FP8 values again, so the two WGRADs agree to FP8 rounding, not bit for bit.
+dD is the caller's and is always requantized.
 
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
 and runs it through the whole front half, so the derived statements are checked,
@@ -69,6 +74,10 @@ class Backward:
     skipped: tuple[Skipped, ...]
     output_grads: tuple[tuple[str, str], ...]  # (forward output, its gradient: a backward input)
     transposed: tuple[tuple[str, str], ...]  # (forward input, its transposed copy the caller passes)
+    # (forward copy T = copy(A), the backward input the WGRAD reads in place of requantize(A))
+    copies: tuple[tuple[str, str], ...] = ()
+    # (forward copy, why the WGRAD requantizes its source rather than reading it)
+    copies_unused: tuple[tuple[str, str], ...] = ()
 
     def text(self) -> str:
         """What `explain` prints about the derived backward."""
@@ -79,6 +88,13 @@ class Backward:
             lines.append(f"  {grad}: the gradient of {out}")
         for src, copy in self.transposed:
             lines.append(f"  {copy}: {src} transposed by the caller (the transpose pass takes 2-D and 3-D tensors only)")
+        for copy, name in self.copies:
+            lines.append(
+                f"  {name}: the forward's copy {copy} (written in its source's epilogue), read by the "
+                "WGRAD as it is: no requantize pre-pass for its source"
+            )
+        for copy, reason in self.copies_unused:
+            lines.append(f"  {copy}: the forward's copy, not read: {reason}")
         for s in self.skipped:
             lines.append(f"  statement #{s.forward}: not derived: {s.reason}")
         return "\n".join(lines)
@@ -174,8 +190,42 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
     return None
 
 
-def derive_backward(spec: Spec) -> Backward:
-    """The backward spec of `spec` (see the module's docstring)."""
+def _wgrad_copy(spec: Spec, a: Tensor, group: str | None, m_dim: str) -> tuple[Tensor | None, tuple[str, str] | None]:
+    """The forward's copy of A that a WGRAD contracting over `m_dim` (K-grouped by
+    `group`, or not grouped) reads in place of requantize(A): (the copy, None) when its
+    layout and scales are exactly what the requantize would write, (None, (copy, why
+    not)) when they are not, (None, None) when A has no copy."""
+    copy = next((t for t in spec.tensors if t.copy_of == a.name), None)
+    if copy is None:
+        return None, None
+    if group is None:
+        return None, (copy.name, (
+            f"the WGRAD is not grouped over {m_dim} (its weight has no group index), so it "
+            f"requantizes {a.name} into one major({m_dim}) segment"
+        ))
+    axis = copy.dims.index(m_dim)
+    lay, sc = copy.layout, copy.scale
+    want_layout = f"segment_major({group}) pad 16"
+    blocks = tuple(128 if i == axis else 1 for i in range(copy.rank))
+    want_scale = f"scale f32 [{', '.join(map(str, blocks))}] per {group}"
+    why = None
+    if lay.kind != "segment_major" or lay.group != group or lay.seg_axis != axis:
+        why = f"its layout '{lay.text}' is not segment_major({group}) over {m_dim}, the WGRAD's '{want_layout}'"
+    elif lay.pad != 16:
+        pad = f"pad {lay.pad}" if lay.pad > 1 else "no pad"
+        why = f"its segments have {pad}, the WGRAD reads '{want_layout}'"
+    elif copy.dtype != "e4m3":
+        why = f"it is {copy.dtype}, the WGRAD's requantized operand e4m3"
+    elif sc is None or sc.block != blocks or sc.anchor != group or sc.dtype != "f32":
+        why = f"its scales are not '{want_scale}'"
+    if why is not None:
+        return None, (copy.name, f"{why}; {a.name} is requantized")
+    return copy, None
+
+
+def derive_backward(spec: Spec, copies: bool = True) -> Backward:
+    """The backward spec of `spec` (see the module's docstring). `copies=False` ignores
+    the forward's copies (every WGRAD operand requantized, as before copies existed)."""
     names = _Names(spec)
     name = names.fresh(f"{spec.name}_backward")
     decls: dict[str, str] = {}
@@ -184,6 +234,8 @@ def derive_backward(spec: Spec) -> Backward:
     skipped: list[Skipped] = []
     out_grads: dict[str, str] = {}
     transposed: list[tuple[str, str]] = []
+    used_copies: list[tuple[str, str]] = []
+    unused_copies: list[tuple[str, str]] = []
 
     for g in spec.gemms:
         reason = _eligible(spec, g)
@@ -262,9 +314,22 @@ def derive_backward(spec: Spec) -> Backward:
             db_idx, sums, seg_layout, per = b_idx, g.m.var, f"major({m_dim})", ""
         a_ref, d_ref = ta.name, dd
         if fp8:
-            a_ref = names.fresh(f"{ta.name}_q")
+            copy, why_not = _wgrad_copy(spec, ta, group if groups_on_m else None, m_dim) if copies else (None, None)
             d_ref = names.fresh(f"{dd}_q")
-            for src, q, t in ((ta.name, a_ref, ta), (dd, d_ref, None)):
+            wanted = [(dd, d_ref, None)]
+            if copy is not None:
+                # The forward wrote A's 128x1 form already: an input here, no pre-pass.
+                a_ref = copy.name
+                decls[a_ref] = _decl(copy)
+                if (copy.name, copy.name) not in used_copies:
+                    used_copies.append((copy.name, copy.name))
+            else:
+                a_ref = names.fresh(f"{ta.name}_q")
+                wanted.insert(0, (ta.name, a_ref, ta))
+                decls.setdefault(ta.name, _decl(ta))
+                if why_not is not None and all(c != why_not[0] for c, _ in unused_copies):
+                    unused_copies.append(why_not)
+            for src, q, t in wanted:
                 dims = t.dims if t is not None else td.dims
                 m_axis = dims.index(m_dim)
                 blocks = ", ".join("128" if i == m_axis else "1" for i in range(len(dims)))
@@ -272,7 +337,6 @@ def derive_backward(spec: Spec) -> Backward:
                     f"  tensor {q} : e4m3 [{', '.join(dims)}] layout {seg_layout} "
                     f"scale f32 [{blocks}]{per} = requantize({src})"
                 )
-            decls.setdefault(ta.name, _decl(ta))
         else:
             decls.setdefault(ta.name, _decl(ta))
         text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_idx)}] * {a_ref}[{', '.join(a_idx)}]"
@@ -295,7 +359,16 @@ def derive_backward(spec: Spec) -> Backward:
             "",
         ]
     )
-    return Backward(name, source, tuple(derived), tuple(skipped), tuple(out_grads.items()), tuple(transposed))
+    return Backward(
+        name,
+        source,
+        tuple(derived),
+        tuple(skipped),
+        tuple(out_grads.items()),
+        tuple(transposed),
+        tuple(used_copies),
+        tuple((c, why) for c, why in unused_copies if c not in dict(used_copies)),
+    )
 
 
 def build_backward(spec: Spec):

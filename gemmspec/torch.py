@@ -46,7 +46,7 @@ from .runtime.executor import take
 from .runtime.quantize import QuantizeLaunch, plan_quantize
 from .runtime.streams import keep_context, torch_stream
 
-__all__ = ["GemmFunction", "GemmOp", "Quantization", "function", "op", "quantize", "torch_dtype"]
+__all__ = ["BackwardFeed", "GemmFunction", "GemmOp", "Quantization", "function", "op", "quantize", "torch_dtype"]
 
 _DTYPES = {
     "e4m3": torch.float8_e4m3fn,
@@ -566,6 +566,36 @@ class Quantization:
         return f"{self.step}: {self.tensor} -> {self.dtype}, blocks {list(self.block)}"
 
 
+class BackwardFeed:
+    """What a forward call of a `GemmFunction` keeps for its backward, and how it feeds
+    the backward op: the forward inputs the backward spec reads (or the caller
+    transposes), and the forward's copies (`T = copy(A)`) that its WGRADs read in place
+    of requantize(A); A itself is then kept only if the backward reads it elsewhere."""
+
+    def __init__(self, forward_op: GemmOp, backward_op: GemmOp, backward) -> None:
+        fspec, bspec = forward_op.exe.spec, backward_op.exe.spec
+        self.forward_outputs = forward_op.outputs
+        # backward input (the copy and its scales) -> the forward output holding it
+        self.copy_inputs: dict[str, str] = {}
+        for copy, name in backward.copies:
+            self.copy_inputs[name] = copy
+            self.copy_inputs[bspec.tensor(name).scale.name] = fspec.tensor(copy).scale.name
+        transposed = {src for src, _ in backward.transposed}
+        self.kept_inputs = frozenset(n for n in forward_op.inputs if n in backward_op.inputs or n in transposed)
+        self.kept_outputs = tuple(dict.fromkeys(self.copy_inputs.values()))
+
+    def kept(self, inputs: dict[str, torch.Tensor], outputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        """What a forward call with these (quantized) inputs and outputs keeps, by name."""
+        kept = {n: v for n, v in inputs.items() if n in self.kept_inputs}
+        by_name = dict(zip(self.forward_outputs, outputs))
+        kept.update((n, by_name[n]) for n in self.kept_outputs)
+        return kept
+
+    def copies(self, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The backward op's copy inputs: the forward's copies as it wrote them."""
+        return {name: kept[output] for name, output in self.copy_inputs.items()}
+
+
 class GemmFunction:
     """A spec's forward statements with autograd: backward runs the derived DGRAD and
     WGRAD statements (see gemmspec.backward). FP8 operands are passed in high precision
@@ -594,6 +624,7 @@ class GemmFunction:
                     "gemmspec.torch.function quantizes inputs without the offsets"
                 )
         bspec = backward_exe.spec
+        self.feed = BackwardFeed(self.forward_op, self.backward_op, self.backward)
         self.quantizations = tuple(
             Quantization(t.name, t.dtype, t.scale.block, step)
             for step, names, of in (
@@ -643,6 +674,7 @@ class GemmFunction:
     def backward_inputs(self, saved: dict[str, torch.Tensor], grads, dims) -> dict[str, torch.Tensor]:
         bspec = self.backward_op.exe.spec
         inputs = {n: v for n, v in saved.items() if n in self.backward_op.inputs}
+        inputs.update(self.feed.copies(saved))
         for (_, name), grad in zip(self.backward.output_grads, grads):
             t = bspec.tensor(name)
             if grad is None:
@@ -660,9 +692,12 @@ class _Autograd(torch.autograd.Function):
     def forward(ctx, fn: GemmFunction, *args: torch.Tensor):
         values = dict(zip(fn.args, args))
         outs, inputs, dims = fn.forward(values)
-        ctx.fn, ctx.dims, ctx.names = fn, dims, tuple(inputs)
+        kept = fn.feed.kept(inputs, outs)
+        ctx.fn, ctx.dims, ctx.names = fn, dims, tuple(kept)
         ctx.arg_dtypes = {n: a.dtype for n, a in values.items()}
-        ctx.save_for_backward(*inputs.values())
+        ctx.save_for_backward(*kept.values())
+        # A copy (and its scales) is an FP8 form of another output: no gradient of its own.
+        ctx.mark_non_differentiable(*(o for n, o in zip(fn.forward_op.outputs, outs) if n in fn.feed.kept_outputs))
         return outs
 
     @staticmethod
