@@ -53,8 +53,8 @@ class AnchoredRows:
     axis: int
     group: str
     block: int
-    # A copy's scales, written by the epilogue: at least that many rows (a fresh output is
-    # sized for the most rows the segments can need); the rows past them are not touched.
+    # A copy's scales, written by the epilogue (a fresh output is sized for the most rows
+    # the segments can need); the rows past the counted ones are not touched either way.
     written: bool = False
 
 
@@ -309,12 +309,11 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
         body.append("    __syncthreads();")
         # A negative count is one the caller does not know (the C++ launcher is given
         # pointers, not shapes): not compared.
-        if a.written:
-            body.append(f"    const int wrong = rows{j} >= 0 && counted > (unsigned long long)rows{j};")
-            flag("wrong", Check(a.scale, f"scale '{a.scale}' must have at least one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
-        else:
-            body.append(f"    const int wrong = rows{j} >= 0 && counted != (unsigned long long)rows{j};")
-            flag("wrong", Check(a.scale, f"scale '{a.scale}' must have one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
+        # At least the counted rows: rows past them are neither read nor written (a copy's
+        # scales are allocated for the most rows any counts need, and a backward reads them
+        # as the forward wrote them).
+        body.append(f"    const int wrong = rows{j} >= 0 && counted > (unsigned long long)rows{j};")
+        flag("wrong", Check(a.scale, f"scale '{a.scale}' must have at least one row per {a.block} positions of each '{a.group}' segment along axis {a.axis}"))
         body.append("  }")
 
     params = ["int* __restrict__ flags"]

@@ -600,7 +600,7 @@ class Executable:
 
         Along a dim whose blocks restart at each segment of a ragged group, the row
         count follows from the offsets: the host checks the range it must lie in, the
-        device the exact count.
+        device that it holds the counted rows.
         """
         s = arrays[t.scale.name]
         want, exact = [], True
