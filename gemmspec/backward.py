@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import GemmspecError
-from .spec import FP8_TYPES, Gemm, Spec, Tensor
+from .spec import FP8_TYPES, FreshNames, Gemm, Spec, Tensor
 
 _REF = re.compile(r"(\w+)\[([^\]]*)\]")
 # Ranks of the tensors the `transpose` pre-pass takes (the third dim a batch): a DGRAD
@@ -137,26 +137,6 @@ def _decl(t: Tensor, name: str | None = None, layout: str | None = None, scale_a
     return s
 
 
-class _Names:
-    """Fresh tensor names that collide with nothing in the forward spec."""
-
-    def __init__(self, spec: Spec):
-        self.taken = {t.name for t in spec.tensors} | {g.name for g in spec.groups}
-        self.taken |= {t.scale.name for t in spec.tensors if t.scale}
-        self.taken |= {g.tensor for g in spec.groups if g.tensor} | {d.name for d in spec.dims}
-
-    def fresh(self, *candidates: str) -> str:
-        for c in candidates:
-            if c not in self.taken:
-                self.taken.add(c)
-                return c
-        i = 2
-        while f"{candidates[-1]}{i}" in self.taken:
-            i += 1
-        self.taken.add(f"{candidates[-1]}{i}")
-        return f"{candidates[-1]}{i}"
-
-
 def _eligible(spec: Spec, g: Gemm) -> str | None:
     """Why statement `g` gets no derived backward, or None when it does."""
     if g.accumulate:
@@ -226,7 +206,7 @@ def _wgrad_copy(spec: Spec, a: Tensor, group: str | None, m_dim: str) -> tuple[T
 def derive_backward(spec: Spec, copies: bool = True) -> Backward:
     """The backward spec of `spec` (see the module's docstring). `copies=False` ignores
     the forward's copies (every WGRAD operand requantized, as before copies existed)."""
-    names = _Names(spec)
+    names = FreshNames(spec)
     name = names.fresh(f"{spec.name}_backward")
     decls: dict[str, str] = {}
     body: list[str] = []

@@ -316,12 +316,17 @@ def _result(case, impl, samples, work, unit="TFLOPS", check="") -> Result:
 FORCED_TILE: tuple[int, int] | None = None  # --tile: the same spec with a tile directive
 
 
+def with_directive(text: str, directive: str) -> str:
+    """A one-spec text with `directive` added as its last item."""
+    body = text.rstrip().rstrip("}")
+    return f"{body}  {directive}\n}}\n"
+
+
 def _build(text: str):
     import gemmspec
 
     if FORCED_TILE is not None:
-        body = text.rstrip().rstrip("}")
-        text = f"{body}  tile({FORCED_TILE[0]}, {FORCED_TILE[1]})\n}}\n"
+        text = with_directive(text, f"tile({FORCED_TILE[0]}, {FORCED_TILE[1]})")
     return gemmspec.build(text)
 
 
@@ -568,7 +573,7 @@ def case_gather(repeat):
     t = 2 * s
     text = GATHER.format(n=n, k=k, e=e)
     exe = _build(text)
-    fused = _build(text.rstrip()[:-1] + "  gather(fused)\n}\n")
+    fused = _build(with_directive(text, "gather(fused)"))
     g = torch.Generator(device="cpu").manual_seed(3)
     idx = torch.cat([torch.randperm(s, generator=g), torch.randperm(s, generator=g)]).to(torch.int32).cuda()
     x, w = _fp8((s, k)), _fp8((e, n, k))

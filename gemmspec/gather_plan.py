@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .expr import Poly
-from .spec import FP8_TYPES, Derivation, Gemm, Layout, Scale, Spec, Tensor
+from .spec import FP8_TYPES, Derivation, FreshNames, Gemm, Layout, Scale, Spec, Tensor
 
 PREPASS_MIN_TILES = 4  # column tiles (of 128) that read each gathered row
 SCALE_BLOCK = 128
@@ -76,15 +76,6 @@ def wants_prepass(spec: Spec, g: Gemm) -> tuple[bool, str]:
     )
 
 
-def _fresh(spec: Spec, base: str) -> str:
-    taken = {t.name for t in spec.tensors} | {t.scale.name for t in spec.tensors if t.scale}
-    taken |= {g.tensor for g in spec.groups if g.tensor} | {d.name for d in spec.dims} | {g.name for g in spec.groups}
-    name, i = base, 2
-    while name in taken:
-        name, i = f"{base}{i}", i + 1
-    return name
-
-
 def _copy_tensor(spec: Spec, g: Gemm, name: str) -> Tensor:
     x, idx = spec.tensor(g.a.tensor), spec.tensor(g.gather)
     rows, cols = idx.dims[0], x.dims[1]
@@ -103,13 +94,14 @@ def plan_gathers(spec: Spec) -> Spec:
     if mode == "fused" or not any(g.gather for g in spec.gemms):
         return spec
     copies: dict[tuple[str, str], str] = {}
+    names = FreshNames(spec)
     tensors = list(spec.tensors)
     gemms = []
     for g in spec.gemms:
         if g.gather and copyable(spec, g) is None and (mode == "prepass" or wants_prepass(spec, g)[0]):
             key = (g.a.tensor, g.gather)
             if key not in copies:
-                copies[key] = _fresh(spec, f"{g.a.tensor}_{g.gather}_rows")
+                copies[key] = names.fresh(f"{g.a.tensor}_{g.gather}_rows")
                 tensors.append(_copy_tensor(spec, g, copies[key]))
             g = replace(g, a_gathered=copies[key])
         gemms.append(g)

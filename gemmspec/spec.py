@@ -394,6 +394,28 @@ class Directives:
     force_where: SourceLocation | None = field(default=None, compare=False)
 
 
+class FreshNames:
+    """Names that collide with nothing in a spec (tensors, scales, groups, offsets, dims),
+    for the tensors and specs a later stage adds: `c`, else `c2`, `c3`, ..."""
+
+    def __init__(self, spec: Spec):
+        self.taken = {t.name for t in spec.tensors} | {g.name for g in spec.groups}
+        self.taken |= {t.scale.name for t in spec.tensors if t.scale}
+        self.taken |= {g.tensor for g in spec.groups if g.tensor} | {d.name for d in spec.dims}
+
+    def fresh(self, *candidates: str) -> str:
+        """The first free candidate, else the last one numbered from 2."""
+        for c in candidates:
+            if c not in self.taken:
+                self.taken.add(c)
+                return c
+        i = 2
+        while f"{candidates[-1]}{i}" in self.taken:
+            i += 1
+        self.taken.add(f"{candidates[-1]}{i}")
+        return f"{candidates[-1]}{i}"
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str

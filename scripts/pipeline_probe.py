@@ -23,7 +23,17 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import GATHER, LORA, WGRAD, _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
+from gemmspec.bench import (  # noqa: E402
+    GATHER,
+    LORA,
+    WGRAD,
+    _fp8,
+    _offsets,
+    _scales,
+    moe_spec,
+    timed_launches,
+    with_directive,
+)
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -166,7 +176,7 @@ def main() -> int:
             continue
         changes = dict(changes)
         directive = changes.pop("directive", None)
-        exe = gemmspec.build(spec if directive is None else spec.rstrip()[:-1] + f"  {directive}\n}}\n")
+        exe = gemmspec.build(spec if directive is None else with_directive(spec, directive))
         try:
             cfg = variant(exe, **changes)
         except ValueError as err:

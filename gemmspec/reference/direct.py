@@ -25,7 +25,6 @@ from .data import (
     block_index,
     dim_size,
     fp8_output_values,
-    gathered_rows,
     quantize_values,
     real_values,
     requantize_values,
@@ -48,9 +47,9 @@ def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, Te
             q, grid = quantize_values(spec, rt, data[src.name].values, t)
             out[t.name] = TensorData(q, grid)
         elif t.derived.op == "gather":
-            d = data[src.name]
-            q, grid = gathered_rows(data[t.derived.index].values, d.values, d.scale_grid)
-            out[t.name] = TensorData(q, grid)
+            # The statements read x[idx[t], k] as written (through the index); the
+            # pre-pass's copy is the schedule's business (schedule_exec.run_prepass).
+            continue
         else:
             real = real_values(spec, rt, src, data[src.name])
             q, grid = requantize_values(spec, rt, real, t)
