@@ -45,6 +45,9 @@ _REF = re.compile(r"(\w+)\[([^\]]*)\]")
 # Ranks of the tensors the `transpose` pre-pass takes (the third dim a batch): a DGRAD
 # weight of another rank is transposed by the caller.
 TRANSPOSE_PASS_RANKS = (2, 3)
+# A K-grouped WGRAD's requantized operands pad each segment to this many tokens: every
+# expert's FP8 rows are then whole 16-byte units, which TMA loads whatever the counts.
+WGRAD_PAD = 16
 
 
 @dataclass(frozen=True)
@@ -185,13 +188,13 @@ def _wgrad_copy(spec: Spec, a: Tensor, group: str | None, m_dim: str) -> tuple[T
         ))
     axis = copy.dims.index(m_dim)
     lay, sc = copy.layout, copy.scale
-    want_layout = f"segment_major({group}) pad 16"
+    want_layout = f"segment_major({group}) pad {WGRAD_PAD}"
     blocks = tuple(128 if i == axis else 1 for i in range(copy.rank))
     want_scale = f"scale f32 [{', '.join(map(str, blocks))}] per {group}"
     why = None
     if lay.kind != "segment_major" or lay.group != group or lay.seg_axis != axis:
         why = f"its layout '{lay.text}' is not segment_major({group}) over {m_dim}, the WGRAD's '{want_layout}'"
-    elif lay.pad != 16:
+    elif lay.pad != WGRAD_PAD:
         pad = f"pad {lay.pad}" if lay.pad > 1 else "no pad"
         why = f"its segments have {pad}, the WGRAD reads '{want_layout}'"
     elif copy.dtype != "e4m3":
@@ -287,9 +290,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             e = names.fresh(spec.group(group).count_dim.lower(), "e")
             db_idx = [e if i == axis else idx for i, idx in enumerate(b_idx)]
             sums = f"{g.m.var} in {group}({e})"
-            # Segments padded to 16 tokens: every expert's FP8 rows are whole 16-byte
-            # units, so WGRAD loads them by TMA whatever the token counts.
-            seg_layout, per = f"segment_major({group}) pad 16", f" per {group}"
+            seg_layout, per = f"segment_major({group}) pad {WGRAD_PAD}", f" per {group}"
         else:
             db_idx, sums, seg_layout, per = b_idx, g.m.var, f"major({m_dim})", ""
         a_ref, d_ref = ta.name, dd
