@@ -84,6 +84,10 @@ LORA_VARIANTS = {
 WGRAD_VARIANTS = {
     "as compiled": {},
     "registers epilogue (f32 read-modify-write)": {"store_tma": False},
+    "160 wide, 3 stages": {"tile_n": 160, "stages": 3},
+    "CTA pairs multicasting A": {"cluster": 2},
+    "160 wide, 3 stages, CTA pairs": {"tile_n": 160, "stages": 3, "cluster": 2},
+    "no promotion (wrong values, timing only)": {"scaled": False, "consumer_scales": None},
     "as compiled (again: drift over the run)": {},
 }
 

@@ -149,6 +149,16 @@ def test_random_wgrad_k_grouped(k):
     report_ok(run_random(exe, lengths={"expert": EDGE}, seed=k + 1, repeats=0))
 
 
+# Per-column B scales are staged in four lane classes and read four at a time; tiles with an
+# odd count of 8-column groups (40, 136) read a padded last quad.
+@pytest.mark.parametrize("tile_n", [40, 136])
+def test_wgrad_per_column_scale_tiles(tile_n):
+    exe = gemmspec.build(with_tile(WGRAD.format(n=200, k=576, e=5), 128, tile_n))
+    (launch,) = exe.program.launches
+    assert launch.gemm.tile_n == tile_n and launch.gemm.sb_mode == 2
+    report_ok(run_random(exe, lengths={"expert": EDGE}, seed=tile_n, repeats=0))
+
+
 @pytest.mark.parametrize("loras,experts", [(1, 1), (2, 3)])
 def test_random_nested(loras, experts):
     exe = gemmspec.build(nested(576, loras, experts))
