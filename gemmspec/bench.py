@@ -109,6 +109,32 @@ def _offsets(lengths):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
+def random_nested_counts(lora_lengths: list[int], experts: int, generator) -> list[list[int]]:
+    """Each adapter's tokens cut at `experts - 1` random points: per adapter, the token
+    count of each expert (0 where two cuts meet, odd sizes as they fall)."""
+    torch = _torch()
+    counts = []
+    for length in lora_lengths:
+        cuts = sorted(torch.randint(0, length + 1, (experts - 1,), generator=generator).tolist())
+        bounds = [0, *cuts, length]
+        counts.append([b - a for a, b in zip(bounds[:-1], bounds[1:])])
+    return counts
+
+
+def nested_offsets(counts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """The offsets of a nest `lora` > `expert ragged(T within lora)` from its L x E token
+    counts: `lora_offsets` (L + 1 entries) and `expert_offsets` (L rows of E + 1 absolute
+    row numbers, each row from its adapter's first token to its end)."""
+    lora_offsets, expert_offsets = [0], []
+    for row in counts:
+        bounds = [lora_offsets[-1]]
+        for c in row:
+            bounds.append(bounds[-1] + c)
+        expert_offsets.append(bounds)
+        lora_offsets.append(bounds[-1])
+    return lora_offsets, expert_offsets
+
+
 def _dequantized(q, scale, block_rows: int, block_cols: int):
     """Float64 values of `q` times its scale grid, each scale repeated over its block."""
     torch = _torch()
@@ -665,14 +691,7 @@ def case_lora(repeat):
     wa = torch.randn((loras, experts, r, k), device="cuda", dtype=torch.bfloat16)
     y = torch.full((t, r), float("nan"), dtype=torch.float32, device="cuda")
     g = torch.Generator(device="cpu").manual_seed(2)
-    per_lora = t // loras
-    inner = []
-    lo_off = [0]
-    for _ in range(loras):
-        cuts = sorted(torch.randint(0, per_lora + 1, (experts - 1,), generator=g).tolist())
-        bounds = [0, *cuts, per_lora]
-        inner.append([lo_off[-1] + b for b in bounds])
-        lo_off.append(lo_off[-1] + per_lora)
+    lo_off, inner = nested_offsets(random_nested_counts([t // loras] * loras, experts, g))
     lora_offsets = torch.tensor(lo_off, dtype=torch.int32, device="cuda")
     expert_offsets = torch.tensor(inner, dtype=torch.int32, device="cuda")
     run = exe.prepare(torch.cuda.current_stream(), x=x, wa=wa, y=y, lora_offsets=lora_offsets, expert_offsets=expert_offsets)
