@@ -43,11 +43,13 @@ MASKED = [983, 769, 816, 1024, 734, 666]
 
 @dataclass(frozen=True)
 class Target:
-    """What a row must reach: an absolute rate and/or a ratio to the torch anchor."""
+    """What a row must reach: an absolute rate and/or a ratio to the torch anchor, or to
+    every other row of its case (`vs_separate`: the same work done as separate launches)."""
 
     tflops: float | None = None
     vs_torch: float | None = None
     max_us: float | None = None
+    vs_separate: float | None = None
 
     def describe(self) -> str:
         parts = []
@@ -57,6 +59,10 @@ class Target:
             parts.append(f">= {self.vs_torch:.2f}x torch")
         if self.max_us:
             parts.append(f"<= {self.max_us:.0f} us")
+        if self.vs_separate == 1.0:
+            parts.append("faster than separate launches")
+        elif self.vs_separate:
+            parts.append(f">= {self.vs_separate:.2f}x separate launches")
         return ", ".join(parts)
 
 
@@ -306,17 +312,26 @@ def quantize_1x128(value):
 # ---------------------------------------------------------------------------- timing
 IDLE_MS = 0.0  # --idle: GPU idle time before each timed launch
 IDLE_LAUNCHES = 60
+# Rows whose output is updated in place (`+=`) restore it before every launch, outside the
+# timed events, so they run this event loop (not do_bench) with this many launches.
+RESTORED_LAUNCHES = 200
 _SLEEP_CYCLES_PER_MS = 1_900_000  # torch.cuda._sleep counts SM cycles: about the idle clock
 
 
-def timed_launches(fn, launches: int, idle_ms: float) -> float:
+def timed_launches(fn, launches: int, idle_ms: float, before: Callable[[], object] | None = None) -> float:
     """Median ms of `fn` over `launches` launches, each between its own CUDA events,
-    after an L2 flush and `idle_ms` of the GPU sleeping (a cool, unthrottled card)."""
+    after an L2 flush and `idle_ms` of the GPU sleeping (a cool, unthrottled card).
+    `before` (untimed) runs ahead of each launch and of the warm-up, before the flush:
+    it restores what `fn` updates in place, so every launch starts from the same data."""
     torch = _torch()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(launches)]
+    if before is not None:
+        before()
     fn()
     for start, end in events:
+        if before is not None:
+            before()
         if idle_ms:
             torch.cuda._sleep(int(idle_ms * _SLEEP_CYCLES_PER_MS))
         flush.zero_()
@@ -327,9 +342,12 @@ def timed_launches(fn, launches: int, idle_ms: float) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def _time(fn, repeat: int) -> list[float]:
-    if IDLE_MS:
-        return [timed_launches(fn, IDLE_LAUNCHES, IDLE_MS) for _ in range(repeat)]
+def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> list[float]:
+    """Median ms per `repeat`: do_bench, or the event loop when idling or when `before`
+    must restore the inputs ahead of every launch."""
+    if IDLE_MS or before is not None:
+        launches = IDLE_LAUNCHES if IDLE_MS else RESTORED_LAUNCHES
+        return [timed_launches(fn, launches, IDLE_MS, before) for _ in range(repeat)]
     from triton.testing import do_bench
 
     return [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
@@ -810,9 +828,12 @@ CASES = [
 
 
 # ---------------------------------------------------------------------------- report
-def _verdict(case: Case, ours: Result, torch_row: Result | None) -> str:
+def _verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Result] | None = None) -> str:
+    """`others`: the case's rows beside gemmspec's first, which `vs_separate` compares with."""
     t = case.target
     ok = True
+    if t.vs_separate is not None:
+        ok &= bool(others) and all(r.ms / ours.ms >= t.vs_separate for r in others)
     if t.tflops is not None:
         ok &= ours.rate >= t.tflops
     if t.max_us is not None:
@@ -846,7 +867,7 @@ def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[d
         dg = RECORDED_DEEPGEMM.get(case.name)
         if dg:
             lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
-        verdict = _verdict(case, ours, torch_row)
+        verdict = _verdict(case, ours, torch_row, rows[1:])
         lines.append(f"{'':36} target {case.target.describe()}: {verdict}")
         summary.append(
             {
