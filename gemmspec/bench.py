@@ -6,8 +6,10 @@ command only). Each gemmspec result is checked before it is timed (against the
 anchor's output where the anchor computes the same function, otherwise against a
 float64 reference of the dequantized inputs on sampled rows). Times are medians of
 `triton.testing.do_bench` (CUDA events, L2 flushed between runs); TFLOPS count
-useful FLOPs only (no padding), the memory-bound row reports TB/s of bytes that must
-move. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
+useful FLOPs only (no padding), the memory-bound rows report TB/s of bytes that must
+move. A row whose launches must each start from the same output (the scaled LoRA
+expand's BF16 `+=`) restores it before every launch, untimed, and is timed by the
+`--idle` event loop instead. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
 as recorded references, not re-measured.
 
     gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png]
@@ -307,6 +309,14 @@ def lora_epilogue_ops(y, y2, scaling, route_w, bias, lora_idx, expert_idx) -> No
     y.add_(torch.addcmul(bias[expert_idx], y2, coef))
 
 
+def lora_expand_bytes(counts: list[list[int]], n: int, r: int) -> int:
+    """Bytes the fused expand must move: h, the non-empty leaves' B, the scales, router
+    weights and biases once; the BF16 y read and written."""
+    t, loras, experts = sum(map(sum, counts)), len(counts), len(counts[0])
+    leaves = sum(1 for row in counts for c in row if c)
+    return (t * r + leaves * n * r + experts * n) * 2 + (loras + t) * 4 + 2 * t * n * 2
+
+
 def lora_expand_reference(rows, lora: int, expert: int, y0, h, wb, scaling, route_w, bias):
     """Float64 y after the scaled expand on `rows` of leaf (lora, expert), from y0."""
     torch = _torch()
@@ -363,8 +373,8 @@ def quantize_1x128(value):
 # ---------------------------------------------------------------------------- timing
 IDLE_MS = 0.0  # --idle: GPU idle time before each timed launch
 IDLE_LAUNCHES = 60
-# Rows whose output is updated in place (`+=`) restore it before every launch, outside the
-# timed events, so they run this event loop (not do_bench) with this many launches.
+# Rows whose launches must each start from the same output (a `+=` the bench restores before
+# every launch, outside the timed events) run this event loop, not do_bench, this many times.
 RESTORED_LAUNCHES = 200
 _SLEEP_CYCLES_PER_MS = 1_900_000  # torch.cuda._sleep counts SM cycles: about the idle clock
 
@@ -927,9 +937,7 @@ def case_lora_expand(repeat):
     check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
     for impl, _, y in variants[1:]:
         check += "; " + _checked(_rel_error(y_fused, y), 1e-2, impl.split(" (")[0])
-    # Bytes that must move: h, the non-empty leaves' B, the scales and biases once; y in and out.
-    leaves = sum(1 for row in counts for c in row if c)
-    moved = (t * r + leaves * n * r + experts * n) * 2 + (loras + t) * 4 + 2 * t * n * 2
+    moved = lora_expand_bytes(counts, n, r)
     out = []
     for impl, fn, y in variants:
         samples = _time(fn, repeat, before=lambda y=y: y.copy_(y0))

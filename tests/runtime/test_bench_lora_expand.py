@@ -43,6 +43,13 @@ def test_counts_are_ragged_with_empty_and_odd_segments():
     assert any(c % 2 and c > 129 for c in flat)
 
 
+def test_performance_notes_describe_the_row():
+    notes = (EXAMPLE.parents[1] / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "`gemmspec bench --only lora_expand`" in notes
+    assert round(bench.lora_expand_bytes(bench.LORA_EXPAND_COUNTS, 4096, 16) / 1e6) == 138
+    assert "written: 138 MB" in notes
+
+
 def test_specs_build_without_a_gpu():
     fused, plain = gemmspec.build(EXAMPLE), _plain()
     assert set(fused.argument_names()) == {"h", "wb", "scaling", "route_w", "bias", "y", "lora_offsets", "expert_offsets"}
