@@ -6,8 +6,10 @@ command only). Each gemmspec result is checked before it is timed (against the
 anchor's output where the anchor computes the same function, otherwise against a
 float64 reference of the dequantized inputs on sampled rows). Times are medians of
 `triton.testing.do_bench` (CUDA events, L2 flushed between runs); TFLOPS count
-useful FLOPs only (no padding), the memory-bound row reports TB/s of bytes that must
-move. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
+useful FLOPs only (no padding), the memory-bound rows report TB/s of bytes that must
+move. A row whose launches must each start from the same output (the scaled LoRA
+expand's BF16 `+=`) restores it before every launch, untimed, and is timed by the
+`--idle` event loop instead. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
 as recorded references, not re-measured.
 
     gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png]
@@ -43,11 +45,13 @@ MASKED = [983, 769, 816, 1024, 734, 666]
 
 @dataclass(frozen=True)
 class Target:
-    """What a row must reach: an absolute rate and/or a ratio to the torch anchor."""
+    """What a row must reach: an absolute rate and/or a ratio to the torch anchor, or to
+    every other row of its case (`vs_separate`: the same work done as separate launches)."""
 
     tflops: float | None = None
     vs_torch: float | None = None
     max_us: float | None = None
+    vs_separate: float | None = None
 
     def describe(self) -> str:
         parts = []
@@ -57,6 +61,10 @@ class Target:
             parts.append(f">= {self.vs_torch:.2f}x torch")
         if self.max_us:
             parts.append(f"<= {self.max_us:.0f} us")
+        if self.vs_separate == 1.0:
+            parts.append("faster than separate launches")
+        elif self.vs_separate:
+            parts.append(f">= {self.vs_separate:.2f}x separate launches")
         return ", ".join(parts)
 
 
@@ -107,6 +115,32 @@ def _offsets(lengths):
     for n in lengths:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def random_nested_counts(lora_lengths: list[int], experts: int, generator) -> list[list[int]]:
+    """Each adapter's tokens cut at `experts - 1` random points: per adapter, the token
+    count of each expert (0 where two cuts meet, odd sizes as they fall)."""
+    torch = _torch()
+    counts = []
+    for length in lora_lengths:
+        cuts = sorted(torch.randint(0, length + 1, (experts - 1,), generator=generator).tolist())
+        bounds = [0, *cuts, length]
+        counts.append([b - a for a, b in zip(bounds[:-1], bounds[1:])])
+    return counts
+
+
+def nested_offsets(counts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """The offsets of a nest `lora` > `expert ragged(T within lora)` from its L x E token
+    counts: `lora_offsets` (L + 1 entries) and `expert_offsets` (L rows of E + 1 absolute
+    row numbers, each row from its adapter's first token to its end)."""
+    lora_offsets, expert_offsets = [0], []
+    for row in counts:
+        bounds = [lora_offsets[-1]]
+        for c in row:
+            bounds.append(bounds[-1] + c)
+        expert_offsets.append(bounds)
+        lora_offsets.append(bounds[-1])
+    return lora_offsets, expert_offsets
 
 
 def _dequantized(q, scale, block_rows: int, block_cols: int):
@@ -232,6 +266,65 @@ gemm lora_shrink {{
 }}
 """
 
+# The scaled LoRA expand (examples/lora_moe_scaled.gspec) as separate launches: the same
+# nested grouped GEMM with no epilogue, into BF16 (what torch._grouped_mm returns too),
+# then torch element-wise operations for the scaling, router weight, bias and `+=`.
+LORA_EXPAND = """
+gemm lora_expand {{
+  dim T
+  dim N = {n}, R = {r}
+  group lora[L = {l}]   = ragged(T, offsets = lora_offsets)
+  group expert[E = {e}] = ragged(T within lora, offsets = expert_offsets)
+  tensor h  : bf16 [T, R]
+  tensor wb : bf16 [L, E, N, R]
+  tensor y2 : bf16 [T, N]
+  y2[t, n] = sum[r] h[t, r] * wb[lora(t), expert(t), n, r]
+}}
+"""
+# The expand row's tokens per adapter (rows) and expert (columns), 8192 in all: empty
+# experts, single tokens, the 127 / 129 tile edges and other odd sizes.
+LORA_EXPAND_COUNTS = [
+    [1, 127, 129, 0, 1000, 511, 257, 23],
+    [0, 0, 3001, 17, 255, 1, 0, 0],
+    [129, 129, 129, 129, 127, 127, 127, 127],
+    [903, 0, 1, 255, 333, 131, 0, 223],
+]
+
+
+def token_leaves(counts: list[list[int]], device):
+    """Each token's adapter and expert (int64 [T] each) from the nest's L x E counts: the
+    indices a caller has from routing, which torch's element-wise path needs."""
+    torch = _torch()
+    experts = len(counts[0])
+    flat = torch.tensor([c for row in counts for c in row], device=device)
+    leaf = torch.repeat_interleave(torch.arange(flat.numel(), device=device), flat)
+    return leaf // experts, leaf % experts
+
+
+def lora_epilogue_ops(y, y2, scaling, route_w, bias, lora_idx, expert_idx) -> None:
+    """`y += scaling[lora(t)] * route_w[t] * y2 + bias[expert(t)]` by torch operations: the
+    update in FP32, added into y and rounded once."""
+    torch = _torch()
+    coef = (scaling[lora_idx] * route_w).unsqueeze(1)
+    y.add_(torch.addcmul(bias[expert_idx], y2, coef))
+
+
+def lora_expand_bytes(counts: list[list[int]], n: int, r: int) -> int:
+    """Bytes the fused expand must move: h, the non-empty leaves' B, the scales, router
+    weights and biases once; the BF16 y read and written."""
+    t, loras, experts = sum(map(sum, counts)), len(counts), len(counts[0])
+    leaves = sum(1 for row in counts for c in row if c)
+    return (t * r + leaves * n * r + experts * n) * 2 + (loras + t) * 4 + 2 * t * n * 2
+
+
+def lora_expand_reference(rows, lora: int, expert: int, y0, h, wb, scaling, route_w, bias):
+    """Float64 y after the scaled expand on `rows` of leaf (lora, expert), from y0."""
+    torch = _torch()
+    f64 = torch.float64
+    update = h[rows].to(f64) @ wb[lora, expert].to(f64).t()
+    coef = scaling[lora].to(f64) * route_w[rows].to(f64)
+    return y0[rows].to(f64) + coef[:, None] * update + bias[expert].to(f64)
+
 
 # The expert FFN (examples/moe_ffn_fp8.gspec) and the same work as separate launches: the
 # up-projection into BF16, its quantization, the down-projection.
@@ -280,17 +373,26 @@ def quantize_1x128(value):
 # ---------------------------------------------------------------------------- timing
 IDLE_MS = 0.0  # --idle: GPU idle time before each timed launch
 IDLE_LAUNCHES = 60
+# Rows whose launches must each start from the same output (a `+=` the bench restores before
+# every launch, outside the timed events) run this event loop, not do_bench, this many times.
+RESTORED_LAUNCHES = 200
 _SLEEP_CYCLES_PER_MS = 1_900_000  # torch.cuda._sleep counts SM cycles: about the idle clock
 
 
-def timed_launches(fn, launches: int, idle_ms: float) -> float:
+def timed_launches(fn, launches: int, idle_ms: float, before: Callable[[], object] | None = None) -> float:
     """Median ms of `fn` over `launches` launches, each between its own CUDA events,
-    after an L2 flush and `idle_ms` of the GPU sleeping (a cool, unthrottled card)."""
+    after an L2 flush and `idle_ms` of the GPU sleeping (a cool, unthrottled card).
+    `before` (untimed) runs ahead of each launch and of the warm-up, before the flush:
+    it restores what `fn` updates in place, so every launch starts from the same data."""
     torch = _torch()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(launches)]
+    if before is not None:
+        before()
     fn()
     for start, end in events:
+        if before is not None:
+            before()
         if idle_ms:
             torch.cuda._sleep(int(idle_ms * _SLEEP_CYCLES_PER_MS))
         flush.zero_()
@@ -301,9 +403,12 @@ def timed_launches(fn, launches: int, idle_ms: float) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def _time(fn, repeat: int) -> list[float]:
-    if IDLE_MS:
-        return [timed_launches(fn, IDLE_LAUNCHES, IDLE_MS) for _ in range(repeat)]
+def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> list[float]:
+    """Median ms per `repeat`: do_bench, or the event loop when idling or when `before`
+    must restore the inputs ahead of every launch."""
+    if IDLE_MS or before is not None:
+        launches = IDLE_LAUNCHES if IDLE_MS else RESTORED_LAUNCHES
+        return [timed_launches(fn, launches, IDLE_MS, before) for _ in range(repeat)]
     from triton.testing import do_bench
 
     return [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
@@ -665,14 +770,7 @@ def case_lora(repeat):
     wa = torch.randn((loras, experts, r, k), device="cuda", dtype=torch.bfloat16)
     y = torch.full((t, r), float("nan"), dtype=torch.float32, device="cuda")
     g = torch.Generator(device="cpu").manual_seed(2)
-    per_lora = t // loras
-    inner = []
-    lo_off = [0]
-    for _ in range(loras):
-        cuts = sorted(torch.randint(0, per_lora + 1, (experts - 1,), generator=g).tolist())
-        bounds = [0, *cuts, per_lora]
-        inner.append([lo_off[-1] + b for b in bounds])
-        lo_off.append(lo_off[-1] + per_lora)
+    lo_off, inner = nested_offsets(random_nested_counts([t // loras] * loras, experts, g))
     lora_offsets = torch.tensor(lo_off, dtype=torch.int32, device="cuda")
     expert_offsets = torch.tensor(inner, dtype=torch.int32, device="cuda")
     run = exe.prepare(torch.cuda.current_stream(), x=x, wa=wa, y=y, lora_offsets=lora_offsets, expert_offsets=expert_offsets)
@@ -769,6 +867,84 @@ def case_ffn(repeat):
     ]
 
 
+def case_lora_expand(repeat):
+    """The multi-LoRA expand of examples/lora_moe_scaled.gspec (4 adapters x 8 experts,
+    rank 16, N = 4096, 8192 tokens in LORA_EXPAND_COUNTS): `y += scaling[lora] * route_w[t]
+    * (h @ wb[lora, expert]^T) + bias[expert]` in one launch, against the same work as
+    separate launches: gemmspec's plain grouped GEMM into BF16, or torch._grouped_mm over the
+    32 leaves, each followed by torch element-wise operations. Every implementation updates
+    its own y, restored from the same y0 before each launch, outside the timed events."""
+    from pathlib import Path
+
+    torch = _torch()
+    name = "lora_expand_L4xE8_R16_N4096_T8192"
+    counts = LORA_EXPAND_COUNTS
+    loras, experts, r, n = len(counts), len(counts[0]), 16, 4096
+    t = sum(map(sum, counts))
+    text = (Path(__file__).resolve().parents[1] / "examples" / "lora_moe_scaled.gspec").read_text()
+    fused = _build(text)
+    plain = _build(LORA_EXPAND.format(n=n, r=r, l=loras, e=experts))
+    lo_off, inner = nested_offsets(counts)
+    offsets = dict(
+        lora_offsets=torch.tensor(lo_off, dtype=torch.int32, device="cuda"),
+        expert_offsets=torch.tensor(inner, dtype=torch.int32, device="cuda"),
+    )
+    h = torch.randn((t, r), device="cuda", dtype=torch.bfloat16)
+    wb = (torch.randn((loras, experts, n, r), device="cuda") / 4).to(torch.bfloat16)
+    scaling = torch.rand((loras,), device="cuda") * 2 + 0.25  # alpha / rank
+    route_w = torch.rand((t,), device="cuda")
+    bias = torch.randn((experts, n), device="cuda", dtype=torch.bfloat16)
+    y0 = torch.randn((t, n), device="cuda", dtype=torch.bfloat16)
+    y_fused, y_separate, y_torch = (torch.empty_like(y0) for _ in range(3))
+    y2 = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lora_idx, expert_idx = token_leaves(counts, "cuda")
+    stream = torch.cuda.current_stream()
+    run_fused = fused.prepare(stream, h=h, wb=wb, scaling=scaling, route_w=route_w, bias=bias, y=y_fused, **offsets)
+    run_plain = plain.prepare(stream, h=h, wb=wb, y2=y2, **offsets)
+
+    def separate():
+        run_plain.enqueue()
+        lora_epilogue_ops(y_separate, y2, scaling, route_w, bias, lora_idx, expert_idx)
+
+    ends = offsets["expert_offsets"][:, 1:].reshape(-1).contiguous()
+    wb_t = wb.reshape(loras * experts, n, r).transpose(-2, -1)
+
+    def torch_only():
+        y2_torch = torch._grouped_mm(h, wb_t, offs=ends)
+        lora_epilogue_ops(y_torch, y2_torch, scaling, route_w, bias, lora_idx, expert_idx)
+
+    variants = [("gemmspec fused (scale, route_w, bias, +=)", run_fused.enqueue, y_fused),
+                ("gemmspec BF16 GEMM + torch element-wise", separate, y_separate)]
+    torch_note = ""
+    try:
+        torch._grouped_mm(h, wb_t, offs=ends)
+        variants.append(("torch._grouped_mm (32 groups) + element-wise", torch_only, y_torch))
+    except (AttributeError, TypeError, RuntimeError) as exc:  # a torch without a usable _grouped_mm
+        torch_note = f"; torch._grouped_mm unavailable: {str(exc).splitlines()[0][:80]}"
+    for _, fn, y in variants:
+        y.copy_(y0)
+        fn()
+    torch.cuda.synchronize()
+    # Float64 reference on up to 16 sampled rows of every non-empty leaf.
+    g = torch.Generator(device="cpu").manual_seed(4)
+    outs, refs = [], []
+    for li, row in enumerate(counts):
+        for ei, c in enumerate(row):
+            if c:
+                rows = inner[li][ei] + torch.randperm(c, generator=g)[:16].cuda()
+                outs.append(y_fused[rows])
+                refs.append(lora_expand_reference(rows, li, ei, y0, h, wb, scaling, route_w, bias))
+    check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    for impl, _, y in variants[1:]:
+        check += "; " + _checked(_rel_error(y_fused, y), 1e-2, impl.split(" (")[0])
+    moved = lora_expand_bytes(counts, n, r)
+    out = []
+    for impl, fn, y in variants:
+        samples = _time(fn, repeat, before=lambda y=y: y.copy_(y0))
+        out.append(_result(name, impl, samples, moved, unit="TB/s", check="" if out else check + torch_note))
+    return out
+
+
 CASES = [
     Case("fp8_fwd_G8x4096_N4096_K7168", "FP8 1x128/128x128 M-grouped, 8 x 4096 tokens", Target(1230, 1.2), case_fp8_g8),
     Case("fp8_fwd_G8x4096_N7168_K2048", "same, N=7168, K=2048", Target(1160, 1.2), case_fp8_g8_k2048),
@@ -787,13 +963,19 @@ CASES = [
     Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24), case_lora, memory_bound=True),
     Case("ffn_fp8_E8_T32768_H7168_F2048", "expert FFN, FP8 h quantized in the epilogue vs separate launches",
          Target(vs_torch=1.0), case_ffn),
+    Case("lora_expand_L4xE8_R16_N4096_T8192",
+         "scaled LoRA expand += over experts vs separate launches (memory-bound; y restored before each launch, untimed)",
+         Target(vs_separate=1.0), case_lora_expand, memory_bound=True),
 ]
 
 
 # ---------------------------------------------------------------------------- report
-def _verdict(case: Case, ours: Result, torch_row: Result | None) -> str:
+def _verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Result] | None = None) -> str:
+    """`others`: the case's rows beside gemmspec's first, which `vs_separate` compares with."""
     t = case.target
     ok = True
+    if t.vs_separate is not None:
+        ok &= bool(others) and all(r.ms / ours.ms >= t.vs_separate for r in others)
     if t.tflops is not None:
         ok &= ours.rate >= t.tflops
     if t.max_us is not None:
@@ -827,7 +1009,7 @@ def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[d
         dg = RECORDED_DEEPGEMM.get(case.name)
         if dg:
             lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
-        verdict = _verdict(case, ours, torch_row)
+        verdict = _verdict(case, ours, torch_row, rows[1:])
         lines.append(f"{'':36} target {case.target.describe()}: {verdict}")
         summary.append(
             {
@@ -872,6 +1054,11 @@ def plot(summary: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def selected_cases(only: list[str] | None) -> list[Case]:
+    """The cases `--only` names by prefix (every case without it)."""
+    return [c for c in CASES if only is None or any(c.name.startswith(p) for p in only)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gemmspec bench", description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None, metavar="CASE", help="run only these cases (prefixes)")
@@ -910,7 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gemmspec bench: no CUDA device", file=sys.stderr)
         return 2
-    chosen = [c for c in CASES if args.only is None or any(c.name.startswith(p) for p in args.only)]
+    chosen = selected_cases(args.only)
     results: list[Result] = []
     failures: dict[str, str] = {}
     for i, case in enumerate(chosen, 1):

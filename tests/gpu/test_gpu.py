@@ -165,6 +165,15 @@ def test_random_nested(loras, experts):
     report_ok(run_random(exe, dims={"T": 4500}, seed=loras * 10 + experts, repeats=0))
 
 
+# The bench's separate-launch spec for the scaled LoRA expand: the example's 32 leaves
+# with no epilogue, on empty, single-token and tile-edge segments.
+def test_lora_expand_separate_spec():
+    exe = gemmspec.build(bench.LORA_EXPAND.format(n=4096, r=16, l=4, e=8))
+    counts = [c for row in bench.LORA_EXPAND_COUNTS for c in row]
+    report_ok(run_random(exe, lengths={"lora": [sum(row) for row in bench.LORA_EXPAND_COUNTS], "expert": counts},
+                         seed=16, repeats=0))
+
+
 def test_bad_offsets_are_rejected():
     import numpy as np
 

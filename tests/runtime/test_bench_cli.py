@@ -56,3 +56,78 @@ def test_checked_rejects_nan_and_large_errors():
     for bad in (float("nan"), 5e-3):
         with pytest.raises(AssertionError):
             bench._checked(bad, 4e-3, "ref")
+
+
+def test_verdict_against_every_separate_launch_row():
+    case = bench.Case("s", "", bench.Target(vs_separate=1.0), lambda r: [])
+    assert case.target.describe() == "faster than separate launches"
+    assert bench.Target(vs_separate=1.5).describe() == ">= 1.50x separate launches"
+    ours = _row("s", "gemmspec fused", 1.0)
+    slower = [_row("s", "gemmspec + torch", 1.4), _row("s", "torch", 1.2)]
+    assert bench._verdict(case, ours, None, slower) == "pass"
+    assert bench._verdict(case, ours, None, [*slower, _row("s", "torch other", 0.9)]) == "MISS"
+    assert bench._verdict(case, ours, None, []) == "MISS"  # nothing it was compared with
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for the event loop: every call is logged in order."""
+
+    def __init__(self, log):
+        self.log = log
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                outer.log.append("record")
+
+            def elapsed_time(self, end):
+                return 0.5
+
+        self.Event = Event
+
+    def _sleep(self, cycles):
+        self.log.append("sleep")
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+class _FakeTorch:
+    int8 = "int8"
+
+    def __init__(self, log):
+        self.log = log
+        self.cuda = _FakeCuda(log)
+
+    def empty(self, size, dtype, device):
+        log = self.log
+
+        class Flush:
+            def zero_(self):
+                log.append("flush")
+
+        return Flush()
+
+
+def test_restored_launches_restore_before_each_flush_and_launch(monkeypatch):
+    log = []
+    monkeypatch.setattr(bench, "_torch", lambda: _FakeTorch(log))
+    monkeypatch.setattr(bench, "IDLE_MS", 0.0)
+    monkeypatch.setattr(bench, "RESTORED_LAUNCHES", 3)
+    samples = bench._time(lambda: log.append("fn"), 2, before=lambda: log.append("restore"))
+    assert samples == [0.5, 0.5]
+    one = ["restore", "fn"] + ["restore", "flush", "record", "fn", "record"] * 3 + ["sync"]
+    assert log == one * 2
+
+
+def test_idle_launches_sleep_after_the_restore(monkeypatch):
+    log = []
+    monkeypatch.setattr(bench, "_torch", lambda: _FakeTorch(log))
+    bench.timed_launches(lambda: log.append("fn"), 1, 2.0, before=lambda: log.append("restore"))
+    assert log == ["restore", "fn", "restore", "sleep", "flush", "record", "fn", "record", "sync"]
+    log.clear()
+    bench.timed_launches(lambda: log.append("fn"), 1, 0.0)  # rows that update nothing in place
+    assert log == ["fn", "flush", "record", "fn", "record", "sync"]
