@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from gemmspec.codegen.emit import emit
-from gemmspec.codegen.kernels import RequantKernelConfig, include_dir, render_requant, render_transpose
+from gemmspec.codegen.kernels import (
+    RequantKernelConfig,
+    include_dir,
+    render_requant,
+    render_transpose,
+)
 from gemmspec.codegen.manifest import launch_manifest
 from gemmspec.pipeline import lower_file
 
