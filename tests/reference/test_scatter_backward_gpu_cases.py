@@ -96,7 +96,13 @@ def test_the_bit_for_bit_case_on_an_emulated_kernel(form, counts, monkeypatch):
 
 def _run_on_host(exe, check=None, **args):
     """The call, computed by the schedule executor on the host buffers."""
-    from gemmspec.reference.data import NUMPY_TYPES, Runtime, TensorData, element_offsets, scale_offsets
+    from gemmspec.reference.data import (
+        NUMPY_TYPES,
+        Runtime,
+        TensorData,
+        element_offsets,
+        scale_offsets,
+    )
     from gemmspec.reference.schedule_exec import run_schedule
 
     spec = exe.spec
