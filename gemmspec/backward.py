@@ -27,6 +27,19 @@ The copy quantizes the statement's bf16 result once, where requantize(A) quantiz
 1x128-scaled FP8 values again, so the two WGRADs agree to FP8 rounding, not bit for bit.
 dD is the caller's and is always requantized.
 
+A statement whose output rows are scattered through an index and/or weighted per row
+(`D[idx[m], n] = w[m] * sum[k] A[m, k] * B[n, k]`, FP8) is derived too:
+
+    DGRAD  dA[m, k] = w[m] * sum[n] dD[idx[m], n] * B[n, k]   (dD's rows gathered, w in the epilogue)
+    WGRAD  dB[n, k] = sum[m in G(e)] dDw_q[m, n] * A[m, k],
+           dDw_q = requantize(dD, rows = idx, weight = w)      (w[m] * dD[idx[m], n], 128x1 blocks)
+
+The gradient of the row weight w is not derived (it needs the product before the weight,
+which the forward does not keep): `Backward.not_derived` lists it, `text()` prints it, and
+gemmspec.torch.function refuses a call whose w requires grad. A 16-bit statement of this
+form is skipped (no 16-bit pre-pass gathers and weights dD's rows), as are gathered A rows
+(their gradient would scatter-add).
+
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
 and runs it through the whole front half, so the derived statements are checked,
 analysed and lowered exactly as written ones; a statement whose gradient the
