@@ -120,3 +120,22 @@ def test_a_name_option_on_requantize_is_still_refused():
 def test_a_keyword_value_must_be_a_name():
     with pytest.raises(SpecError):
         parse(_r("rows = dst", "rows = 3"), "spec.gspec")
+
+
+def test_explain_json_names_the_index_and_the_weight(capsys, tmp_path):
+    import json
+
+    from gemmspec.cli import main
+
+    path = tmp_path / "r.gspec"
+    path.write_text(SPEC)
+    assert main(["explain", "--json", str(path)]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    (p,) = doc["prepasses"]
+    assert (p["kind"], p["index"], p["weight"]) == ("requantize", "dst", "rw")
+    plain = _r("[S, N] scale", "[T, N] scale", _r(", rows = dst, weight = rw", ""))
+    path.write_text(plain)
+    assert main(["explain", "--json", str(path)]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    (p,) = doc["prepasses"]
+    assert (p["index"], p["weight"]) == (None, None)
