@@ -138,8 +138,9 @@ def _run_on_host(exe, check=None, **args):
 SMALL = {"H = 7168": "H = 384", "N = 4096": "N = 512", "F = 2048": "F = 256"}
 
 
+@pytest.mark.parametrize("gather", ["auto", "fused"])
 @pytest.mark.parametrize("counts", [cases.COUNTS * 2], ids=["up"])
-def test_the_example_backward_case_on_the_flat_executor(counts, monkeypatch, tmp_path):
+def test_the_example_backward_case_on_the_flat_executor(counts, gather, monkeypatch, tmp_path):
     """The example's own statements at smaller compile-time dims."""
     from gemmspec.runtime import arrays
     from gemmspec.runtime.executor import Executable
@@ -152,4 +153,4 @@ def test_the_example_backward_case_on_the_flat_executor(counts, monkeypatch, tmp
     monkeypatch.setattr(cases, "EXAMPLE", small)
     monkeypatch.setattr(arrays, "DeviceBuffer", _HostBuffer)
     monkeypatch.setattr(Executable, "__call__", _run_on_host)
-    cases.test_the_example_backward_matches_float64(counts)
+    cases.test_the_example_backward_matches_float64(counts, gather)
