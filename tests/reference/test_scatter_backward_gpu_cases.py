@@ -106,8 +106,17 @@ def _run_on_host(exe, check=None, **args):
     from gemmspec.reference.schedule_exec import run_schedule
 
     spec = exe.spec
-    offs = args["expert_offsets"].buf.to_numpy(args["expert_offsets"].shape, np.int32)
-    rt = Runtime({"T": int(offs[-1]), "S": int(offs[-1])}, {"expert_offsets": offs.astype(np.int64)})
+    dims = {}
+    for t in spec.tensors:
+        if t.derived is None and t.layout.kind != "segment_major":  # padded rows: not the dim
+            for d, n in zip(t.dims, args[t.name].shape):
+                if spec.dim(d).size is None:
+                    dims[d] = n
+    rt = Runtime(dims)
+    for g in spec.groups:
+        if g.tensor:
+            v = args[g.tensor]
+            rt.tensors[g.tensor] = v.buf.to_numpy(v.shape, np.int32).astype(np.int64)
 
     def flat(name, dtype, offsets):
         n = int(offsets.max(initial=-1)) + 1
@@ -154,3 +163,13 @@ def test_the_example_backward_case_on_the_flat_executor(counts, gather, monkeypa
     monkeypatch.setattr(arrays, "DeviceBuffer", _HostBuffer)
     monkeypatch.setattr(Executable, "__call__", _run_on_host)
     cases.test_the_example_backward_matches_float64(counts, gather)
+
+
+def test_the_executable_case_on_the_flat_executor(monkeypatch):
+    """run_random with the rows-and-weight pass, the flat executor standing in for the GPU."""
+    from gemmspec.runtime import verify
+    from gemmspec.runtime.executor import Executable
+
+    monkeypatch.setattr(verify, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(Executable, "__call__", _run_on_host)
+    cases.test_requant_rows_prepass_through_the_executable_feeds_the_wgrad()
