@@ -334,11 +334,6 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             w_text = next(inner for name, inner in _ref_list(g.text) if name == weight)
             w_factor = f"{weight}[{w_text}] * "
             decls[weight] = _decl(spec.tensor(weight))
-            not_derived.setdefault(weight, (
-                f"the row weight of statement #{g.index}; its gradient, row by row the dot "
-                f"product of {dd}'s row with the product before the weight, needs that product, "
-                "which the forward does not keep"
-            ))
         if g.scatter:
             decls[g.scatter] = _decl(spec.tensor(g.scatter))
 
@@ -420,6 +415,12 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_idx)}]"
         body.append(f"  {text}")
         derived.append(Derived(g.index, "wgrad", tb.name, db, text))
+        if weight is not None:
+            not_derived.setdefault(weight, (
+                f"the row weight of statement #{g.index}; its gradient, row by row the dot "
+                f"product of {dd}'s row with the product before the weight, needs that product, "
+                "which the forward does not keep"
+            ))
 
     if not derived:
         return Backward(name, "", (), tuple(skipped), (), ())

@@ -142,3 +142,47 @@ def test_gathered_rows_and_other_epilogues_stay_skipped():
     )
     (s,) = derive_backward(gemmspec.build(bias).spec).skipped
     assert "its epilogue has a bias" in s.reason
+
+
+LINEAR = """\
+gemm lin_scatter {
+  dim T
+  dim N = 256, K = 384
+  tensor dst : i32 [T]
+  tensor rw  : f32 [T]
+  tensor x   : e4m3 [T, K] scale f32 [1, 128]
+  tensor w   : e4m3 [N, K] scale f32 [128, 128]
+  tensor y   : bf16 [T, N]
+  y[dst[t], n] = rw[t] * sum[k] x[t, k] * w[n, k]
+}
+"""
+
+
+def test_an_ungrouped_statement_requantizes_into_one_segment():
+    import numpy as np
+
+    from gemmspec.pipeline import lower_file
+    from gemmspec.reference.data import dim_size, random_inputs, random_runtime
+    from gemmspec.reference.direct import run_direct
+    from gemmspec.reference.schedule_exec import run_schedule
+
+    bw = derive_backward(gemmspec.build(LINEAR).spec)
+    assert [d.text for d in bw.statements] == [
+        "dx[t, k] = rw[t] * sum[n] dy[dst[t], n] * w_t[n, k]",
+        "dw[n, k] = sum[t] dyw_q[t, n] * x_q[t, k]",
+    ]
+    assert (
+        "tensor dyw_q : e4m3 [T, N] layout major(T) scale f32 [128, 1] "
+        "= requantize(dy, rows = dst, weight = rw)\n"
+    ) in bw.source
+    # The derived spec on the flat executor equals its direct semantics (129 rows).
+    (low,) = lower_file(bw.source)
+    spec = low.spec
+    rng = np.random.default_rng(4)
+    rt = random_runtime(spec, rng, dims={"T": 129})
+    data = random_inputs(spec, rt, rng)
+    init = {g.out.tensor: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(g.out.tensor).dims), np.nan) for g in spec.gemms}
+    direct, flat = run_direct(spec, rt, data, init), run_schedule(spec, rt, low.schedule, data, init)
+    for name in ("dx", "dw"):
+        assert not np.isnan(direct[name]).any()
+        assert np.allclose(direct[name], flat[name], rtol=1e-12, atol=1e-12 * np.abs(direct[name]).max())
