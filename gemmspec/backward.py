@@ -55,6 +55,7 @@ from .errors import GemmspecError
 from .spec import FP8_TYPES, FreshNames, Gemm, Spec, Tensor
 
 _REF_START = re.compile(r"(\w+)\[")
+_DECL_DIMS = re.compile(r"tensor \w+ : \w+ \[([^\]]*)\]")
 # Ranks of the tensors the `transpose` pre-pass takes (the third dim a batch): a DGRAD
 # weight of another rank is transposed by the caller.
 TRANSPOSE_PASS_RANKS = (2, 3)
@@ -157,9 +158,15 @@ def _refs(text: str) -> tuple[list[str], list[str], list[str]]:
     return split[0], split[1], split[2]
 
 
-def _dims_and_groups(spec: Spec) -> list[str]:
+def _dims_and_groups(spec: Spec, decls: list[str]) -> list[str]:
+    """The forward's dims that the backward's tensors or groups use (a run-time dim no
+    tensor has would have no size at a call), and its groups."""
+    used = {d.strip() for decl in decls for d in _DECL_DIMS.search(decl).group(1).split(",")}
+    used |= {x for g in spec.groups for x in (g.dim, g.count_dim)}
     lines = []
     for d in spec.dims:
+        if d.name not in used:
+            continue
         lines.append(f"  dim {d.name}" if d.size is None else f"  dim {d.name} = {d.size}")
     for g in spec.groups:
         where = f"{g.dim} within {g.within}" if g.within else g.dim
@@ -431,7 +438,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         [
             f"# Derived from {spec.name}: DGRAD and WGRAD of its forward statement(s).",
             f"gemm {name} {{",
-            *_dims_and_groups(spec),
+            *_dims_and_groups(spec, list(decls.values())),
             *(decls[k] for k in order),
             *body,
             "}",

@@ -62,6 +62,10 @@ def test_the_example_derives_both_gradients_of_its_down_projection():
         "  tensor dyw_q : e4m3 [T, H] layout segment_major(expert) pad 16 scale f32 [128, 1] "
         "per expert = requantize(dy, rows = dst, weight = route_w)\n"
     ) in src
+    # Only the dims the backward's tensors use: a run-time S that no tensor has would
+    # have no size at a call.
+    assert "  dim T\n  dim H = 7168\n  dim F = 2048\n  dim E = 8\n" in src
+    assert "dim S" not in src and "dim N" not in src
     # The WGRAD reads the forward's copy: h is neither read nor requantized.
     assert "requantize(h" not in src and "tensor h " not in src
 
