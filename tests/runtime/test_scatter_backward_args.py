@@ -1,0 +1,73 @@
+"""The derived backward of examples/moe_ffn_fp8_train.gspec takes its arguments: the
+output gradient, the index and row weight of the scattered rows, the transposed weight's
+source, the forward's copy h_t (padded segments, anchored scales) and the two gradients
+validate from metadata alone (fake `__cuda_array_interface__` objects, offsets read on
+the host), and every run-time dim has a size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gemmspec
+from gemmspec.backward import build_backward
+from gemmspec.errors import ArgumentError
+from gemmspec.runtime import executor
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec"
+T, H, F, E = 512, 7168, 2048, 8
+GIB = 1 << 30
+
+
+class FakeCuda:
+    def __init__(self, shape, typestr, ptr):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "strides": None, "version": 3,
+        }
+
+
+def good_args(**changes):
+    shapes = {
+        "dy": ((T, H), "|u1"),
+        "dy_scale": ((T, H // 128), "<f4"),
+        "route_w": ((T,), "<f4"),
+        "dst": ((T,), "<i4"),
+        "w_down": ((E, H, F), "|u1"),
+        "w_down_scale": ((E, H // 128, F // 128), "<f4"),
+        "h_t": ((T + 15 * E, F), "|u1"),  # segments padded to 16 rows
+        "h_t_scale": ((E, F), "<f4"),  # 64 tokens per expert: one 128-row block each
+        "dh": ((T, F), "<u2"),
+        "dw_down": ((E, H, F), "<f4"),
+        "expert_offsets": ((E + 1,), "<i4"),
+    }
+    shapes.update(changes)
+    return {n: FakeCuda(shape, ty, (i + 1) * 64 * GIB) for i, (n, (shape, ty)) in enumerate(shapes.items())}
+
+
+@pytest.fixture
+def offsets_on_host(monkeypatch):
+    """The offsets (T tokens spread over the experts) and the index (a permutation) as
+    the host reads them back."""
+    values = {(E + 1,): np.linspace(0, T, E + 1).astype(np.int32), (T,): np.random.default_rng(0).permutation(T).astype(np.int32)}
+    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: values[tuple(shape)])
+
+
+@pytest.fixture(scope="module")
+def exe():
+    return build_backward(gemmspec.build(EXAMPLE).spec)[0]
+
+
+def test_the_arguments_are_the_backward_inputs_and_gradients(exe):
+    assert set(exe.argument_names()) == set(good_args())
+
+
+def test_good_args_pass_validation(exe, offsets_on_host):
+    bound = exe._bind(good_args())
+    assert bound.dims == {"T": T}
+
+
+def test_a_row_weight_of_another_length_is_refused(exe, offsets_on_host):
+    with pytest.raises(ArgumentError, match="dim T is 512 in an earlier tensor but 511 in 'route_w'"):
+        exe._bind(good_args(route_w=((T - 1,), "<f4")))
