@@ -111,6 +111,13 @@ def test_the_prepass_and_its_manifest_step(key):
         assert by_name["idx"].source.ref == "dst"
     if weight:
         assert by_name["W"].source.ref == "rw"
+    # The offsets check reads the index over the target's rows, bounded by the source's:
+    # an entry outside them reads a zero row in the pass and fails `check=True`.
+    from gemmspec.codegen.validate import IndexRows, index_rows
+
+    assert index_rows(low.spec) == ((IndexRows("dst", "T", "S", ("dy",), None),) if rows else ())
+    if rows:
+        assert "index_dst" in [q.name for q in prog.check.kernel.params]
     # The target (and its workspace) has the statement's rows, T, not the source's S.
     ws = manifest.workspace("prepass0.dy_q")
     assert ws.bytes.evaluate({"T": 1000, "S": 7 if rows else 1000}) == (1000 + 4 * 15) * 264
@@ -172,6 +179,21 @@ def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
     sources = exe.program.sources()
     requant = [p for p in exe.program.prepasses if p.prepass.kind == "requantize"]
     assert [(p.config.gather_rows, p.config.row_weight, p.config.pad) for p in requant] == [(True, True, 16)]
+    for name, source in sources.items():
+        cubin, log = compile_cubin(source, [include_dir()], name=name)
+        assert "warning" not in log, (name, log)
+        assert_spill_free(log, disassemble(cubin))
+
+
+def test_every_source_of_the_rows_spec_compiles():
+    """The pass, its offsets check (reading the index) and the WGRAD."""
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+
+    _, prog = program(OPTIONS["rows_weight"])
+    sources = prog.sources()
+    assert any(name.endswith("_check.cu") for name in sources)
     for name, source in sources.items():
         cubin, log = compile_cubin(source, [include_dir()], name=name)
         assert "warning" not in log, (name, log)
