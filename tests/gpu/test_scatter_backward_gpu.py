@@ -144,6 +144,39 @@ def test_requant_rows_prepass_through_the_executable_feeds_the_wgrad():
     assert report.ok, report.describe()
 
 
+def test_an_index_outside_the_source_is_caught_and_never_followed():
+    """The offsets check reads the requantize's index like a gathered row's: check=True
+    raises; unchecked, the pass reads a zero row and nothing faults."""
+    from gemmspec.errors import ArgumentError
+    from gemmspec.runtime.arrays import DeviceBuffer
+
+    exe = gemmspec.build(SPEC.format(opts=", rows = dst, weight = rw", pad=" pad 16", src_rows="S"))
+    t, s = 40, 30
+    counts = [0, 1, 39, 0]
+    offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+
+    def args(index):
+        return {
+            "dst": DeviceBuffer.from_numpy(np.array(index, np.int32)).view((t,), "i32"),
+            "rw": DeviceBuffer.from_numpy(np.ones(t, np.float32)).view((t,), "f32"),
+            "dy": DeviceBuffer.from_numpy(np.zeros((s, 264), np.uint8)).view((s, 264), "e4m3"),
+            "dy_scale": DeviceBuffer.from_numpy(np.ones((s, 3), np.float32)).view((s, 3), "f32"),
+            "x_t": DeviceBuffer.from_numpy(np.zeros((t + 60, 256), np.uint8)).view((t + 60, 256), "e4m3"),
+            "x_t_scale": DeviceBuffer.from_numpy(np.ones((2, 256), np.float32)).view((2, 256), "f32"),
+            "dw": DeviceBuffer(4 * 264 * 256 * 4).view((4, 264, 256), "f32"),
+            "offs": DeviceBuffer.from_numpy(offs).view((5,), "i32"),
+        }
+
+    good = [i % s for i in range(t)]
+    exe(check=True, **args(good))
+    far = [*good[:7], 1 << 30, *good[8:]]  # a wild read if the pass followed it
+    with pytest.raises(ArgumentError, match=r"'dst' holds a row number outside the S rows of 'dy'"):
+        exe(check=True, **args(far))
+    run = exe.prepare(check=False, **args(far))
+    run.enqueue()
+    run.synchronize()
+
+
 # ---- the derived backward of the training FFN example --------------------------------------
 
 

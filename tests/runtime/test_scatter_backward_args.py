@@ -71,3 +71,39 @@ def test_good_args_pass_validation(exe, offsets_on_host):
 def test_a_row_weight_of_another_length_is_refused(exe, offsets_on_host):
     with pytest.raises(ArgumentError, match="dim T is 512 in an earlier tensor but 511 in 'route_w'"):
         exe._bind(good_args(route_w=((T - 1,), "<f4")))
+
+
+ROWS = """\
+gemm wgrad_rows {
+  dim T, S
+  dim N = 256, K = 256
+  group expert[E = 2] = ragged(T, offsets = offs)
+  tensor dst : i32 [T]
+  tensor rw  : f32 [T]
+  tensor dy  : e4m3 [S, N] scale f32 [1, 128]
+  tensor x_t : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert
+  tensor dy_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy, rows = dst, weight = rw)
+  tensor dw  : f32 [E, N, K]
+  dw[e, n, k] = sum[t in expert(e)] dy_q[t, n] * x_t[t, k]
+}
+"""
+
+
+def test_the_host_reads_the_index_of_a_requantize_and_refuses_a_row_outside(monkeypatch):
+    """The index only the requantize pass reads is checked like a gathered row's: the host
+    (check=True) names the entry, the source and its rows."""
+    t, s = 40, 30
+    exe = gemmspec.build(ROWS)
+    shapes = {
+        "dst": ((t,), "<i4"), "rw": ((t,), "<f4"), "dy": ((s, 256), "|u1"), "dy_scale": ((s, 2), "<f4"),
+        "x_t": ((t + 15 * 2, 256), "|u1"), "x_t_scale": ((2, 256), "<f4"), "dw": ((2, 256, 256), "<f4"),
+        "offs": ((3,), "<i4"),
+    }
+    args = {n: FakeCuda(shape, ty, (i + 1) * 64 * GIB) for i, (n, (shape, ty)) in enumerate(shapes.items())}
+    index = np.arange(t, dtype=np.int32) % s
+    values = {(3,): np.array([0, 25, t], np.int32), (t,): index}
+    monkeypatch.setattr(executor, "copy_to_host", lambda a, shape: values[tuple(shape)])
+    assert exe._bind(args).dims == {"T": t, "S": s}
+    index[7] = s + 3
+    with pytest.raises(ArgumentError, match=r"'dst' holds a row number outside the S rows of 'dy': dst\[7\] = 33, S = 30"):
+        exe._bind(args)
