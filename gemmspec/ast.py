@@ -148,6 +148,8 @@ class Derivation:
     op: Name  # "requantize", "transpose", "quantize" or "copy" (a second FP8 output)
     source: Name
     options: tuple[Name, ...] = ()  # after the source: `quantize(x, pow2)`
+    # `KEY = NAME` after the source: `requantize(dy, rows = dst, weight = w)`
+    keywords: tuple[tuple[Name, Name], ...] = ()
 
 
 @dataclass(frozen=True)

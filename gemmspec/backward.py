@@ -27,6 +27,19 @@ The copy quantizes the statement's bf16 result once, where requantize(A) quantiz
 1x128-scaled FP8 values again, so the two WGRADs agree to FP8 rounding, not bit for bit.
 dD is the caller's and is always requantized.
 
+A statement whose output rows are scattered through an index and/or weighted per row
+(`D[idx[m], n] = w[m] * sum[k] A[m, k] * B[n, k]`, FP8) is derived too:
+
+    DGRAD  dA[m, k] = w[m] * sum[n] dD[idx[m], n] * B[n, k]   (dD's rows gathered, w in the epilogue)
+    WGRAD  dB[n, k] = sum[m in G(e)] dDw_q[m, n] * A[m, k],
+           dDw_q = requantize(dD, rows = idx, weight = w)      (w[m] * dD[idx[m], n], 128x1 blocks)
+
+The gradient of the row weight w is not derived (it needs the product before the weight,
+which the forward does not keep): `Backward.not_derived` lists it, `text()` prints it, and
+gemmspec.torch.function refuses a call whose w requires grad. A 16-bit statement of this
+form is skipped (no 16-bit pre-pass gathers and weights dD's rows), as are gathered A rows
+(their gradient would scatter-add).
+
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
 and runs it through the whole front half, so the derived statements are checked,
 analysed and lowered exactly as written ones; a statement whose gradient the
@@ -41,7 +54,8 @@ from dataclasses import dataclass
 from .errors import GemmspecError
 from .spec import FP8_TYPES, FreshNames, Gemm, Spec, Tensor
 
-_REF = re.compile(r"(\w+)\[([^\]]*)\]")
+_REF_START = re.compile(r"(\w+)\[")
+_DECL_DIMS = re.compile(r"tensor \w+ : \w+ \[([^\]]*)\]")
 # Ranks of the tensors the `transpose` pre-pass takes (the third dim a batch): a DGRAD
 # weight of another rank is transposed by the caller.
 TRANSPOSE_PASS_RANKS = (2, 3)
@@ -81,6 +95,9 @@ class Backward:
     copies: tuple[tuple[str, str], ...] = ()
     # (forward copy, why the WGRAD requantizes its source rather than reading it)
     copies_unused: tuple[tuple[str, str], ...] = ()
+    # (forward input, why its gradient is not derived) for inputs of derived statements
+    # other than the two factors: a row weight (the index tensors have none).
+    not_derived: tuple[tuple[str, str], ...] = ()
 
     def text(self) -> str:
         """What `explain` prints about the derived backward."""
@@ -98,22 +115,58 @@ class Backward:
             )
         for copy, reason in self.copies_unused:
             lines.append(f"  {copy}: the forward's copy, not read: {reason}")
+        for name, reason in self.not_derived:
+            lines.append(f"  {name}: gradient not derived: {reason}")
         for s in self.skipped:
             lines.append(f"  statement #{s.forward}: not derived: {s.reason}")
         return "\n".join(lines)
 
 
+def _ref_list(text: str) -> list[tuple[str, str]]:
+    """Every `NAME[...]` of a statement's text, outermost only, as (name, what is inside
+    the brackets): `y[dst[t], n]` is ('y', 'dst[t], n')."""
+    refs, at = [], 0
+    while (m := _REF_START.search(text, at)) is not None:
+        depth, end = 1, m.end()
+        while depth:
+            depth += {"[": 1, "]": -1}.get(text[end], 0)
+            end += 1
+        refs.append((m.group(1), text[m.end() : end - 1]))
+        at = end
+    return refs
+
+
+def _split_indices(inner: str) -> list[str]:
+    """`dst[t], n` -> ['dst[t]', 'n'] (commas inside brackets or parentheses kept)."""
+    parts, depth, cur = [], 0, ""
+    for ch in inner:
+        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*parts, cur.strip()]
+
+
 def _refs(text: str) -> tuple[list[str], list[str], list[str]]:
-    """Index lists of the output and the two factors of a statement's text."""
-    refs = _REF.findall(text)
+    """Index lists of the output and the two factors of a statement's text (a plain
+    product: the factors are its last two references)."""
+    refs = _ref_list(text)
     out, a, b = refs[0], refs[-2], refs[-1]
-    split = [[i.strip() for i in r[1].split(",")] for r in (out, a, b)]
+    split = [_split_indices(r[1]) for r in (out, a, b)]
     return split[0], split[1], split[2]
 
 
-def _dims_and_groups(spec: Spec) -> list[str]:
+def _dims_and_groups(spec: Spec, decls: list[str]) -> list[str]:
+    """The forward's dims that the backward's tensors or groups use (a run-time dim no
+    tensor has would have no size at a call), and its groups."""
+    used = {d.strip() for decl in decls for d in _DECL_DIMS.search(decl).group(1).split(",")}
+    used |= {x for g in spec.groups for x in (g.dim, g.count_dim)}
     lines = []
     for d in spec.dims:
+        if d.name not in used:
+            continue
         lines.append(f"  dim {d.name}" if d.size is None else f"  dim {d.name} = {d.size}")
     for g in spec.groups:
         where = f"{g.dim} within {g.within}" if g.within else g.dim
@@ -146,15 +199,22 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
         return "it adds into its output (+=); only `=` statements are derived"
     if g.k.group is not None:
         return "it is K-grouped already (a WGRAD-style statement)"
-    if g.epilogue or g.swiglu:
+    if g.swiglu:
         return (
-            "it has a fused epilogue (scalar, row weight, bias or SwiGLU); only plain products "
+            "it fuses SwiGLU (silu(gate) * up); its gradient goes through the activation, which "
+            "no derived statement computes"
+        )
+    other = [e.kind for e in g.epilogue if e.kind != "row"]
+    if other:
+        what = "a per-leaf scalar" if other[0] == "alpha" else "a bias"
+        return (
+            f"its epilogue has {what}; only plain products, scattered or weighted per row, "
             "are derived"
         )
-    if g.gather or g.scatter:
+    if g.gather:
         return (
-            "it reads or writes rows through an index tensor; their gradients would scatter-add "
-            "(several rows into one), which no statement expresses yet"
+            f"it reads the rows of '{g.a.tensor}' through '{g.gather}'; their gradient would "
+            "scatter-add (several rows into one), which no statement expresses yet"
         )
     if spec.tensor(g.out.tensor).dtype in FP8_TYPES:
         return (
@@ -170,6 +230,24 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
             return f"it reads the derived tensor '{t.name}'"
     if g.m.masked_by is not None:
         return "its rows are masked (a WGRAD over masked rows is not expressible yet)"
+    row = g.epilogue_of("row")
+    if (g.scatter or row) and spec.tensor(g.a.tensor).dtype not in FP8_TYPES:
+        what = " and ".join(
+            w for w in (
+                f"scatters its rows through '{g.scatter}'" if g.scatter else "",
+                f"weights its rows by '{row.access.tensor}'" if row else "",
+            ) if w
+        )
+        return (
+            f"it {what} in {spec.tensor(g.a.tensor).dtype}: its WGRAD would read the output "
+            "gradient's rows gathered and weighted, which only the FP8 requantize pre-pass "
+            "does (a 16-bit pre-pass for it does not exist)"
+        )
+    if row is not None and spec.tensor(row.access.tensor).rank != 1:
+        return (
+            f"its row weight '{row.access.tensor}' has {spec.tensor(row.access.tensor).rank} dims; "
+            "the WGRAD's requantize weighs rows by a 1-D tensor only"
+        )
     return None
 
 
@@ -219,6 +297,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
     transposed: list[tuple[str, str]] = []
     used_copies: list[tuple[str, str]] = []
     unused_copies: list[tuple[str, str]] = []
+    not_derived: dict[str, str] = {}
 
     for g in spec.gemms:
         reason = _eligible(spec, g)
@@ -250,7 +329,20 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             decls[dd] = f"  tensor {dd} : e4m3 [{', '.join(td.dims)}] scale f32 [{blocks}]"
         else:
             decls[dd] = f"  tensor {dd} : {grad_type} [{', '.join(td.dims)}]"  # an operand now
+        # A scattered output's rows: dD is read at the rows the forward wrote (`dy[dst[t], n]`).
         dd_ref = f"{dd}[{', '.join(d_idx)}]"
+        m_out = g.out.axis_of_role("m")
+        d_rows = [g.m.var if i == m_out else idx for i, idx in enumerate(d_idx)]  # the statement's own rows
+        row = g.epilogue_of("row")
+        weight = row.access.tensor if row else None
+        # The row weight multiplies dA's rows (DGRAD epilogue) and dD's rows (WGRAD operand).
+        w_factor = ""
+        if weight is not None:
+            w_text = next(inner for name, inner in _ref_list(g.text) if name == weight)
+            w_factor = f"{weight}[{w_text}] * "
+            decls[weight] = _decl(spec.tensor(weight))
+        if g.scatter:
+            decls[g.scatter] = _decl(spec.tensor(g.scatter))
 
         # DGRAD: dA = sum[n] dD * B, B read with n contiguous.
         da = names.fresh(f"d{ta.name}", f"grad_{ta.name}")
@@ -268,7 +360,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 transposed.append((tb.name, b_name))
         else:
             decls[tb.name] = _decl(tb)
-        text = f"{da}[{', '.join(a_idx)}] = sum[{g.n.var}] {dd_ref} * {b_name}[{', '.join(b_idx)}]"
+        text = f"{da}[{', '.join(a_idx)}] = {w_factor}sum[{g.n.var}] {dd_ref} * {b_name}[{', '.join(b_idx)}]"
         body.append(f"  {text}")
         derived.append(Derived(g.index, "dgrad", ta.name, da, text))
 
@@ -296,7 +388,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         a_ref, d_ref = ta.name, dd
         if fp8:
             copy, why_not = _wgrad_copy(spec, ta, group if groups_on_m else None, m_dim) if copies else (None, None)
-            d_ref = names.fresh(f"{dd}_q")
+            d_ref = names.fresh(f"{dd}w_q" if weight else f"{dd}_q")
             wanted = [(dd, d_ref, None)]
             if copy is not None:
                 # The forward wrote A's 128x1 form already: an input here, no pre-pass.
@@ -311,18 +403,31 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 if why_not is not None and all(c != why_not[0] for c, _ in unused_copies):
                     unused_copies.append(why_not)
             for src, q, t in wanted:
-                dims = t.dims if t is not None else td.dims
+                # dD's operand has the statement's rows: D's own, or those scattered D rows
+                # read through the index (`rows = dst`), times the row weight.
+                dims = list(t.dims) if t is not None else [m_dim if i == m_out else d for i, d in enumerate(td.dims)]
                 m_axis = dims.index(m_dim)
                 blocks = ", ".join("128" if i == m_axis else "1" for i in range(len(dims)))
+                options = "".join(
+                    f", {key} = {value}"
+                    for key, value in (("rows", g.scatter), ("weight", weight))
+                    if t is None and value is not None
+                )
                 decls[q] = (
                     f"  tensor {q} : e4m3 [{', '.join(dims)}] layout {seg_layout} "
-                    f"scale f32 [{blocks}]{per} = requantize({src})"
+                    f"scale f32 [{blocks}]{per} = requantize({src}{options})"
                 )
         else:
             decls.setdefault(ta.name, _decl(ta))
-        text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_idx)}] * {a_ref}[{', '.join(a_idx)}]"
+        text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_idx)}]"
         body.append(f"  {text}")
         derived.append(Derived(g.index, "wgrad", tb.name, db, text))
+        if weight is not None:
+            not_derived.setdefault(weight, (
+                f"the row weight of statement #{g.index}; its gradient, row by row the dot "
+                f"product of {dd}'s row with the product before the weight, needs that product, "
+                "which the forward does not keep"
+            ))
 
     if not derived:
         return Backward(name, "", (), tuple(skipped), (), ())
@@ -333,7 +438,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         [
             f"# Derived from {spec.name}: DGRAD and WGRAD of its forward statement(s).",
             f"gemm {name} {{",
-            *_dims_and_groups(spec),
+            *_dims_and_groups(spec, list(decls.values())),
             *(decls[k] for k in order),
             *body,
             "}",
@@ -349,6 +454,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         tuple(transposed),
         tuple(used_copies),
         tuple((c, why) for c, why in unused_copies if c not in dict(used_copies)),
+        tuple(not_derived.items()),
     )
 
 

@@ -63,6 +63,9 @@ GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choic
 COPY_OP = "copy"
 # quantize(SOURCE, pow2): the pass writes power-of-two scales (its only option).
 QUANTIZE_POW2 = "pow2"
+# requantize(SOURCE, rows = IDX, weight = W): row t of the target is W[t] times row
+# IDX[t] of SOURCE (its two keywords, each optional).
+REQUANTIZE_ROWS, REQUANTIZE_WEIGHT = "rows", "weight"
 
 # Names a spec may not use: they reach emitted C++ as parameter and symbol names.
 CXX_RESERVED = frozenset(
@@ -433,7 +436,11 @@ class _Checker:
             copy_of = t.derived.source.text  # a second output of a statement, not a pre-pass
         elif t.derived:
             pow2 = any(o.text == QUANTIZE_POW2 for o in t.derived.options)  # checked in check_derivation
-            derived = Derivation(t.derived.op.text, t.derived.source.text, pow2)
+            keys = {k.text: v.text for k, v in t.derived.keywords}  # checked in check_derivation
+            derived = Derivation(
+                t.derived.op.text, t.derived.source.text, pow2,
+                index=keys.get(REQUANTIZE_ROWS), weight=keys.get(REQUANTIZE_WEIGHT),
+            )
         self.tensors[t.name.text] = Tensor(
             t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line, copy_of
         )
@@ -775,6 +782,7 @@ class _Checker:
         if src.text not in self.tensors:
             raise self.error(f"unknown tensor '{src.text}'", src.pos)
         self.check_derivation_options(op, t.derived.options)
+        self.check_derivation_keywords(t)
         if op.text == COPY_OP:
             self.check_copy_declaration(t)
             return
@@ -794,7 +802,9 @@ class _Checker:
         if source.derived is not None:
             message, note = self._chain_message(t.name.text, source)
             raise self.error(message, src.pos, note)
-        if source.dims != target.dims:
+        if t.derived.keywords:
+            self._check_requantize_rows_source(t, source, target)
+        elif source.dims != target.dims:
             raise self.error(
                 f"{op.text}({src.text}) keeps the logical shape [{', '.join(source.dims)}], but "
                 f"'{t.name.text}' is declared [{', '.join(target.dims)}]",
@@ -997,6 +1007,79 @@ class _Checker:
                 f"per block of {KERNEL_K_BLOCK} rows); its scale layout is {scale.layout}",
                 sd.layout.pos if sd.layout is not None else sd.pos,
                 "drop the scale's layout",
+            )
+
+    def check_derivation_keywords(self, t: ast.TensorDecl) -> None:
+        """requantize(SOURCE, rows = IDX, weight = W): IDX an i32 index tensor and W an f32
+        tensor, each 1-D over the target's rows (its first dim); each keyword at most once.
+        The other derivations take no keywords."""
+        op, keywords = t.derived.op, t.derived.keywords
+        name = t.name.text
+        seen: set[str] = set()
+        for key, value in keywords:
+            if op.text != "requantize":
+                raise self.error(
+                    f"{op.text}(...) takes no `{key.text} = ...`; rows through an index and a row "
+                    "weight are options of requantize",
+                    key.pos,
+                )
+            if key.text not in (REQUANTIZE_ROWS, REQUANTIZE_WEIGHT):
+                raise self.error(
+                    f"unknown option '{key.text}' of requantize; it takes `{REQUANTIZE_ROWS} = IDX` "
+                    f"(row t read from row IDX[t] of the source) and `{REQUANTIZE_WEIGHT} = W` "
+                    "(row t multiplied by W[t])",
+                    key.pos,
+                )
+            if key.text in seen:
+                raise self.error(f"option '{key.text}' of requantize is given twice", key.pos)
+            seen.add(key.text)
+            if value.text not in self.tensors:
+                raise self.error(f"unknown tensor '{value.text}'", value.pos)
+            v = self.tensors[value.text]
+            rows = self.tensors[name].dims[0]
+            want = INDEX_TYPE if key.text == REQUANTIZE_ROWS else "f32"
+            what = "the index of its rows" if key.text == REQUANTIZE_ROWS else "the weight of its rows"
+            if v.dtype != want or v.rank != 1 or v.dims[0] != rows:
+                raise self.error(
+                    f"'{value.text}' is {what} in '{name}', an {want} tensor [{rows}] (one entry per "
+                    f"row of '{name}'), but it is {v.dtype} [{', '.join(v.dims)}]",
+                    value.pos,
+                    f"declare `tensor {value.text} : {want} [{rows}]`",
+                )
+            if v.derived is not None or v.copy_of is not None or v.scale is not None:
+                raise self.error(
+                    f"'{value.text}' ({what} in '{name}') must be a plain tensor passed in",
+                    value.pos,
+                )
+
+    def _check_requantize_rows_source(self, t: ast.TensorDecl, source: Tensor, target: Tensor) -> None:
+        """requantize with rows or a weight reads an FP8 [S, C] source with [1, 128] scales
+        (the form its kernel dequantizes row by row); with rows, the target's [T, C] may
+        have other rows than the source, else the shapes agree."""
+        src = t.derived.source
+        keys = {k.text for k, _ in t.derived.keywords}
+        if source.dtype not in FP8_TYPES or source.scale is None or source.rank != 2 or (
+            source.scale.block != (1, KERNEL_K_BLOCK)
+        ):
+            what = (
+                source.dtype if source.dtype not in FP8_TYPES
+                else f"{source.dtype} with no scale" if source.scale is None
+                else f"{source.rank}-D" if source.rank != 2
+                else f"scaled in blocks {source.scale.block_text}"
+            )
+            raise self.error(
+                f"requantize({src.text}, {', '.join(f'{k} = ...' for k in sorted(keys))}) reads a 2-D "
+                f"FP8 source with [1, {KERNEL_K_BLOCK}] scales (one per row and 128 columns), but "
+                f"'{src.text}' is {what}",
+                src.pos,
+            )
+        same = source.dims[1:] == target.dims[1:] if REQUANTIZE_ROWS in keys else source.dims == target.dims
+        if target.rank != source.rank or not same:
+            rows = " (rows through the index may be of another dim)" if REQUANTIZE_ROWS in keys else ""
+            raise self.error(
+                f"requantize({src.text}) keeps the columns of [{', '.join(source.dims)}]{rows}, but "
+                f"'{t.name.text}' is declared [{', '.join(target.dims)}]",
+                t.shape[0].pos,
             )
 
     def check_derivation_options(self, op: ast.Name, options: tuple[ast.Name, ...]) -> None:
@@ -2386,7 +2469,7 @@ class _Checker:
                 f"tensor with [1, 128] scales into [128, 1] scales: {'; '.join(wrong)}",
                 pos,
             )
-        tokens, channels = src.dims
+        tokens, channels = t.dims  # the target's rows: the source's, or those an index names
         # The kernel writes each segment's tokens contiguously ([T, C] with T contiguous,
         # or segment_major on T) and a row-major grid of [128, 1] scale blocks restarted
         # at every segment; the source's [1, 128] blocks start at channel 0.

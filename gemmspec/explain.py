@@ -115,6 +115,7 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
                 "anchored_per": p.anchor,
                 "pow2_scales": p.pow2,
                 "index": p.index,
+                "weight": p.weight,
                 "before_launches": list(p.reads_before),
                 "description": p.describe(),
             }

@@ -39,7 +39,7 @@ _TERMINAL_WORDS = {
     "INT": "an integer",
     "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32, i32)",
     "ASSIGN": "'=' or '+='",
-    "DERIVE_OP": "'requantize', 'transpose' or 'quantize'",
+    "DERIVE_OP": "'requantize', 'transpose', 'quantize' or 'copy'",
     "LBRACE": "'{'",
     "RBRACE": "'}'",
     "LSQB": "'['",
@@ -212,8 +212,13 @@ class _ToAst(Transformer_NonRecursive):
     def scale_pow2(self, items):
         return ("pow2", _pos(items[0]))
 
+    def derive_option(self, items):
+        return (_name(items[0]), _name(items[1])) if len(items) == 2 else _name(items[0])
+
     def derived(self, items):
-        return ast.Derivation(_name(items[0]), _name(items[1]), tuple(_name(t) for t in items[2:]))
+        options = tuple(o for o in items[2:] if isinstance(o, ast.Name))
+        keywords = tuple(o for o in items[2:] if isinstance(o, tuple))
+        return ast.Derivation(_name(items[0]), _name(items[1]), options, keywords)
 
     def tensor_decl(self, items):
         name, dtype, shape = _name(items[0]), _name(items[1]), items[2]

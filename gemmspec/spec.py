@@ -187,7 +187,24 @@ class Derivation:
     pow2: bool = False
     # gather: the rows of SOURCE that this int32 index tensor names, one per entry (the
     # compiler plans it for a statement's gathered A, see gemmspec/gather_plan.py).
+    # requantize(SOURCE, rows = IDX): row t of the target is row IDX[t] of SOURCE (a zero
+    # row for an entry outside SOURCE's rows).
     index: str | None = None
+    # requantize(SOURCE, weight = W): row t is multiplied by the f32 W[t] before it is
+    # quantized.
+    weight: str | None = None
+
+    def __str__(self) -> str:
+        if self.op == "gather":
+            return f"gather({self.source}[{self.index}])"
+        args = [self.source]
+        if self.pow2:
+            args.append("pow2")
+        if self.index:
+            args.append(f"rows = {self.index}")
+        if self.weight:
+            args.append(f"weight = {self.weight}")
+        return f"{self.op}({', '.join(args)})"
 
 
 @dataclass(frozen=True)
@@ -213,9 +230,7 @@ class Tensor:
         if self.scale:
             s += f" {self.scale}"
         if self.derived:
-            pow2 = ", pow2" if self.derived.pow2 else ""
-            via = f"[{self.derived.index}]" if self.derived.index else ""
-            s += f" = {self.derived.op}({self.derived.source}{via}{pow2})"
+            s += f" = {self.derived}"
         if self.copy_of:
             s += f" = copy({self.copy_of})"
         return s

@@ -659,6 +659,13 @@ class GemmFunction:
                 f"{self.spec.name}: takes {', '.join(self.args)} (FP8 operands in high "
                 f"precision, no scales); missing {missing or 'none'}, unknown {unknown or 'none'}"
             )
+        if torch.is_grad_enabled():
+            for name, why in self.backward.not_derived:
+                if name in tensors and tensors[name].requires_grad:
+                    raise ArgumentError(
+                        f"{self.spec.name}: '{name}' requires grad, but its gradient is not "
+                        f"derived ({why}); pass it detached (or with requires_grad=False)"
+                    )
         outs = _Autograd.apply(self, *[tensors[n] for n in self.args])
         return outs[0] if len(outs) == 1 else outs
 

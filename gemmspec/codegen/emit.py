@@ -521,7 +521,10 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
             "[T, C] FP8 with [1, 128] scales into [128, 1] scales"
         )
     # A padded segment_major target takes a kernel that writes the padded segments.
-    cfg = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype, pad=dst.layout.pad)
+    cfg = RequantKernelConfig(
+        in_type=src.dtype, out_type=dst.dtype, pad=dst.layout.pad,
+        gather_rows=p.index is not None, row_weight=p.weight is not None,
+    )
     cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
     return EmittedPrePass(p, cfg, HEADER + render_requant(cfg))
 

@@ -554,6 +554,10 @@ class RequantKernelConfig:
     # Segments written in padded lengths (segment_major(G) pad P): segment g starts at the
     # sum of round_up(len, pad) over the segments before it, its rows round_up(len, pad) apart.
     pad: int = 1
+    # requantize(X, rows = idx): token t reads row idx[t] of X (a zero row outside X).
+    gather_rows: bool = False
+    # requantize(X, weight = W): token t's row is multiplied by W[t] before quantizing.
+    row_weight: bool = False
 
     def __post_init__(self) -> None:
         if self.in_type not in FP8_TYPES or self.out_type not in FP8_TYPES:
@@ -570,7 +574,8 @@ class RequantKernelConfig:
                 "name",
                 f"gs_sm90a_requant_{self.in_type}_{self.out_type}_sx1x{self.sx_bk}"
                 f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}"
-                f"{f'_p{self.pad}' if self.pad > 1 else ''}",
+                f"{f'_p{self.pad}' if self.pad > 1 else ''}"
+                f"{'_rows' if self.gather_rows else ''}{'_rw' if self.row_weight else ''}",
             )
 
 
@@ -718,6 +723,8 @@ def render_requant(cfg: RequantKernelConfig | None = None) -> str:
         sx_bk=cfg.sx_bk,
         threads=cfg.threads,
         pad=cfg.pad,
+        gather_rows=cfg.gather_rows,
+        row_weight=cfg.row_weight,
     )
 
 

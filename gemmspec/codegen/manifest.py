@@ -461,7 +461,8 @@ class _Builder:
 
     def requantize(self, index, e, p: PrePass, src: Tensor, dst: Tensor, file: str) -> None:
         cfg = e.config
-        tokens, channels = self.dim(src.dims[0]), self.dim(src.dims[1])
+        # The target's rows: the source's, or those the index names.
+        tokens, channels = self.dim(dst.dims[0]), self.dim(dst.dims[1])
         offsets, groups = self.requant_segments(index, dst, tokens)
         # A padded segment_major target needs up to pad - 1 more rows per segment.
         y = self.workspace(
@@ -489,6 +490,13 @@ class _Builder:
             Param("Y", _ptr(dst.dtype, const=False), y),
             Param("SY", "float*", sy),
         )
+        if p.index is not None:
+            params += (
+                Param("idx", "const int*", self.where[p.index]),
+                Param("S", "int", self.value(self.dim(src.dims[0]))),
+            )
+        if p.weight is not None:
+            params += (Param("W", "const float*", self.where[p.weight]),)
         grid = (rows, channels.ceil_div(cfg.tile_c), Formula.const(1))
         self.steps.append(
             KernelLaunch("requantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)

@@ -10,8 +10,9 @@ tensor for the launches to read: the tensor itself when every check passed, zero
 otherwise, which makes every segment empty. A call with bad offsets therefore
 computes no leaf, and `check=True` reads the flags back to raise a clear error.
 
-It also reads every index tensor (rows read or written through it, `x[idx[t], k]`) over
-the rows the statements use and flags a row number outside the rows it picks from. The
+It also reads every index tensor (rows read or written through it, `x[idx[t], k]`, or
+read by `requantize(SOURCE, rows = idx)`) over the rows the statements use and flags a
+row number outside the rows it picks from. The
 launches read index tensors as they are: the kernels skip such a row themselves (read
 as zeros, not stored), so a bad index never reaches memory outside its tensor; the
 flag, like the others, empties every ragged segment and gives `check=True` its error.
@@ -182,21 +183,31 @@ def index_rows(spec: Spec) -> tuple[IndexRows, ...]:
     """Every (index tensor, dim it picks rows of), with the tensors it picks them of and
     the rows the statements read: all of them if any statement reads all."""
     found: dict[tuple[str, str], IndexRows] = {}
+    uses = []
     for g in spec.gemms:
         for acc, name in ((g.a, g.gather), (g.out, g.scatter)):
-            if name is None:
-                continue
-            bound = spec.tensor(acc.tensor).dims[acc.axis_of_role("m")]
-            limit = _rows_limit(spec, g.m.group, g.m.masked_by)
-            key = (name, bound)
-            if key in found:
-                old = found[key]
-                same = old.limit == limit
-                found[key] = IndexRows(
-                    name, old.rows, bound, tuple(dict.fromkeys((*old.of, acc.tensor))), limit if same else None
-                )
-            else:
-                found[key] = IndexRows(name, spec.tensor(name).dims[0], bound, (acc.tensor,), limit)
+            if name is not None:
+                bound = spec.tensor(acc.tensor).dims[acc.axis_of_role("m")]
+                uses.append((name, bound, acc.tensor, _rows_limit(spec, g.m.group, g.m.masked_by)))
+    # requantize(SOURCE, rows = IDX) that a statement reads: IDX picks SOURCE's rows for
+    # the rows of the target's segments (its pass reads a zero row past SOURCE, as a
+    # gathered GEMM row does; the check gives the call its error).
+    read = {t for g in spec.gemms for t in (g.a.tensor, g.b.tensor)}
+    for t in spec.tensors:
+        if t.derived is not None and t.derived.op == "requantize" and t.derived.index and t.name in read:
+            group = t.layout.group if t.layout.kind == "segment_major" else None
+            source = spec.tensor(t.derived.source)
+            uses.append((t.derived.index, source.dims[0], source.name, _rows_limit(spec, group, None)))
+    for name, bound, tensor, limit in uses:
+        key = (name, bound)
+        if key in found:
+            old = found[key]
+            same = old.limit == limit
+            found[key] = IndexRows(
+                name, old.rows, bound, tuple(dict.fromkeys((*old.of, tensor))), limit if same else None
+            )
+        else:
+            found[key] = IndexRows(name, spec.tensor(name).dims[0], bound, (tensor,), limit)
     return tuple(found.values())
 
 

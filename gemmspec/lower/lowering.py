@@ -290,6 +290,8 @@ def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
         anchor=t.scale.anchor,
         reads_before=readers,
         pow2=t.derived.pow2,
+        index=t.derived.index,
+        weight=t.derived.weight,
     )
 
 
@@ -307,10 +309,8 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
         )
         if readers:
             prepasses.append(_prepass(spec, t, readers))
-            pow2 = ", pow2" if t.derived.pow2 else ""
-            via = f"[{t.derived.index}]" if t.derived.index else ""
             reasons.append(
-                f"pre-pass: {t.name} = {t.derived.op}({t.derived.source}{via}{pow2}) before launch"
+                f"pre-pass: {t.name} = {t.derived} before launch"
                 f"{'es' if len(readers) > 1 else ''} {', '.join(map(str, readers))}"
             )
     return Schedule(spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches)

@@ -389,6 +389,9 @@ class PrePass:
     kind "gather": row t of the target is row index[t] of the source (a zero row for an
     entry outside the source's rows), its [1, 128] scales copied with it (none for an
     unscaled source); bytes move, nothing is requantized.
+    A requantize with `index` reads row t of its target from row index[t] of the source
+    (a zero row outside the source's rows); with `weight` it multiplies row t by
+    weight[t] before quantizing it.
     """
 
     kind: str
@@ -403,7 +406,8 @@ class PrePass:
     anchor: str | None
     reads_before: tuple[int, ...] = field(default=())  # launches that read the target
     pow2: bool = False  # quantize: power-of-two scales
-    index: str | None = None  # gather: the int32 index tensor naming the source rows
+    index: str | None = None  # gather, requantize: the int32 index tensor naming the source rows
+    weight: str | None = None  # requantize: the f32 weight of each target row
 
     def describe(self) -> str:
         if self.kind == "gather":
@@ -426,10 +430,12 @@ class PrePass:
                 f"scale = {rule}, one pass"
             )
         anchor = f" per {self.anchor}" if self.anchor else ""
+        rows = f" rows through {self.index}" if self.index else ""
+        weight = f", row t times {self.weight}[t]" if self.weight else ""
         return (
-            f"requantize {self.source} ({self.source_layout}, scales {list(self.source_block)}) "
+            f"requantize {self.source} ({self.source_layout}, scales {list(self.source_block)}){rows} "
             f"-> {self.target} ({self.target_layout}, scales {list(self.target_block)}{anchor}): "
-            "dequantize, transpose, quantize in one FP8-in FP8-out pass"
+            f"dequantize{weight}, transpose, quantize in one FP8-in FP8-out pass"
         )
 
     def __str__(self) -> str:

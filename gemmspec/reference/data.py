@@ -126,6 +126,43 @@ def requantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor)
     return q, grid
 
 
+def requantize_rows_values(
+    spec: Spec,
+    rt: Runtime,
+    source: Tensor,
+    data: TensorData,
+    target: Tensor,
+    index: np.ndarray | None,
+    weight: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """requantize(SOURCE, rows = IDX, weight = W) (docs/language.md, section 7): row t of the
+    target is W[t] times row IDX[t] of the dequantized source (a zero row for an entry
+    outside the source's rows), quantized with the target's blocks: (fp8 values, scale
+    grid). Float32 throughout, as the kernel computes it: the row's scale times W[t], the
+    FP8 value times that, amax per block (NaN ignored), scale = amax / FP8 max (1 for an
+    all-zero block), value / scale rounded to nearest even and saturated to the finite
+    range. Either keyword may be missing (the rows in order, a weight of 1)."""
+    assert source.scale is not None and data.scale_grid is not None and target.scale is not None
+    rows = dim_size(spec, rt, target.dims[0])
+    picked = np.arange(rows) if index is None else np.asarray(index).astype(np.int64)
+    inside = (picked >= 0) & (picked < data.values.shape[0])
+    at = np.where(inside, picked, 0)
+    # Exact in float32: FP8 values and f32 scales.
+    q_src = np.asarray(data.values, dtype=np.float32)[at]
+    sx = expand_scales(spec, rt, source, data.scale_grid).astype(np.float32)[at]
+    if weight is not None:
+        sx = sx * np.asarray(weight, dtype=np.float32)[:, None]
+    real = np.where(inside[:, None], q_src * sx, np.float32(0)).astype(np.float32)
+    fp8_max = np.float32(FP8_MAX[target.dtype])
+    blocks = [block_index(spec, rt, target, a) for a in range(target.rank)]
+    amax = np.zeros(scale_grid_shape(spec, rt, target), dtype=np.float32)
+    np.fmax.at(amax, np.ix_(*blocks), np.abs(real))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
+        ratio = np.clip(real / grid[np.ix_(*blocks)], -fp8_max, fp8_max)
+    return ratio.astype(NUMPY_TYPES[target.dtype]).astype(np.float64), grid
+
+
 def pow2_scales(amax: np.ndarray, dtype: str) -> np.ndarray:
     """quantize(SOURCE, pow2)'s scale of each block (float32): the least power of two
     2^e with e >= -127 (UE8M0's range) and amax <= FP8 max * 2^e, exactly: with
@@ -384,6 +421,9 @@ def index_uses(spec: Spec, name: str) -> list[tuple[str, str, str]]:
             if via == name:
                 axis = acc.axis_of_role("m")
                 uses.append((acc.tensor, kind, spec.tensor(acc.tensor).dims[axis]))
+    for t in spec.tensors:  # requantize(SOURCE, rows = name): rows of SOURCE, repeats allowed
+        if t.derived is not None and t.derived.op == "requantize" and t.derived.index == name:
+            uses.append((t.derived.source, "gather", spec.tensor(t.derived.source).dims[0]))
     return uses
 
 

@@ -6,7 +6,7 @@ ragged, split, uniform and masked groups, and rows read or written through an
 index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an index
 outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
-blocks; quantize: the same rounding from unscaled values; transpose: same values).
+blocks, with `rows` and `weight` in float32 as data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values).
 An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
 own scale grid (returned under the scale's name beside the values).
 """
@@ -27,6 +27,7 @@ from .data import (
     fp8_output_values,
     quantize_values,
     real_values,
+    requantize_rows_values,
     requantize_values,
     rows_through,
     scale_grid_shape,
@@ -50,6 +51,12 @@ def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, Te
             # The statements read x[idx[t], k] as written (through the index); the
             # pre-pass's copy is the schedule's business (schedule_exec.run_prepass).
             continue
+        elif t.derived.index is not None or t.derived.weight is not None:
+            index, weight = (
+                None if n is None else data[n].values for n in (t.derived.index, t.derived.weight)
+            )
+            q, grid = requantize_rows_values(spec, rt, src, data[src.name], t, index, weight)
+            out[t.name] = TensorData(q, grid)
         else:
             real = real_values(spec, rt, src, data[src.name])
             q, grid = requantize_values(spec, rt, real, t)

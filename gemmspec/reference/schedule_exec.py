@@ -36,6 +36,7 @@ from .data import (
     quantize_rows,
     quantize_values,
     real_values,
+    requantize_rows_values,
     requantize_values,
     scale_offsets,
     segments,
@@ -218,6 +219,12 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
     grid_src = flat[src.scale.name][scale_offsets(spec, rt, src)]
     if p.kind == "transpose":
         q, grid = q_src, grid_src
+    elif p.index is not None or p.weight is not None:
+        index, weight = (
+            None if n is None else flat[n][element_offsets(spec, rt, spec.tensor(n))]
+            for n in (p.index, p.weight)
+        )
+        q, grid = requantize_rows_values(spec, rt, src, TensorData(q_src, grid_src), dst, index, weight)
     else:
         real = real_values(spec, rt, src, TensorData(q_src, grid_src))
         q, grid = requantize_values(spec, rt, real, dst)

@@ -103,3 +103,24 @@ def test_a_check_of_its_own_builds_into_the_launcher(tmp_path):
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
     _nvcc(ARCH, "-shared", *(f"{s}.o" for s in sources), "-o", "libwgrad.so", cwd=out)
+
+
+def test_the_scattered_backward_builds_into_the_launcher(tmp_path):
+    """The derived backward of examples/moe_ffn_fp8_train.gspec: its requantize with rows
+    and a weight takes the index, the source's rows and the weight from the launcher's
+    arguments; every file builds."""
+    from gemmspec.backward import derive_backward
+    from gemmspec.build import build
+
+    bw = derive_backward(build(ROOT / "examples" / "moe_ffn_fp8_train.gspec").spec)
+    spec = tmp_path / f"{bw.spec_name}.gspec"
+    spec.write_text(bw.source)
+    out = tmp_path / "gen"
+    assert main(["compile", str(spec), "-o", str(out)]) == 0
+    sources = sorted(p.name for p in out.glob("*.cu"))
+    host = (out / f"{bw.spec_name}_host.cu").read_text()
+    assert "_p16_rows_rw" in host
+    jobs = [(ARCH, *STRICT, "-c", s, "-o", f"{s}.o") for s in sources]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
+    _nvcc(ARCH, "-shared", *(f"{s}.o" for s in sources), "-o", "libbackward.so", cwd=out)

@@ -240,7 +240,7 @@ def test_explain_says_which_loader_each_launch_uses_and_why(capsys, tmp_path):
     assert "the entries of src must be distinct" in out
     assert "A x(m, k) = x_base[0 + idx[start.m + m]*(512) + k*(1)]" in out
     assert "reads at run time: offs, idx, src" in out
-    assert "not derived: it reads or writes rows through an index tensor" in out
+    assert "not derived: it reads the rows of 'x' through 'idx'; their gradient would scatter-add" in out
 
     path = tmp_path / "gather.gspec"
     path.write_text(text)

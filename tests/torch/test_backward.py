@@ -17,7 +17,10 @@ from gemmspec.backward import build_backward, derive_backward
 from gemmspec.bench import moe_spec
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
-DERIVED = {"linear_fp8_training", "lora_qkv_slices", "moe_bf16_forward", "moe_fp8_forward", "split_nest"}
+DERIVED = {
+    "linear_fp8_training", "lora_qkv_slices", "moe_bf16_forward", "moe_ffn_fp8", "moe_ffn_fp8_train",
+    "moe_fp8_forward", "split_nest",
+}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -1,0 +1,200 @@
+"""requantize(SOURCE, rows = IDX, weight = W) as emitted: the requant kernel behind two
+compile-time switches (the existing requant kernels' code unchanged, byte for byte), its
+manifest step (the index, the source's row count and the weight after the old
+parameters), and every switch combination compiled for sm_90a without spills."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemmspec.codegen.emit import emit
+from gemmspec.codegen.kernels import (
+    RequantKernelConfig,
+    include_dir,
+    render_requant,
+    render_transpose,
+)
+from gemmspec.codegen.manifest import launch_manifest
+from gemmspec.pipeline import lower_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# sha256 of render_requant / render_transpose for the configurations that existed before
+# the rows and weight switches: the emitted code of those kernels must not move.
+PINNED = {
+    (1, "e4m3", "e4m3"): "166ee09332410435879c880faefd562b42d272c2368f9bd579b6e1a06257c232",
+    (1, "e4m3", "e5m2"): "471df399f47b3d18d0128a89044f8f3060f2286e10f9af9b2cae2c4a20257453",
+    (1, "e5m2", "e4m3"): "41d1067d98c60291f75b41d0432378f31e450a94883eac3259e6c3ace026bd98",
+    (1, "e5m2", "e5m2"): "b91fa7d36c828e5012e20cff95f8848381d646e6d1dd9a334df6a135489fe764",
+    (16, "e4m3", "e4m3"): "06f6ed188c41c7713c6797321fa7597ec9a82fe9d0aaafb3fe5f172124de4e98",
+    (16, "e4m3", "e5m2"): "e6e5e4906bccc9929b4d98d25bc522aa81a39f7cd73c9c090eb91877ce947d4f",
+    (16, "e5m2", "e4m3"): "4137358025e4ff6c9615f3a1976d1cde7a7dd07a5d5a9ba5b1b8585529402cf8",
+    (16, "e5m2", "e5m2"): "9d67b4b8958aafde8f5128a06618aaeb11f656b90101038f527efdbd13e68f87",
+}
+TRANSPOSE_SHA = "8a4774110b5216a1789c133ea36b0bda6f522f2e8e01fcf15214378b5cfa4bbe"
+
+SPEC = """\
+gemm wgrad_rows {
+  dim T, S
+  dim N = 264, K = 576
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor dst : i32 [T]
+  tensor rw  : f32 [T]
+  tensor dy  : e4m3 [{src_rows}, N] scale f32 [1, 128]
+  tensor x_t : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert
+  tensor dy_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy{opts})
+  tensor dw  : f32 [E, N, K]
+  dw[e, n, k] = sum[t in expert(e)] dy_q[t, n] * x_t[t, k]
+}
+"""
+OPTIONS = {
+    "rows_weight": ", rows = dst, weight = rw",
+    "rows": ", rows = dst",
+    "weight": ", weight = rw",
+}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("key", sorted(PINNED), ids=lambda k: "_".join(map(str, k)))
+def test_existing_requant_kernels_render_byte_for_byte_as_before(key):
+    pad, i, o = key
+    assert _sha(render_requant(RequantKernelConfig(in_type=i, out_type=o, pad=pad))) == PINNED[key]
+
+
+def test_the_transpose_beside_it_renders_as_before():
+    assert _sha(render_transpose()) == TRANSPOSE_SHA
+
+
+def test_the_switches_name_the_kernel_and_add_only_their_code():
+    plain = render_requant(RequantKernelConfig(pad=16))
+    both = RequantKernelConfig(pad=16, gather_rows=True, row_weight=True)
+    assert both.name.endswith("_p16_rows_rw")
+    assert RequantKernelConfig(gather_rows=True).name.endswith("_w256_rows")
+    assert RequantKernelConfig(row_weight=True).name.endswith("_w256_rw")
+    src = render_requant(both)
+    assert "const int* __restrict__ idx, int S, const float* __restrict__ W) {" in src
+    assert "src_row[r]" in src and "__ldg(W + t0 + r)" in src
+    assert "idx" not in plain.replace("bid", "") and "W + t0" not in plain
+    weight_only = render_requant(RequantKernelConfig(row_weight=True))
+    assert "src_row" not in weight_only and "__ldg(W + t0 + r)" in weight_only
+
+
+def program(opts: str):
+    # Without rows the source has the target's rows.
+    text = SPEC.replace("{opts}", opts).replace("{src_rows}", "S" if "rows" in opts else "T")
+    (low,) = lower_file(text)
+    return low, emit(low.spec, low.schedule)
+
+
+@pytest.mark.parametrize("key", sorted(OPTIONS))
+def test_the_prepass_and_its_manifest_step(key):
+    low, prog = program(OPTIONS[key])
+    (p,) = prog.prepasses
+    rows, weight = "rows" in key, "weight" in key
+    assert p.config.gather_rows == rows and p.config.row_weight == weight
+    assert p.config.pad == 16
+    assert (p.prepass.index, p.prepass.weight) == ("dst" if rows else None, "rw" if weight else None)
+    manifest = launch_manifest(low.spec, prog)
+    step = next(s for s in manifest.steps if getattr(s, "role", None) == "requantize")
+    names = [q.name for q in step.params]
+    base = ["X", "ldx", "SX", "sx_st", "sx_sc", "offsets", "G", "T", "C", "Y", "SY"]
+    assert names == base + (["idx", "S"] if rows else []) + (["W"] if weight else [])
+    by_name = {q.name: q for q in step.params}
+    if rows:
+        assert by_name["idx"].source.ref == "dst"
+    if weight:
+        assert by_name["W"].source.ref == "rw"
+    # The offsets check reads the index over the target's rows, bounded by the source's:
+    # an entry outside them reads a zero row in the pass and fails `check=True`.
+    from gemmspec.codegen.validate import IndexRows, index_rows
+
+    assert index_rows(low.spec) == ((IndexRows("dst", "T", "S", ("dy",), None),) if rows else ())
+    if rows:
+        assert "index_dst" in [q.name for q in prog.check.kernel.params]
+    # The target (and its workspace) has the statement's rows, T, not the source's S.
+    ws = manifest.workspace("prepass0.dy_q")
+    assert ws.bytes.evaluate({"T": 1000, "S": 7 if rows else 1000}) == (1000 + 4 * 15) * 264
+
+
+def test_the_explain_text_names_rows_and_weight():
+    low, _ = program(OPTIONS["rows_weight"])
+    text = str(low.schedule)
+    assert "pre-pass: dy_q = requantize(dy, rows = dst, weight = rw) before launch 0" in text
+    assert "rows through dst -> dy_q" in text and "row t times rw[t]" in text
+
+
+CONFIGS = {
+    f"{'rows' if r else 'norows'}_{'w' if w else 'now'}_p{p}": RequantKernelConfig(pad=p, gather_rows=r, row_weight=w)
+    for r in (False, True)
+    for w in (False, True)
+    for p in (1, 16)
+    if r or w
+}
+
+
+@pytest.mark.parametrize("key", sorted(CONFIGS))
+def test_the_switched_kernels_compile_spill_free(key):
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+
+    cfg = CONFIGS[key]
+    cubin, log = compile_cubin(render_requant(cfg), [include_dir()], name=f"{cfg.name}.cu")
+    assert "warning" not in log, log
+    sass = disassemble(cubin)
+    assert_spill_free(log, sass)
+    assert cfg.name in sass
+
+
+# ---- the derived backward of the training FFN example -----------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec"
+
+
+@pytest.mark.parametrize("gather", ["auto", "fused"])
+def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
+    """The backward of examples/moe_ffn_fp8_train.gspec (DGRAD with gathered dy rows and
+    route_w in its epilogue, WGRAD over requantize(dy, rows = dst, weight = route_w) and
+    the forward's h_t): every emitted source compiles for sm_90a without spills, with the
+    DGRAD's rows copied by the gather pre-pass (as planned) or gathered in its loads."""
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+
+    from gemmspec.backward import derive_backward
+    from gemmspec.bench import with_directive
+    from gemmspec.build import build
+
+    source = derive_backward(build(EXAMPLE).spec).source
+    exe = build(source if gather == "auto" else with_directive(source, f"gather({gather})"))
+    dgrad = exe.program.launches[0].gemm
+    assert dgrad.gather == (gather == "fused") and dgrad.epilogue == (("row", "f32"),)
+    sources = exe.program.sources()
+    requant = [p for p in exe.program.prepasses if p.prepass.kind == "requantize"]
+    assert [(p.config.gather_rows, p.config.row_weight, p.config.pad) for p in requant] == [(True, True, 16)]
+    for name, source in sources.items():
+        cubin, log = compile_cubin(source, [include_dir()], name=name)
+        assert "warning" not in log, (name, log)
+        assert_spill_free(log, disassemble(cubin))
+
+
+def test_every_source_of_the_rows_spec_compiles():
+    """The pass, its offsets check (reading the index) and the WGRAD."""
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+
+    _, prog = program(OPTIONS["rows_weight"])
+    sources = prog.sources()
+    assert any(name.endswith("_check.cu") for name in sources)
+    for name, source in sources.items():
+        cubin, log = compile_cubin(source, [include_dir()], name=name)
+        assert "warning" not in log, (name, log)
+        assert_spill_free(log, disassemble(cubin))

@@ -1,0 +1,192 @@
+"""The derived backward of a statement that scatters its output rows through an index
+and/or weights them per row (`y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w[...]`): the
+DGRAD reads dy's rows through the index with the same row weight in its epilogue, the
+WGRAD reads `requantize(dy, rows = dst, weight = route_w)`; the row weight's gradient is
+reported as not derived; a BF16 statement of that form is skipped with its reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import gemmspec
+from gemmspec.backward import derive_backward
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec"
+
+DGRAD = "dh[t, f] = route_w[t] * sum[n] dy[dst[t], n] * w_down_t[expert(t), n, f]"
+WGRAD = "dw_down[e, n, f] = sum[t in expert(e)] dyw_q[t, n] * h_t[t, f]"
+
+ONE = """\
+gemm down {{
+  dim T
+  dim N = 256, K = 384
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor dst : i32 [T]
+  tensor rw  : f32 [T]
+  tensor x   : {t} [T, K]{xs}
+  tensor w   : {t} [E, N, K]{ws}
+  tensor y   : bf16 [T, N]
+  {stmt}
+}}
+"""
+
+
+def one(stmt: str, fp8: bool = True) -> str:
+    if fp8:
+        return ONE.format(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]", stmt=stmt)
+    return ONE.format(t="bf16", xs="", ws="", stmt=stmt)
+
+
+def example_backward():
+    return derive_backward(gemmspec.build(EXAMPLE).spec)
+
+
+def test_the_example_derives_both_gradients_of_its_down_projection():
+    bw = example_backward()
+    assert [(d.forward, d.kind, d.wrt, d.grad, d.text) for d in bw.statements] == [
+        (1, "dgrad", "h", "dh", DGRAD),
+        (1, "wgrad", "w_down", "dw_down", WGRAD),
+    ]
+    assert bw.output_grads == (("y", "dy"),)
+    assert bw.copies == (("h_t", "h_t"),) and bw.copies_unused == ()
+    assert [n for n, _ in bw.not_derived] == ["route_w"]
+    assert [s.forward for s in bw.skipped] == [0]
+    assert "SwiGLU" in bw.skipped[0].reason
+    src = bw.source
+    assert "  tensor dy : e4m3 [T, H] scale f32 [1, 128]\n" in src  # 1x128 along n
+    assert "  tensor dst : i32 [T] layout row_major\n" in src
+    assert "  tensor route_w : f32 [T] layout row_major\n" in src
+    assert (
+        "  tensor dyw_q : e4m3 [T, H] layout segment_major(expert) pad 16 scale f32 [128, 1] "
+        "per expert = requantize(dy, rows = dst, weight = route_w)\n"
+    ) in src
+    # Only the dims the backward's tensors use: a run-time S that no tensor has would
+    # have no size at a call.
+    assert "  dim T\n  dim H = 7168\n  dim F = 2048\n  dim E = 8\n" in src
+    assert "dim S" not in src and "dim N" not in src
+    # The WGRAD reads the forward's copy: h is neither read nor requantized.
+    assert "requantize(h" not in src and "tensor h " not in src
+
+
+def test_the_backward_spec_checks_lowers_and_emits():
+    from gemmspec.backward import build_backward
+
+    exe, bw = build_backward(gemmspec.build(EXAMPLE).spec)
+    assert [g.text for g in exe.spec.gemms] == [DGRAD, WGRAD]
+    passes = {(p.kind, p.source, p.index, p.weight) for p in exe.schedule.prepasses}
+    assert ("requantize", "dy", "dst", "route_w") in passes
+    assert ("transpose", "w_down", None, None) in passes
+    assert not any(p.source == "h" for p in exe.schedule.prepasses)
+    dgrad = exe.program.launches[0]
+    assert dgrad.gemm.epilogue == (("row", "f32"),)  # route_w in the DGRAD's epilogue
+    names = exe.argument_names()
+    assert {"dy", "dy_scale", "dst", "route_w", "h_t", "h_t_scale", "dh", "dw_down"} <= set(names)
+    assert "h" not in names and "route_w_grad" not in names
+
+
+def test_explain_prints_what_is_derived_and_what_is_not():
+    text = gemmspec.build(EXAMPLE).explain()
+    block = text[text.index("backward (derived):"):]
+    assert f"  dgrad of h (statement #1): {DGRAD}" in block
+    assert f"  wgrad of w_down (statement #1): {WGRAD}" in block
+    assert "  route_w: gradient not derived: the row weight of statement #1;" in block
+    assert "  statement #0: not derived: it fuses SwiGLU" in block
+    assert "  h_t: the forward's copy h_t" in block
+
+
+@pytest.mark.parametrize(
+    "stmt, dgrad, wgrad_operand",
+    [
+        ("y[dst[t], n] = sum[k] x[t, k] * w[expert(t), n, k]",
+         "dx[t, k] = sum[n] dy[dst[t], n] * w_t[expert(t), n, k]", "requantize(dy, rows = dst)"),
+        ("y[t, n] = rw[t] * sum[k] x[t, k] * w[expert(t), n, k]",
+         "dx[t, k] = rw[t] * sum[n] dy[t, n] * w_t[expert(t), n, k]", "requantize(dy, weight = rw)"),
+        ("y[dst[t], n] = rw[t] * sum[k] x[t, k] * w[expert(t), n, k]",
+         "dx[t, k] = rw[t] * sum[n] dy[dst[t], n] * w_t[expert(t), n, k]", "requantize(dy, rows = dst, weight = rw)"),
+    ],
+    ids=["scatter", "weight", "both"],
+)
+def test_one_statement_forms(stmt, dgrad, wgrad_operand):
+    bw = derive_backward(gemmspec.build(one(stmt)).spec)
+    assert not bw.skipped
+    d, w = bw.statements
+    assert d.text == dgrad
+    q = "dyw_q" if "weight" in wgrad_operand else "dy_q"
+    assert w.text == f"dw[e, n, k] = sum[t in expert(e)] {q}[t, n] * x_q[t, k]"
+    assert f"= {wgrad_operand}\n" in bw.source
+    assert "= requantize(x)\n" in bw.source  # no copy: x is requantized as before
+    assert [n for n, _ in bw.not_derived] == (["rw"] if "rw" in stmt else [])
+    exe = gemmspec.build(bw.source)  # checks, lowers, emits
+    assert len(exe.program.launches) == 2
+
+
+@pytest.mark.parametrize(
+    "stmt, fragment",
+    [
+        ("y[dst[t], n] = rw[t] * sum[k] x[t, k] * w[expert(t), n, k]", "scatters its rows through 'dst' and weights its rows by 'rw' in bf16"),
+        ("y[dst[t], n] = sum[k] x[t, k] * w[expert(t), n, k]", "scatters its rows through 'dst' in bf16"),
+        ("y[t, n] = rw[t] * sum[k] x[t, k] * w[expert(t), n, k]", "weights its rows by 'rw' in bf16"),
+    ],
+)
+def test_bf16_scattered_or_weighted_statements_are_skipped_with_the_reason(stmt, fragment):
+    bw = derive_backward(gemmspec.build(one(stmt, fp8=False)).spec)
+    assert not bw.statements
+    (s,) = bw.skipped
+    assert fragment in s.reason and "a 16-bit pre-pass for it does not exist" in s.reason
+
+
+def test_gathered_rows_and_other_epilogues_stay_skipped():
+    gathered = one("y[t, n] = sum[k] x[dst[t], k] * w[expert(t), n, k]")
+    (s,) = derive_backward(gemmspec.build(gathered).spec).skipped
+    assert "reads the rows of 'x' through 'dst'" in s.reason and "scatter-add" in s.reason
+    bias = one("y[t, n] = sum[k] x[t, k] * w[expert(t), n, k] + b[expert(t), n]").replace(
+        "  tensor y ", "  tensor b   : f32 [E, N]\n  tensor y "
+    )
+    (s,) = derive_backward(gemmspec.build(bias).spec).skipped
+    assert "its epilogue has a bias" in s.reason
+
+
+LINEAR = """\
+gemm lin_scatter {
+  dim T
+  dim N = 256, K = 384
+  tensor dst : i32 [T]
+  tensor rw  : f32 [T]
+  tensor x   : e4m3 [T, K] scale f32 [1, 128]
+  tensor w   : e4m3 [N, K] scale f32 [128, 128]
+  tensor y   : bf16 [T, N]
+  y[dst[t], n] = rw[t] * sum[k] x[t, k] * w[n, k]
+}
+"""
+
+
+def test_an_ungrouped_statement_requantizes_into_one_segment():
+    import numpy as np
+
+    from gemmspec.pipeline import lower_file
+    from gemmspec.reference.data import dim_size, random_inputs, random_runtime
+    from gemmspec.reference.direct import run_direct
+    from gemmspec.reference.schedule_exec import run_schedule
+
+    bw = derive_backward(gemmspec.build(LINEAR).spec)
+    assert [d.text for d in bw.statements] == [
+        "dx[t, k] = rw[t] * sum[n] dy[dst[t], n] * w_t[n, k]",
+        "dw[n, k] = sum[t] dyw_q[t, n] * x_q[t, k]",
+    ]
+    assert (
+        "tensor dyw_q : e4m3 [T, N] layout major(T) scale f32 [128, 1] "
+        "= requantize(dy, rows = dst, weight = rw)\n"
+    ) in bw.source
+    # The derived spec on the flat executor equals its direct semantics (129 rows).
+    (low,) = lower_file(bw.source)
+    spec = low.spec
+    rng = np.random.default_rng(4)
+    rt = random_runtime(spec, rng, dims={"T": 129})
+    data = random_inputs(spec, rt, rng)
+    init = {g.out.tensor: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(g.out.tensor).dims), np.nan) for g in spec.gemms}
+    direct, flat = run_direct(spec, rt, data, init), run_schedule(spec, rt, low.schedule, data, init)
+    for name in ("dx", "dw"):
+        assert not np.isnan(direct[name]).any()
+        assert np.allclose(direct[name], flat[name], rtol=1e-12, atol=1e-12 * np.abs(direct[name]).max())
