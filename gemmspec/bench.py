@@ -9,10 +9,13 @@ float64 reference of the dequantized inputs on sampled rows). Times are medians 
 useful FLOPs only (no padding), the memory-bound rows report TB/s of bytes that must
 move. A row whose launches must each start from the same output (the scaled LoRA
 expand's BF16 `+=`) restores it before every launch, untimed, and is timed by the
-`--idle` event loop instead. DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed beside
-as recorded references, not re-measured.
+`--idle` event loop instead. Where `deep_gemm` is importable, DeepGEMM runs beside them on
+the same inputs (its output checked against gemmspec's first; ragged groups copied once,
+untimed, into the 128-row aligned layout it needs); elsewhere, or with `--no-deepgemm`,
+DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed as recorded
+references.
 
-    gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png]
+    gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png] [--no-deepgemm]
     python -m gemmspec.bench ...
 """
 
@@ -25,6 +28,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from . import bench_deepgemm
 
 # DeepGEMM 2.6.1 on one H200, 2026-11-30 (same shapes; M-grouped rows count its
 # 128-row padding as useful work).
@@ -371,6 +376,7 @@ def quantize_1x128(value):
 
 
 # ---------------------------------------------------------------------------- timing
+DEEPGEMM = None  # the deep_gemm module where importable (and not --no-deepgemm)
 IDLE_MS = 0.0  # --idle: GPU idle time before each timed launch
 IDLE_LAUNCHES = 60
 # Rows whose launches must each start from the same output (a `+=` the bench restores before
@@ -416,6 +422,21 @@ def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> list[f
 
 def _result(case, impl, samples, work, unit="TFLOPS", check="") -> Result:
     return Result(case, impl, statistics.median(samples), work, unit, check, samples)
+
+
+def _deepgemm(name: str, flops: float, repeat: int, make) -> list[Result]:
+    """DeepGEMM's row of a case, where it is importable: `make(dg)` returns (callable,
+    check, how it ran); a failure is reported in the row instead of ending the case."""
+    dg = DEEPGEMM
+    if dg is None:
+        return []
+    impl = f"DeepGEMM {bench_deepgemm.version(dg)}"
+    try:
+        call, check, how = make(dg)
+    except Exception as e:  # noqa: BLE001 - the anchor failing is reported, gemmspec's rows stand
+        print(f"      DeepGEMM anchor of {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return [Result(name, impl, float("nan"), flops, "TFLOPS", f"not run: {type(e).__name__}: {str(e)[:80]}")]
+    return [_result(name, f"{impl} ({how})", _time(call, repeat), flops, check=check)]
 
 
 FORCED_TILE: tuple[int, int] | None = None  # --tile: the same spec with a tile directive
@@ -473,6 +494,7 @@ def _fp8_grouped(name: str, lengths: list[int], n: int, k: int, repeat: int) -> 
             flops,
         )
     )
+    out += _deepgemm(name, flops, repeat, lambda dg: bench_deepgemm.m_grouped_fp8(dg, x, xs, w, ws, lengths, y))
     return out
 
 
@@ -549,7 +571,7 @@ def case_bf16(repeat):
     return [
         _result(name, "gemmspec", _time(run.enqueue, repeat), flops, check=check),
         _result(name, "torch._grouped_mm", _time(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends), repeat), flops),
-    ]
+    ] + _deepgemm(name, flops, repeat, lambda dg: bench_deepgemm.m_grouped_bf16(dg, x, w, [m] * e, y))
 
 
 def case_wgrad(repeat):
@@ -576,6 +598,7 @@ def case_wgrad(repeat):
         refs.append(dseg @ xseg.t())
         outs.append(dw[ei][rows])
     check = _checked(_rel_error(torch.cat(outs), torch.cat(refs)), 1e-3, "float64 reference (sampled rows)")
+    dw_once = dw.clone()  # one += into zeros, for DeepGEMM's check (the timing adds more)
     flops = 2.0 * t * n * k
     a = torch.randn((n, t), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((k, t), device="cuda", dtype=torch.bfloat16).t()
@@ -583,7 +606,8 @@ def case_wgrad(repeat):
     return [
         _result(name, "gemmspec (FP32 +=)", _time(run.enqueue, repeat), flops, check=check),
         _result(name, "torch._grouped_mm K-grouped (BF16, no +=)", _time(lambda: torch._grouped_mm(a, b, offs=ends), repeat), flops),
-    ]
+    ] + _deepgemm(name, flops, repeat,
+                  lambda dg: bench_deepgemm.k_grouped_fp8_wgrad(dg, dy, dys, x, xs, [m] * e, n, k, dw_once))
 
 
 def case_wgrad_ragged(repeat):
@@ -665,6 +689,7 @@ def case_masked(repeat):
             flops,
         )
     )
+    out += _deepgemm(name, flops, repeat, lambda dg: bench_deepgemm.m_grouped_fp8_masked(dg, x, xs, w, ws, MASKED, y))
     return out
 
 
@@ -759,6 +784,7 @@ def case_dense(repeat):
     anchor = _blockwise_anchor(x, xs, w, ws)
     a_err = _rel_error(anchor()[rows], xa @ wb.t())
     out.append(_result(name, "torch._scaled_mm 1x128/128x128", _time(anchor, repeat), flops, check=f"its own error vs float64: {a_err:.2e}"))
+    out += _deepgemm(name, flops, repeat, lambda dg: bench_deepgemm.dense_fp8(dg, x, xs, w, ws, y))
     return out
 
 
@@ -1006,7 +1032,8 @@ def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[d
                 f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {r.rate:7.1f} {r.unit:>4} "
                 f"{ratio:10.2f}x  {r.check}"
             )
-        dg = RECORDED_DEEPGEMM.get(case.name)
+        live = any(r.impl.startswith("DeepGEMM") for r in rows)
+        dg = None if live else RECORDED_DEEPGEMM.get(case.name)
         if dg:
             lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
         verdict = _verdict(case, ours, torch_row, rows[1:])
@@ -1066,6 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
     ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
+    ap.add_argument("--no-deepgemm", action="store_true",
+                    help="do not run DeepGEMM even where deep_gemm is importable (print its recorded figures)")
     ap.add_argument("--tile", metavar="MxN", help="force this tile on every gemmspec launch (a tile directive)")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
@@ -1074,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         "depend on what ran before; with a pause every kernel starts from the same state",
     )
     args = ap.parse_args(argv)
-    global FORCED_TILE, IDLE_MS
+    global FORCED_TILE, IDLE_MS, DEEPGEMM
     if args.idle < 0:
         ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
     IDLE_MS = args.idle
@@ -1097,6 +1126,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gemmspec bench: no CUDA device", file=sys.stderr)
         return 2
+    DEEPGEMM = None if args.no_deepgemm else bench_deepgemm.load()
+    if DEEPGEMM is not None:
+        print(f"DeepGEMM {bench_deepgemm.version(DEEPGEMM)} found: timed beside gemmspec", file=sys.stderr)
     chosen = selected_cases(args.only)
     results: list[Result] = []
     failures: dict[str, str] = {}
@@ -1115,7 +1147,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": summary}, f, indent=1)
+            deepgemm = bench_deepgemm.version(DEEPGEMM) if DEEPGEMM is not None else None
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": deepgemm,
+                       "cases": summary}, f, indent=1)
     if args.plot:
         plot(summary, args.plot)
     return 1 if failures else 0

@@ -131,3 +131,37 @@ def test_idle_launches_sleep_after_the_restore(monkeypatch):
     log.clear()
     bench.timed_launches(lambda: log.append("fn"), 1, 0.0)  # rows that update nothing in place
     assert log == ["fn", "flush", "record", "fn", "record", "sync"]
+
+
+def test_live_deepgemm_row_replaces_the_recorded_figure():
+    name = "fp8_fwd_G8x4096_N4096_K7168"
+    ours, torch_row = _row(name, "gemmspec", 1.7), _row(name, "torch._scaled_grouped_mm", 1.9)
+    text, summary = bench.report([ours, torch_row], {})
+    assert "DeepGEMM 2.6.1 (recorded 2026-11-30)" in text
+    assert summary[0]["deepgemm_recorded_tflops"] == bench.RECORDED_DEEPGEMM[name]
+    live = _row(name, "DeepGEMM 2.6.1 (contiguous)", 1.6)
+    text, summary = bench.report([ours, torch_row, live], {})
+    assert "(recorded" not in text and "DeepGEMM 2.6.1 (contiguous)" in text
+    assert summary[0]["deepgemm_recorded_tflops"] is None
+    assert [r["impl"] for r in summary[0]["rows"]][2].startswith("DeepGEMM")
+
+
+def test_a_failing_deepgemm_anchor_is_reported_in_its_row(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "DEEPGEMM", object())  # a "module" without the API
+
+    def make(dg):
+        raise AttributeError("module has no attribute 'm_grouped_fp8_gemm_nt_contiguous'")
+
+    (row,) = bench._deepgemm("c", 2e12, 1, make)
+    assert row.impl.startswith("DeepGEMM") and row.check.startswith("not run: AttributeError")
+    assert row.ms != row.ms  # nan: never timed, never a rate
+    assert "DeepGEMM anchor of c failed" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "DEEPGEMM", None)
+    assert bench._deepgemm("c", 2e12, 1, make) == []  # not installed: no row at all
+
+
+def test_deepgemm_padded_layout_puts_each_group_at_a_multiple_of_128():
+    from gemmspec import bench_deepgemm
+
+    assert bench_deepgemm._padded_rows([1, 127, 0, 5155, 128]) == ([0, 128, 256, 256, 5504], 5632)
+    assert bench_deepgemm._padded_rows([4096] * 2) == ([0, 4096], 8192)

@@ -1,0 +1,174 @@
+"""DeepGEMM as a live anchor of `gemmspec bench`, where `deep_gemm` is importable.
+
+Each function takes the inputs a bench case gave gemmspec (same tensors, same scales),
+lays them out as DeepGEMM's API wants them (outside the timing: its scale layouts once,
+its 128-row padded contiguous layout for ragged groups), checks DeepGEMM's result against
+gemmspec's on the rows both compute, and returns a zero-argument callable to time plus a
+check string. DeepGEMM's layouts are those of its 2.x API: `m_grouped_*_contiguous`
+takes a row -> group index (-1 for padding rows, groups 128-row aligned), the K-grouped
+WGRAD takes each group's [M, K_g] bytes back to back (gemmspec's `segment_major`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def load():
+    """The `deep_gemm` module, or None where it is not installed or does not load."""
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001 - any failure to load means "not available"
+        return None
+    return deep_gemm
+
+
+def version(dg) -> str:
+    return getattr(dg, "__version__", "?")
+
+
+def _rel(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _checked(err: float, limit: float) -> str:
+    if err > limit:
+        raise AssertionError(f"DeepGEMM and gemmspec differ: relative error {err:.2e} > {limit:.0e}")
+    return f"vs gemmspec {err:.1e}"
+
+
+def _padded_rows(lengths: list[int], align: int = 128):
+    """Each group's rows placed at a multiple of `align`: (start of every group in the
+    padded layout, padded row count)."""
+    starts, total = [], 0
+    for m in lengths:
+        starts.append(total)
+        total += -(-m // align) * align
+    return starts, total
+
+
+def m_grouped_fp8(dg, x, xs, w, ws, lengths: list[int], y) -> tuple[Callable[[], object], str, str]:
+    """FP8 1x128 / 128x128 M-grouped (`m_grouped_fp8_gemm_nt_contiguous`). `xs` is [T, K/128]
+    with tokens contiguous (MN-major), `ws` [E, N/128, K/128]. Ragged groups are copied once
+    into the 128-row aligned layout DeepGEMM needs (not timed: the row says so)."""
+    import torch
+
+    t, k = x.shape
+    e, n, _ = w.shape
+    starts, tp = _padded_rows(lengths)
+    padded = tp != t
+    if padded:
+        xp = torch.zeros((tp, k), dtype=torch.uint8, device=x.device)
+        xsp = torch.zeros((k // 128, tp), dtype=torch.float32, device=x.device)
+        src = 0
+        for s, m in zip(starts, lengths):
+            xp[s : s + m] = x[src : src + m].view(torch.uint8)
+            xsp[:, s : s + m] = xs[src : src + m].t()
+            src += m
+        xp, xsp = xp.view(torch.float8_e4m3fn), xsp.t()
+    else:
+        xp, xsp = x, xs
+    idx = torch.full((tp,), -1, dtype=torch.int32, device=x.device)
+    for g, (s, m) in enumerate(zip(starts, lengths)):
+        idx[s : s + m] = g
+    recipe = (1, 128, 128)
+    sfa = dg.transform_sf_into_required_layout(xsp, tp, k, recipe, None, True)
+    sfb = dg.transform_sf_into_required_layout(ws, n, k, recipe, e, False)
+    d = torch.empty((tp, n), dtype=torch.bfloat16, device=x.device)
+
+    def call():
+        dg.m_grouped_fp8_gemm_nt_contiguous((xp, sfa), (w, sfb), d, idx, recipe=recipe)
+
+    call()
+    torch.cuda.synchronize()
+    rows = torch.cat([torch.arange(s, s + m, device=x.device) for s, m in zip(starts, lengths) if m])
+    check = _checked(_rel(d[rows], y), 2e-3)
+    what = "on 128-row padded groups (padding copy not timed)" if padded else "contiguous"
+    return call, check, what
+
+
+def m_grouped_bf16(dg, x, w, lengths: list[int], y):
+    """BF16 M-grouped (`m_grouped_bf16_gemm_nt_contiguous`), groups 128-row aligned."""
+    import torch
+
+    if any(m % 128 for m in lengths):
+        raise ValueError("the BF16 anchor takes 128-row aligned groups only")
+    idx = torch.repeat_interleave(
+        torch.arange(len(lengths), dtype=torch.int32, device=x.device),
+        torch.tensor(lengths, device=x.device),
+    ).to(torch.int32)
+    d = torch.empty((x.shape[0], w.shape[1]), dtype=torch.bfloat16, device=x.device)
+
+    def call():
+        dg.m_grouped_bf16_gemm_nt_contiguous(x, w, d, idx)
+
+    call()
+    torch.cuda.synchronize()
+    return call, _checked(_rel(d, y), 1e-2), "contiguous"
+
+
+def k_grouped_fp8_wgrad(dg, dy, dys, x, xs, lengths: list[int], n: int, k: int, dw_ref):
+    """FP8 WGRAD K-grouped, 1x128 per channel and 128 tokens on both sides, FP32 `+=`
+    (`k_grouped_fp8_gemm_nt_contiguous`): dw[g] += dy_g^T x_g. `dy`, `x` are gemmspec's
+    segment-major bytes (per expert [N, len] and [K, len], tokens contiguous); `dys` is
+    [T/128, N], `xs` [T/128, K]. DeepGEMM needs every count a multiple of 128. `dw_ref`
+    is gemmspec's result of one `+=` into zeros."""
+    import torch
+
+    if any(m % 128 for m in lengths):
+        raise ValueError("DeepGEMM's K-grouped WGRAD takes 128-aligned counts only")
+    e = len(lengths)
+    layout = torch.tensor(lengths, dtype=torch.int32, device=dy.device)
+    sfa = dys.t()  # [N, T/128], channels contiguous (MN-major)
+    sfb = xs.t()
+    d = torch.zeros((e, n, k), dtype=torch.float32, device=dy.device)
+
+    def call():
+        dg.k_grouped_fp8_gemm_nt_contiguous((dy, sfa), (x, sfb), d, list(lengths), layout, d, recipe=(1, 1, 128))
+
+    call()
+    torch.cuda.synchronize()
+    check = _checked(_rel(d, dw_ref), 1e-3)
+    return call, check, "FP32 +=, 128-aligned counts"
+
+
+def m_grouped_fp8_masked(dg, x, xs, w, ws, counts: list[int], y):
+    """FP8 masked (`m_grouped_fp8_gemm_nt_masked`): x [G, M, K], xs [G, M, K/128]."""
+    import torch
+
+    e, mmax, k = x.shape
+    n = w.shape[1]
+    recipe = (1, 128, 128)
+    sfa = dg.transform_sf_into_required_layout(xs, mmax, k, recipe, e, True)
+    sfb = dg.transform_sf_into_required_layout(ws, n, k, recipe, e, False)
+    masked = torch.tensor(counts, dtype=torch.int32, device=x.device)
+    expected = max(1, sum(counts) // len(counts))
+    d = torch.empty((e, mmax, n), dtype=torch.bfloat16, device=x.device)
+
+    def call():
+        dg.m_grouped_fp8_gemm_nt_masked((x, sfa), (w, sfb), d, masked, expected, recipe=recipe)
+
+    call()
+    torch.cuda.synchronize()
+    errs = [_rel(d[g, :c], y[g, :c]) for g, c in enumerate(counts) if c]
+    return call, _checked(max(errs), 2e-3), f"masked, expected_m {expected}"
+
+
+def dense_fp8(dg, x, xs, w, ws, y):
+    """FP8 dense 1x128 / 128x128 (`fp8_gemm_nt`): xs [T, K/128] MN-major, ws [N/128, K/128]."""
+    import torch
+
+    t, k = x.shape
+    n = w.shape[0]
+    recipe = (1, 128, 128)
+    sfa = dg.transform_sf_into_required_layout(xs, t, k, recipe, None, True)
+    sfb = dg.transform_sf_into_required_layout(ws, n, k, recipe, None, False)
+    d = torch.empty((t, n), dtype=torch.bfloat16, device=x.device)
+
+    def call():
+        dg.fp8_gemm_nt((x, sfa), (w, sfb), d, recipe=recipe)
+
+    call()
+    torch.cuda.synchronize()
+    return call, _checked(_rel(d, y), 2e-3), "dense"
