@@ -178,6 +178,8 @@ def _kernel_line(spec: Spec, launch) -> str:
         if cfg.consumer_scales:
             where = "read by the consumers" + (" a K block ahead" if cfg.prefetch_scales else "")
         parts.append(f"{count} and K block, {where}")
+        if cfg.ring_rounds:
+            parts.append(f"K loop in rounds of {cfg.stages} blocks with their stages fixed at compile time")
     return f"{gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg))} ({', '.join(parts)})"
 
 

@@ -40,9 +40,11 @@ from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 # store_tma None: the default rule).
 VARIANTS = {
     "as compiled": {},
+    "one-block K loop, stage in a register (no rounds)": {"ring_rounds": False},
     "192 wide, descriptors rebuilt per wgmma": {"tile_n": 192, "lean_registers": True},
     "192 wide, scales loaded in their own K block": {"tile_n": 192, "prefetch_scales": False},
     "192 wide, scales staged by the producer": {"tile_n": 192, "consumer_scales": False},
+    "192 wide, scales staged by the producer, no rounds": {"tile_n": 192, "consumer_scales": False, "ring_rounds": False},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
     "192 wide, CTA pairs multicasting A": {"tile_n": 192, "cluster": 2},
     "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
@@ -83,6 +85,7 @@ LORA_VARIANTS = {
 # per-row and per-column scales of each stage.
 WGRAD_VARIANTS = {
     "as compiled": {},
+    "one-block K loop, stage in a register (no rounds)": {"ring_rounds": False},
     "registers epilogue (f32 read-modify-write)": {"store_tma": False},
     "160 wide, 3 stages": {"tile_n": 160, "stages": 3},
     "CTA pairs multicasting A": {"cluster": 2},

@@ -536,6 +536,7 @@ _DERIVED = {
     "store_tma": None,
     "consumer_scales": None,
     "prefetch_scales": None,
+    "ring_rounds": None,
     "lean_registers": None,
 }
 

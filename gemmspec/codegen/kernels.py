@@ -117,9 +117,10 @@ class GemmKernelConfig:
     ``stages`` 0 means as many ring stages as shared memory holds (at most MAX_STAGES);
     ``store_tma`` None means "stage the epilogue in shared memory and store it by TMA
     when the tile allows it and the ring keeps at least MIN_STAGES_WITH_STAGING stages";
-    ``consumer_scales`` None means "the consumers read SA and SB from global memory
-    whenever a tile needs at most two B scales" (else the producer stages the scales of
-    each stage in shared memory);
+    ``consumer_scales`` None means "the producer stages every stage's scales in shared
+    memory" (True: the consumers read SA and SB from global memory, a K block ahead, which
+    only tiles needing at most two B scales allow; measured 5 % slower on the H200 once the
+    staged loop runs in rounds, see ``ring_rounds``);
     ``prefetch_scales`` None means "consumers load the next K block's scales while this
     one's MMAs run" unless a fused bias and a wide tile leave no registers for them;
     ``lean_registers`` None means "keep the ring's wgmma descriptors and barrier addresses
@@ -185,6 +186,15 @@ class GemmKernelConfig:
     # faster than copying on the H200); False copies every leaf (the probe's variant).
     gather_tma: bool = False
     programmatic: bool = True
+    # The scaled main loop runs a tile in rounds of ``stages`` K blocks, unrolled, with every
+    # block's ring stage a compile-time constant (fixed barrier addresses, descriptors and
+    # scale slots), when the tile starts at stage 0 and its K blocks fill whole rounds; else
+    # the one-block loop with the stage in a register. None: rounds where the producer
+    # stages the scales (+3-5 % on the H200) and no fused epilogue operands crowd the
+    # registers (ptxas spills); not where the
+    # consumers load them a block ahead (ptxas then schedules those loads late: -15 %).
+    # The name says the non-default.
+    ring_rounds: bool | None = None
     # An FP8 D (``d_type`` e4m3 or e5m2): the epilogue rounds the result to bf16 and
     # quantizes it as the quantize pass does, one f32 scale per row and D_SCALE_COLS
     # columns of D (a GsDScale record per leaf says where). ``d_scale_pow2``: the scales
@@ -210,7 +220,7 @@ class GemmKernelConfig:
         self._validate()
         if self.consumer_scales is None:
             # Gathered rows: the producer that copies them reads their scales too.
-            object.__setattr__(self, "consumer_scales", self.blockwise and self.sb_mode != 2 and not self.gather)
+            object.__setattr__(self, "consumer_scales", False)
         elif self.consumer_scales and (not self.blockwise or self.sb_mode == 2):
             raise ValueError("consumers read scales only when a tile needs at most two B scales")
         elif self.consumer_scales and self.gather:
@@ -221,6 +231,11 @@ class GemmKernelConfig:
             # Only scales the consumers read can be loaded ahead; normalised so that
             # equal kernels compare equal.
             object.__setattr__(self, "prefetch_scales", False)
+        if self.ring_rounds is None:
+            # Fused epilogue operands leave no registers for the unrolled round (ptxas spills).
+            object.__setattr__(self, "ring_rounds", self.blockwise and not self.consumer_scales and not self.epilogue)
+        elif not self.blockwise:
+            object.__setattr__(self, "ring_rounds", False)  # the unscaled loop has no rounds
         if self.lean_registers is None:
             object.__setattr__(self, "lean_registers", self.bias_crowds_registers())
         if self.store_tma is None:
@@ -514,8 +529,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     raster += f"o{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""
     cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
     staged = "_tma" if cfg.store_tma else ""
-    if cfg.blockwise and cfg.sb_mode != 2 and not cfg.consumer_scales:
-        staged += "_smemscales"
+    if cfg.consumer_scales:  # not the default
+        staged += "_consumerscales"
     if cfg.consumer_scales and not cfg.prefetch_scales:
         staged += "_inplacescales"
     if cfg.lean_registers != cfg.bias_crowds_registers():  # not the default: named apart
@@ -526,6 +541,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_swiglu"
     if cfg.gather:
         staged += "_gather" if cfg.gather_tma else "_gathercopy"  # by TMA: the default
+    if cfg.blockwise and cfg.ring_rounds == bool(cfg.consumer_scales or cfg.epilogue):  # not the default
+        staged += "_rounds" if cfg.ring_rounds else "_norounds"
     if cfg.scatter:
         staged += "_scatter"
     if not cfg.programmatic:
@@ -697,6 +714,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         gather_tma=cfg.gather_tma,
         scatter=cfg.scatter,
         programmatic=cfg.programmatic,
+        ring_rounds=cfg.ring_rounds,
         fp8_out=cfg.fp8_out,
         out_max=repr(FP8_MAX[cfg.d_type]) if cfg.fp8_out else "",
         out_interp=FP8_INTERP[cfg.d_type] if cfg.fp8_out else "",

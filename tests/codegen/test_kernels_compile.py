@@ -235,7 +235,10 @@ def test_names_are_procedural_and_distinct() -> None:
     names = {cfg.name for cfg in GEMM_CONFIGS.values()}
     assert len(names) == len(GEMM_CONFIGS)
     cfg = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s6_store_tma"
+    assert cfg.name == "gs_sm90a_e4m3e4m3_bf16_sa1x128_sb128x128_t128x128x128_w384s5_store_tma"
+    consumers = dataclasses.replace(cfg, name="", stages=0, consumer_scales=True, prefetch_scales=None, ring_rounds=None)
+    assert consumers.name.endswith("_store_tma_consumerscales")
+    assert dataclasses.replace(cfg, name="", ring_rounds=False).name.endswith("_store_tma_norounds")
     assert GEMM_CONFIGS["bf16_store"].tile_k == 64
     assert all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names)
 
@@ -263,14 +266,17 @@ def test_smem_bytes_matches_layout() -> None:
     # Alignment slack, the epilogue staging (a whole D tile), then per stage: A and B
     # tiles, a scale per row and the B scales (padded to 16 bytes), two mbarriers.
     fp8 = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    # One or two B scales per tile: the consumers read the scales from global memory.
-    assert fp8.store_tma and fp8.sb_mode == 0 and fp8.consumer_scales and fp8.stages == 6
-    assert fp8.smem_bytes == 1024 + 128 * 128 * 2 + 6 * (256 * 128 + 16)
+    # The producer stages each stage's scales: 128 SA and the B scale(s), padded to 132 floats.
+    assert fp8.store_tma and fp8.sb_mode == 0 and not fp8.consumer_scales and fp8.stages == 5
+    assert fp8.ring_rounds and fp8.smem_bytes == 1024 + 128 * 128 * 2 + 5 * (256 * 128 + 132 * 4 + 16)
     wide = GEMM_CONFIGS["e4m3_n192"]
     assert wide.sb_mode == 1 and wide.sb_splits == (8, 16) and wide.stages == 4
-    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 16)
-    staged = dataclasses.replace(wide, name="", stages=0, consumer_scales=False)
-    assert staged.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
+    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
+    # Read by the consumers from global memory instead (one or two B scales per tile only):
+    # no scale slots; the one-block loop.
+    consumers = dataclasses.replace(wide, name="", stages=0, consumer_scales=True, prefetch_scales=None, ring_rounds=None)
+    assert consumers.prefetch_scales and not consumers.ring_rounds
+    assert consumers.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 16)
     # Per-column B scales: staged per stage by the producer (a float per row and column).
     per_column = GEMM_CONFIGS["e4m3_1d1d_n144"]
     assert per_column.sb_mode == 2 and not per_column.consumer_scales
@@ -285,8 +291,8 @@ def test_smem_bytes_matches_layout() -> None:
     # A SwiGLU stores from registers: no staging, so the ring is deeper than the staged
     # kernel's of the same tile.
     sw = GEMM_CONFIGS["e4m3_swiglu_bf16"]
-    assert not sw.store_tma and sw.staging_bytes == 0 and sw.stages == 7
-    assert sw.smem_bytes == 1024 + 7 * (256 * 128 + 16)
+    assert not sw.store_tma and sw.staging_bytes == 0 and sw.stages == 6
+    assert sw.smem_bytes == 1024 + 6 * (256 * 128 + 132 * 4 + 16)
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
     assert dataclasses.replace(GEMM_CONFIGS["bf16_skinny_m64"], name="", stages=0, ctas_per_sm=1).stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())

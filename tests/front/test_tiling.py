@@ -67,9 +67,12 @@ def test_explain_names_the_emitted_kernel_and_its_configuration():
     (launch,) = exe.program.launches
     text = exe.explain()
     assert f"kernel {launch.gemm.name} (128x192 tiles, {launch.gemm.stages} stages" in text
-    assert "output staged and stored by TMA, two B scales per tile and K block, read by the consumers a K block ahead)" in text
+    assert (
+        "output staged and stored by TMA, two B scales per tile and K block, staged by the producer, K loop in rounds "
+        f"of {launch.gemm.stages} blocks with their stages fixed at compile time)"
+    ) in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
-    assert "a B scale per column and K block, staged by the producer)" in wgrad
+    assert "a B scale per column and K block, staged by the producer, K loop in rounds of" in wgrad
 
 
 def test_tile_directive_pins_the_tile():
