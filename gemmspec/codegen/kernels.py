@@ -186,10 +186,10 @@ class GemmKernelConfig:
     # faster than copying on the H200); False copies every leaf (the probe's variant).
     gather_tma: bool = False
     programmatic: bool = True
-    # The scaled main loop runs a tile in rounds of ``stages`` K blocks, unrolled, with every
-    # block's ring stage a compile-time constant (fixed barrier addresses, descriptors and
-    # scale slots), when the tile starts at stage 0 and its K blocks fill whole rounds; else
-    # the one-block loop with the stage in a register. None: rounds where the producer
+    # The scaled main loop runs rounds of ``stages`` K blocks from ring stage 0, unrolled,
+    # with every block's ring stage a compile-time constant (fixed barrier addresses,
+    # descriptors and scale slots); the blocks before the ring comes back to stage 0 and
+    # after the tile's last whole round go one at a time, the stage in a register. None: rounds where the producer
     # stages the scales (+3-5 % on the H200) and no fused epilogue operands crowd the
     # registers (ptxas spills); not where the
     # consumers load them a block ahead (ptxas then schedules those loads late: -15 %).
