@@ -84,7 +84,7 @@ def m_grouped_fp8(dg, x, xs, w, ws, lengths: list[int], y) -> tuple[Callable[[],
     torch.cuda.synchronize()
     rows = torch.cat([torch.arange(s, s + m, device=x.device) for s, m in zip(starts, lengths) if m])
     check = _checked(_rel(d[rows], y), 2e-3)
-    what = "on 128-row padded groups (padding copy not timed)" if padded else "contiguous"
+    what = "padded to 128 rows, untimed" if padded else "contiguous"  # the copy into the padded layout
     return call, check, what
 
 
