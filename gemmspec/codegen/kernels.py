@@ -232,8 +232,7 @@ class GemmKernelConfig:
             # equal kernels compare equal.
             object.__setattr__(self, "prefetch_scales", False)
         if self.ring_rounds is None:
-            # Fused epilogue operands leave no registers for the unrolled round (ptxas spills).
-            object.__setattr__(self, "ring_rounds", self.blockwise and not self.consumer_scales and not self.epilogue)
+            object.__setattr__(self, "ring_rounds", self.rounds_by_default())
         elif not self.blockwise:
             object.__setattr__(self, "ring_rounds", False)  # the unscaled loop has no rounds
         if self.lean_registers is None:
@@ -446,6 +445,12 @@ class GemmKernelConfig:
         """Shared memory one block may use with `ctas_per_sm` blocks resident per SM."""
         return min(SMEM_LIMIT, SM_SMEM // self.ctas_per_sm - SMEM_RESERVED_PER_CTA)
 
+    def rounds_by_default(self) -> bool:
+        """The scaled loop runs in rounds unless the consumers load the scales (ptxas then
+        schedules them late) or fused epilogue operands leave no registers for the unrolled
+        round (ptxas spills)."""
+        return self.blockwise and not self.consumer_scales and not self.epilogue
+
     def bias_crowds_registers(self) -> bool:
         """A scaled tile wider than 128 columns with a fused bias: its consumers hold two
         accumulator tiles and the bias, with no registers left for staging addresses,
@@ -541,7 +546,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_swiglu"
     if cfg.gather:
         staged += "_gather" if cfg.gather_tma else "_gathercopy"  # by TMA: the default
-    if cfg.blockwise and cfg.ring_rounds == bool(cfg.consumer_scales or cfg.epilogue):  # not the default
+    if cfg.blockwise and cfg.ring_rounds != cfg.rounds_by_default():  # not the default
         staged += "_rounds" if cfg.ring_rounds else "_norounds"
     if cfg.scatter:
         staged += "_scatter"

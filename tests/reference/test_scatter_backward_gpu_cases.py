@@ -8,6 +8,7 @@ the GPU they check the kernels and nothing else."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -18,29 +19,8 @@ _PATH = Path(__file__).resolve().parents[1] / "gpu" / "test_scatter_backward_gpu
 _SPEC = importlib.util.spec_from_file_location("scatter_backward_gpu_cases", _PATH)
 cases = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(cases)
-
-
-class _HostBuffer:
-    """DeviceBuffer's surface for these tests, in host memory."""
-
-    def __init__(self, data: np.ndarray):
-        self.data = data
-
-    @classmethod
-    def from_numpy(cls, array: np.ndarray) -> _HostBuffer:
-        return cls(np.ascontiguousarray(array).view(np.uint8).reshape(-1).copy())
-
-    def view(self, shape, dtype, strides=None):
-        return _HostView(self, tuple(shape), dtype)
-
-    def to_numpy(self, shape, dtype):
-        n = int(np.prod(shape))
-        return self.data.view(dtype)[:n].reshape(shape).copy()
-
-
-class _HostView:
-    def __init__(self, buf, shape, dtype):
-        self.buf, self.shape, self.dtype = buf, shape, dtype
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_device import HostBuffer, run_on_host  # noqa: E402
 
 
 def _emulated_requant(p, arrays, grid, params):
@@ -89,59 +69,9 @@ def _emulated_requant(p, arrays, grid, params):
 def test_the_bit_for_bit_case_on_an_emulated_kernel(form, counts, monkeypatch):
     from gemmspec.runtime import arrays
 
-    monkeypatch.setattr(arrays, "DeviceBuffer", _HostBuffer)
+    monkeypatch.setattr(arrays, "DeviceBuffer", HostBuffer)
     monkeypatch.setattr(cases, "run_prepass", _emulated_requant)
     cases.test_requant_rows_kernel_is_the_reference_bit_for_bit(form, counts)
-
-
-def _run_on_host(exe, check=None, **args):
-    """The call, computed by the schedule executor on the host buffers."""
-    from gemmspec.reference.data import (
-        NUMPY_TYPES,
-        Runtime,
-        TensorData,
-        element_offsets,
-        scale_offsets,
-    )
-    from gemmspec.reference.schedule_exec import run_schedule
-
-    spec = exe.spec
-    dims = {}
-    for t in spec.tensors:
-        if t.derived is None and t.layout.kind != "segment_major":  # padded rows: not the dim
-            for d, n in zip(t.dims, args[t.name].shape):
-                if spec.dim(d).size is None:
-                    dims[d] = n
-    rt = Runtime(dims)
-    for g in spec.groups:
-        if g.tensor:
-            v = args[g.tensor]
-            rt.tensors[g.tensor] = v.buf.to_numpy(v.shape, np.int32).astype(np.int64)
-
-    def flat(name, dtype, offsets):
-        n = int(offsets.max(initial=-1)) + 1
-        return args[name].buf.data.view(NUMPY_TYPES[dtype])[:n].astype(np.float64)
-
-    written = {g.out.tensor for g in spec.gemms}
-    data, init = {}, {}
-    for t in spec.tensors:
-        if t.derived is not None:
-            continue
-        off = element_offsets(spec, rt, t)
-        values = flat(t.name, t.dtype, off)[off]
-        if t.name in written:
-            init[t.name] = values
-            continue
-        grid = None
-        if t.scale is not None:
-            soff = scale_offsets(spec, rt, t)
-            grid = flat(t.scale.name, "f32", soff)[soff]
-        data[t.name] = TensorData(values, grid)
-    out = run_schedule(spec, rt, exe.schedule, data, init)
-    for name, values in out.items():
-        t = spec.tensor(name)
-        buf = args[name].buf.data.view(NUMPY_TYPES[t.dtype])
-        buf[element_offsets(spec, rt, t)] = values.astype(NUMPY_TYPES[t.dtype])
 
 
 SMALL = {"H = 7168": "H = 384", "N = 4096": "N = 512", "F = 2048": "F = 256"}
@@ -160,8 +90,8 @@ def test_the_example_backward_case_on_the_flat_executor(counts, gather, monkeypa
     small = tmp_path / "moe_ffn_fp8_train.gspec"
     small.write_text(text)
     monkeypatch.setattr(cases, "EXAMPLE", small)
-    monkeypatch.setattr(arrays, "DeviceBuffer", _HostBuffer)
-    monkeypatch.setattr(Executable, "__call__", _run_on_host)
+    monkeypatch.setattr(arrays, "DeviceBuffer", HostBuffer)
+    monkeypatch.setattr(Executable, "__call__", run_on_host)
     cases.test_the_example_backward_matches_float64(counts, gather)
 
 
@@ -170,6 +100,6 @@ def test_the_executable_case_on_the_flat_executor(monkeypatch):
     from gemmspec.runtime import verify
     from gemmspec.runtime.executor import Executable
 
-    monkeypatch.setattr(verify, "DeviceBuffer", _HostBuffer)
-    monkeypatch.setattr(Executable, "__call__", _run_on_host)
+    monkeypatch.setattr(verify, "DeviceBuffer", HostBuffer)
+    monkeypatch.setattr(Executable, "__call__", run_on_host)
     cases.test_requant_rows_prepass_through_the_executable_feeds_the_wgrad()

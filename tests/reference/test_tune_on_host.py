@@ -5,25 +5,25 @@ where the GPU would (as for the gathered rows' GPU cases); only the timer is fak
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from gemmspec import tune as tuning
 from gemmspec.runtime import verify
 
 _HERE = Path(__file__).resolve().parent
-_HOST = importlib.util.spec_from_file_location("host_device", _HERE / "test_gather_gpu_cases.py")
-host = importlib.util.module_from_spec(_HOST)
-_HOST.loader.exec_module(host)
 _CASES = importlib.util.spec_from_file_location("tune_gpu_cases", _HERE.parent / "gpu" / "test_tune_gpu.py")
 cases = importlib.util.module_from_spec(_CASES)
 _CASES.loader.exec_module(cases)
+sys.path.insert(0, str(_HERE))
+from host_device import HostBuffer, run_on_host  # noqa: E402
 
 
 def test_tune_checks_each_candidate_through_check_random(monkeypatch):
     from gemmspec.runtime.executor import Executable
 
-    monkeypatch.setattr(verify, "DeviceBuffer", host._HostBuffer)
-    monkeypatch.setattr(Executable, "__call__", host._run_on_host)
+    monkeypatch.setattr(verify, "DeviceBuffer", HostBuffer)
+    monkeypatch.setattr(Executable, "__call__", run_on_host)
     timed = []
 
     def timer(call, repeat):
