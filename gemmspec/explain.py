@@ -149,7 +149,7 @@ def _kernel_line(spec: Spec, launch) -> str:
     cfg = gemm_config(launch)
     parts = [f"{cfg.tile_m}x{cfg.tile_n} tiles", f"{cfg.stages} stages"]
     if cfg.cluster > 1:
-        parts.append("CTA pairs")
+        parts.append("CTA pairs along M multicasting B" if cfg.multicast_b else "CTA pairs multicasting A")
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
     parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")

@@ -47,6 +47,7 @@ VARIANTS = {
     "192 wide, scales staged by the producer, no rounds": {"tile_n": 192, "consumer_scales": False, "ring_rounds": False},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
     "192 wide, CTA pairs multicasting A": {"tile_n": 192, "cluster": 2},
+    "192 wide, CTA pairs along M multicasting B": {"tile_n": 192, "cluster": 2, "multicast_b": True},
     "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},
@@ -63,6 +64,7 @@ BF16_VARIANTS = {
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
     "128 wide, staged epilogue": {"tile_n": 128, "store_tma": True},
     "256 wide, CTA pairs multicasting A": {"tile_n": 256, "cluster": 2},
+    "256 wide, CTA pairs along M multicasting B": {"tile_n": 256, "cluster": 2, "multicast_b": True},
 }
 
 
@@ -89,6 +91,7 @@ WGRAD_VARIANTS = {
     "registers epilogue (f32 read-modify-write)": {"store_tma": False},
     "160 wide, 3 stages": {"tile_n": 160, "stages": 3},
     "CTA pairs multicasting A": {"cluster": 2},
+    "CTA pairs along M multicasting B": {"cluster": 2, "multicast_b": True},
     "160 wide, 3 stages, CTA pairs": {"tile_n": 160, "stages": 3, "cluster": 2},
     "no promotion (wrong values, timing only)": {"scaled": False, "consumer_scales": None},
     "as compiled (again: drift over the run)": {},

@@ -438,8 +438,9 @@ def emit_launch(
         pinned_axes=[{"var": f"g_{a}", "value": i} for a, i in pg.fixed_axes],
         body=body,
         fields=fields,
-        tile_m=cfg.tile_m,
-        tile_n=cfg.tile_n * cfg.cluster,  # a cluster computes neighbouring column blocks
+        # A pair computes neighbouring row blocks (B multicast) or column blocks (A multicast).
+        tile_m=cfg.tile_m * (cfg.cluster if cfg.multicast_b else 1),
+        tile_n=cfg.tile_n * (1 if cfg.multicast_b else cfg.cluster),
         a_bytes=ELEMENT_BYTES[cfg.a_type],
         b_bytes=ELEMENT_BYTES[cfg.b_type],
         d_bytes=ELEMENT_BYTES[cfg.d_type],

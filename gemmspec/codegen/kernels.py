@@ -165,6 +165,9 @@ class GemmKernelConfig:
     stages: int = 0
     raster: int = 8
     cluster: int = 1
+    # A pair (cluster 2) takes neighbouring row blocks and multicasts B, not neighbouring
+    # column blocks multicasting A (``c2b`` in the name).
+    multicast_b: bool = False
     store_tma: bool | None = None
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
@@ -294,7 +297,9 @@ class GemmKernelConfig:
         if self.raster < 1:
             raise ValueError("raster must be positive")
         if self.cluster not in (1, 2):
-            raise ValueError("cluster must be 1 or 2 (CTA pairs multicast A)")
+            raise ValueError("cluster must be 1 or 2 (CTA pairs multicast A, or B with multicast_b)")
+        if self.multicast_b and (self.cluster != 2 or (self.tile_n // 2) % 8):
+            raise ValueError("multicast_b: a CTA pair (cluster 2) whose halves of B are whole 8-row swizzle atoms")
         kinds = [k for k, _ in self.epilogue]
         if kinds != [k for k in EPILOGUE_KINDS if k in kinds]:
             raise ValueError(f"epilogue operands go one per kind, in the order {EPILOGUE_KINDS}")
@@ -519,8 +524,9 @@ def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
     multicasts) its share of A's rows."""
     # A gathered by TMA: a box of one row, one load per tile row.
     maps = (
-        MapSpec("a", cfg.a_type, cfg.tile_k, 1 if cfg.gather_tma else cfg.tile_m // cfg.cluster),
-        MapSpec("b", cfg.b_type, cfg.tile_k, cfg.tile_n),
+        MapSpec("a", cfg.a_type, cfg.tile_k,
+                1 if cfg.gather_tma else cfg.tile_m // (1 if cfg.multicast_b else cfg.cluster)),
+        MapSpec("b", cfg.b_type, cfg.tile_k, cfg.tile_n // (cfg.cluster if cfg.multicast_b else 1)),
     )
     # The staged epilogue stores each consumer warpgroup's 64 rows one box at a time.
     return maps + (MapSpec("d", cfg.d_type, cfg.box_cols, 64),) if cfg.store_tma else maps
@@ -532,7 +538,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     mode = "acc" if cfg.accumulate else "store"
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
     raster += f"o{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""
-    cluster = f"c{cfg.cluster}" if cfg.cluster > 1 else ""
+    cluster = f"c{cfg.cluster}" + ("b" if cfg.multicast_b else "") if cfg.cluster > 1 else ""
     staged = "_tma" if cfg.store_tma else ""
     if cfg.consumer_scales:  # not the default
         staged += "_consumerscales"
@@ -705,6 +711,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         stages=cfg.stages,
         raster=cfg.raster,
         cluster=cfg.cluster,
+        multicast_b=cfg.multicast_b,
         consumer_wgs=cfg.consumer_warpgroups,
         threads=cfg.threads,
         realloc=cfg.reallocates_registers,

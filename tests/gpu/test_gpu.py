@@ -119,6 +119,28 @@ def test_cta_pairs_option(fp8, n):
     report_ok(run_random(exe, lengths={"expert": PIPELINE_EDGE}, seed=n + fp8, repeats=0))
 
 
+# CTA pairs along M that multicast B (a kernel option, DeepGEMM's pairing): leaves with odd
+# row-block counts leave a pair's second block past the leaf (its rows load as zeros and
+# are never stored); FP8 with one and two B scales per tile, BF16, and the FP8 WGRAD.
+@pytest.mark.parametrize("fp8, n, tile_n", [(True, 768, 192), (True, 520, 128), (False, 512, 256)],
+                         ids=["fp8_192", "fp8_128", "bf16_256"])
+def test_cta_pairs_multicasting_b(fp8, n, tile_n):
+    from gemmspec.codegen.emit import with_kernel_config
+
+    exe = gemmspec.build(with_tile(moe(n, 576, len(PIPELINE_EDGE) + 1, fp8), 128, tile_n))
+    exe.program = with_kernel_config(exe.spec, exe.program, tile_n=tile_n, cluster=2, multicast_b=True)
+    assert exe.program.launches[0].gemm.multicast_b
+    report_ok(run_random(exe, lengths={"expert": [*PIPELINE_EDGE, 300]}, seed=n + tile_n, repeats=0))
+
+
+def test_wgrad_cta_pairs_multicasting_b():
+    from gemmspec.codegen.emit import with_kernel_config
+
+    exe = gemmspec.build(WGRAD.format(n=264, k=576, e=5))  # 3 row blocks: one pair half past the leaf
+    exe.program = with_kernel_config(exe.spec, exe.program, cluster=2, multicast_b=True)
+    report_ok(run_random(exe, lengths={"expert": [1, 127, 129, 0, 1000]}, seed=17, repeats=0))
+
+
 def test_pipeline_64_row_tiles():
     # M of at most 64 per leaf picks 64-row tiles (one consumer warpgroup).
     spec = MASKED.format(m=64, n=200, k=576, e=5)
