@@ -37,6 +37,7 @@ class LaunchPlan:
     tile_m: int
     tile_n: int
     why: str = ""
+    pair_rows: bool = False  # CTA pairs along M multicasting B (see tiling)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
         per_channel=spec.per_channel(g), gather=g.kernel_gather is not None,
         fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES, copy=g.copy is not None,
+        masked=g.m.masked_by is not None,
     )
 
 
@@ -492,7 +494,8 @@ def _plan_launches(
                 f"{waste:.0%} of the tile area, so each segment gets its own tile width"
             )
             return [
-                LaunchPlan(g.index, ((g.n.group, i),), tile_m, tiles[i].tile_n, f"N = {extents[i]}")
+                LaunchPlan(g.index, ((g.n.group, i),), tile_m, tiles[i].tile_n, f"N = {extents[i]}",
+                           tiles[i].pair_rows)
                 for i in sorted(tiles)
             ]
         reasons.append(
@@ -506,7 +509,7 @@ def _plan_launches(
             f"{' x '.join(str(a) for a in g.leaf_axes[1:])} leaves"
         )
         return [
-            LaunchPlan(g.index, ((outer.name, i),), tile_m, widest, "")
+            LaunchPlan(g.index, ((outer.name, i),), tile_m, widest, "", choice.pair_rows)
             for i in range(outer.count)
         ]
     if forced == "split" and single:
@@ -529,4 +532,4 @@ def _plan_launches(
     )
     reasons.append(f"{prefix}tile choice: {choice.reason}")
     _check_launches(spec, g, 1, leaves, planned, False)
-    return [LaunchPlan(g.index, (), tile_m, widest, "")]
+    return [LaunchPlan(g.index, (), tile_m, widest, "", choice.pair_rows)]

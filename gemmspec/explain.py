@@ -37,6 +37,7 @@ def _launch_json(launch: Launch) -> dict:
             "b_k_major": sig.b_k_major,
             "tile": [sig.tile_m, sig.tile_n, sig.tile_k],
             "cluster": sig.cluster,
+            "multicast_b": sig.multicast_b,
             "swiglu": sig.swiglu,
             "d_scale_pow2": sig.d_scale_pow2,
         },

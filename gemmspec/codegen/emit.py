@@ -313,6 +313,7 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
         tile_m=sig.tile_m,
         tile_n=sig.tile_n,
         cluster=sig.cluster,
+        multicast_b=sig.multicast_b,
         epilogue=sig.epilogue,
         swiglu=sig.swiglu,
         gather=sig.gather,

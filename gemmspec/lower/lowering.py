@@ -246,6 +246,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         tile_m=plan.tile_m,
         tile_n=plan.tile_n,
         tile_k=128 if fp8 else 64,
+        cluster=2 if plan.pair_rows else 1,
+        multicast_b=plan.pair_rows,
         epilogue=tuple((e.kind, e.dtype) for e in epilogue),
         swiglu=gemm.swiglu,
         gather=a.rows is not None,

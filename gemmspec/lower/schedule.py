@@ -287,7 +287,8 @@ class KernelSignature:
     tile_m: int
     tile_n: int
     tile_k: int
-    cluster: int = 1  # CTAs per cluster along N, multicasting A
+    cluster: int = 1  # CTAs per cluster: along N multicasting A, or along M multicasting B
+    multicast_b: bool = False  # the cluster's CTAs own neighbouring row blocks and share B
     epilogue: tuple[tuple[str, str], ...] = ()  # (kind, element type) of each epilogue operand
     # Columns 2j (gate) and 2j + 1 (up) of a tile become D's column j, silu(gate) * up;
     # D's offset and strides address D's own columns.
@@ -315,6 +316,10 @@ class KernelSignature:
         return name + ("_copy128x1" + ("pow2" if self.copy_scale_pow2 else "") if self.copy else "")
 
     @property
+    def _cluster_name(self) -> str:
+        return f"c{self.cluster}" + ("b" if self.multicast_b else "") if self.cluster > 1 else ""
+
+    @property
     def name(self) -> str:
         """Procedural name spelling every choice, used for symbols and cache keys."""
         scale = (
@@ -326,7 +331,7 @@ class KernelSignature:
         mode = "acc" if self.accumulate else "store"
         return (
             f"gs_sm90a_{self.a_type}{self.b_type}_{self.d_type}_{scale}_{majors}_"
-            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{f'c{self.cluster}' if self.cluster > 1 else ''}_{mode}"
+            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{self._cluster_name}_{mode}"
             f"{self.epilogue_name}"
         )
 

@@ -13,32 +13,48 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize(
-    "n, m_bound, scaled, sb_bn, want",
+    "n, m_bound, scaled, sb_bn, want, pairs",
     [
         # FP8 1x128/128x128: 192 columns straddle at most one B scale block boundary
-        # (two scales per tile) and move the fewest bytes.
-        ([4096], None, True, 128, (128, 192)),
+        # (two scales per tile) and move the fewest bytes; CTA pairs along M share B.
+        ([4096], None, True, 128, (128, 192), True),
         # BF16: the widest tile moves the fewest bytes per output.
-        ([4096], None, False, 1, (128, 256)),
+        ([4096], None, False, 1, (128, 256), False),
         # Per-column B scales (WGRAD 128x1): at most 128 columns.
-        ([7168], None, True, 1, (128, 128)),
+        ([7168], None, True, 1, (128, 128), True),
         # A skinny memory-bound GEMM: 64-row tiles, 16 columns, an odd column-block count.
-        ([16], None, False, 1, (64, 16)),
+        ([16], None, False, 1, (64, 16), False),
         # Leaves of at most 64 rows (masked M = 64).
-        ([4096], 64, True, 128, (64, 192)),
+        ([4096], 64, True, 128, (64, 192), False),
+        # Leaves of at most 128 rows: a pair's second CTA would have no rows.
+        ([4096], 128, True, 128, (128, 192), False),
         # N known only at run time: the widest candidate.
-        ([None], None, False, 1, (128, 256)),
+        ([None], None, False, 1, (128, 256), False),
         # 200 columns: two 128-wide blocks beat four 64-wide ones.
-        ([200], None, True, 128, (128, 128)),
+        ([200], None, True, 128, (128, 128), True),
         # 136 columns, unscaled: one 192-wide block.
-        ([136], None, False, 1, (128, 192)),
+        ([136], None, False, 1, (128, 192), False),
     ],
 )
-def test_choose_tile(n, m_bound, scaled, sb_bn, want):
+def test_choose_tile(n, m_bound, scaled, sb_bn, want, pairs):
     t = choose_tile(n, m_bound, scaled, sb_bn)
     assert (t.tile_m, t.tile_n) == want, t.reason
-    assert t.reason.endswith("one CTA per tile")
-    assert t.reason
+    assert t.pair_rows == pairs
+    assert ("CTA pairs along M" in t.reason) == pairs and ("one CTA per tile" in t.reason) != pairs
+
+
+@pytest.mark.parametrize("why, kwargs", [
+    ("masked rows: pairs measured slower", {"masked": True}),
+    ("A's rows are gathered row by row", {"gather": True}),
+])
+def test_blockwise_fp8_tiles_not_paired(why, kwargs):
+    t = choose_tile([4096], 1024 if kwargs.get("masked") else None, True, 128, **kwargs)
+    assert not t.pair_rows and why in t.reason
+    # Fused epilogues and FP8 outputs keep one CTA per tile too (not measured in pairs).
+    for other in ({"bias": True}, {"fp8_out": True}, {"swiglu": True}):
+        assert not choose_tile([4096], None, True, 128, **other).pair_rows
+    # Per-channel scales run the unscaled main loop: no pairs.
+    assert not choose_tile([4096], None, True, 1, per_channel=True).pair_rows
 
 
 def test_scaled_widths_straddle_at_most_one_b_scale_boundary():
@@ -52,7 +68,7 @@ def test_scaled_widths_straddle_at_most_one_b_scale_boundary():
 def test_explain_states_the_tile_choice_and_loader():
     text = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec").explain()
     assert "tile choice: 128-row tiles, 192 columns" in text
-    assert "one CTA per tile" in text
+    assert "CTA pairs along M that multicast their B tile" in text
     assert "loads: TMA through a tensor map per leaf and operand" in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
     assert "are stored with padded segments (segment_major pad 16)" in wgrad
