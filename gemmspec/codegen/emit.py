@@ -540,6 +540,7 @@ _DERIVED = {
     "prefetch_scales": None,
     "ring_rounds": None,
     "lean_registers": None,
+    "scales_before_issue": None,
 }
 
 

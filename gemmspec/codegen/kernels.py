@@ -198,6 +198,15 @@ class GemmKernelConfig:
     # consumers load them a block ahead (ptxas then schedules those loads late: -15 %).
     # The name says the non-default.
     ring_rounds: bool | None = None
+    # Producer-staged scales read right after the stage's full barrier, before the K block's
+    # wgmma issue (DeepGEMM's order), instead of after it. None: before it where B's scales
+    # change per column (SB mode 2, the WGRAD): read after it, ptxas placed the shared loads
+    # between the K block's first and second wgmma, and the 96 SA x SB products there waited
+    # on them, holding up the other three's issue (measured on the H200: 805-812 against
+    # 774-784 TFLOPS, +3-4 %); after it
+    # elsewhere (one or two B scales: 1131 against 1123-1125, within drift). The name says
+    # the non-default (``_earlyscales`` / ``_latescales``).
+    scales_before_issue: bool | None = None
     # An FP8 D (``d_type`` e4m3 or e5m2): the epilogue rounds the result to bf16 and
     # quantizes it as the quantize pass does, one f32 scale per row and D_SCALE_COLS
     # columns of D (a GsDScale record per leaf says where). ``d_scale_pow2``: the scales
@@ -234,6 +243,9 @@ class GemmKernelConfig:
             # Only scales the consumers read can be loaded ahead; normalised so that
             # equal kernels compare equal.
             object.__setattr__(self, "prefetch_scales", False)
+        if self.scales_before_issue is None or not self.smem_scales:
+            # Only staged scales are read from the stage; normalised so equal kernels compare equal.
+            object.__setattr__(self, "scales_before_issue", self.early_scales_by_default())
         if self.ring_rounds is None:
             object.__setattr__(self, "ring_rounds", self.rounds_by_default())
         elif not self.blockwise:
@@ -378,6 +390,16 @@ class GemmKernelConfig:
     def per_channel(self) -> bool:
         """One scale per row of A and per column of B over the whole of K."""
         return self.scaled and self.sa_bk == 0
+
+    @property
+    def smem_scales(self) -> bool:
+        """The producer stages each stage's scales in shared memory for the consumers."""
+        return self.blockwise and not self.consumer_scales
+
+    def early_scales_by_default(self) -> bool:
+        """Staged scales read before the K block's wgmma issue: where B's scales change
+        per column (see ``scales_before_issue``)."""
+        return self.smem_scales and self.sb_mode == 2
 
     @property
     def blockwise(self) -> bool:
@@ -554,6 +576,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_gather" if cfg.gather_tma else "_gathercopy"  # by TMA: the default
     if cfg.blockwise and cfg.ring_rounds != cfg.rounds_by_default():  # not the default
         staged += "_rounds" if cfg.ring_rounds else "_norounds"
+    if cfg.scales_before_issue != cfg.early_scales_by_default():  # not the default
+        staged += "_earlyscales" if cfg.scales_before_issue else "_latescales"
     if cfg.scatter:
         staged += "_scatter"
     if not cfg.programmatic:
@@ -727,6 +751,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         scatter=cfg.scatter,
         programmatic=cfg.programmatic,
         ring_rounds=cfg.ring_rounds,
+        scales_before_issue=cfg.scales_before_issue,
         fp8_out=cfg.fp8_out,
         out_max=repr(FP8_MAX[cfg.d_type]) if cfg.fp8_out else "",
         out_interp=FP8_INTERP[cfg.d_type] if cfg.fp8_out else "",

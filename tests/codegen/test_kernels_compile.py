@@ -181,6 +181,32 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     assert bool(re.search(r"\bSHFL\.BFLY\b", sass)) == cfg.swiglu
 
 
+def _shared_loads_inside_batches(sass: str) -> int:
+    """Shared loads between a wgmma batch's warpgroup.arrive and its wait."""
+    ops = re.findall(r"\b(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR|QGMMA|LDS)\b", sass)
+    inside, count = False, 0
+    for op in ops:
+        if op == "WARPGROUP.ARRIVE":
+            inside = True
+        elif op == "WARPGROUP.DEPBAR":
+            inside = False
+        elif op == "LDS" and inside:
+            count += 1
+    return count
+
+
+# Per-column B scales (the WGRAD) are read from the stage before the K block's wgmma issue:
+# read after it, ptxas put the loads between the batch's first and second wgmma, with the
+# SA x SB products waiting on them there. One or two B scales are read after the issue.
+@pytest.mark.parametrize("key", ["e4m3_1d1d_f32_acc", "e4m3_1d1d_n144"])
+def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -> None:
+    cfg = GEMM_CONFIGS[key]
+    assert cfg.scales_before_issue and not GEMM_CONFIGS["e4m3_n192"].scales_before_issue
+    assert _shared_loads_inside_batches(compiled(key, render_gemm(cfg))[2]) == 0
+    late = dataclasses.replace(cfg, scales_before_issue=False)
+    assert _shared_loads_inside_batches(compiled(f"{key}_late", render_gemm(late))[2]) > 0
+
+
 def test_requant_compiles(compiled) -> None:
     _, log, sass = compiled("requant", render_requant(RequantKernelConfig()))
     assert_spill_free(log, sass)
