@@ -9,9 +9,16 @@ integer literals are bounded with located errors.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import os
+import sys
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
+import lark
 from lark import (
     Lark,
     Token,
@@ -23,7 +30,7 @@ from lark import (
 from lark.exceptions import VisitError
 from lark.visitors import Transformer_NonRecursive
 
-from . import ast
+from . import ast, diskcache
 from .errors import SourceLocation, SpecError, locate, normalise_source, source_lines
 
 # Integer literals are at most 2^63 - 1: every size, stride and count ends up in a
@@ -61,17 +68,48 @@ _TERMINAL_WORDS = {
 _CAPACITY = object()  # marks `ragged(..., capacity)` among a rule's children
 
 
+# strict: lark refuses terminals that can collide (checked with interegular) rather than
+# let the lexer pick one silently.
+_PARSER_OPTIONS = {
+    "parser": "lalr",
+    "lexer": "contextual",
+    "strict": True,
+    "propagate_positions": True,
+    "maybe_placeholders": False,
+}
+_PARSER_MAGIC = b"GSLARK01"
+
+
+def _grammar() -> str:
+    return resources.files("gemmspec").joinpath("grammar.lark").read_text(encoding="utf-8")
+
+
+def build_parser() -> Lark:
+    """The spec grammar's LALR parser, built from the grammar (checked strictly)."""
+    return Lark(_grammar(), **_PARSER_OPTIONS)
+
+
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
-    return Lark.open_from_package(
-        "gemmspec",
-        "grammar.lark",
-        parser="lalr",
-        lexer="contextual",
-        strict=True,
-        propagate_positions=True,
-        maybe_placeholders=False,
-    )
+    """`build_parser()`, kept in gemmspec's cache folder: building it (the strict
+    collision check above all) takes about 0.25 s, loading it a few ms. The entry is keyed
+    by the grammar, the options and the lark and Python versions; one that does not load
+    is rebuilt and rewritten."""
+    if not diskcache.cache_enabled():
+        return build_parser()
+    key = hashlib.sha256(
+        "\0".join((_grammar(), repr(sorted(_PARSER_OPTIONS.items())), lark.__version__, sys.version)).encode()
+    ).hexdigest()
+    path = os.path.join(diskcache.default_cache_dir(), f"parser-{key[:16]}.lark")
+    saved = diskcache.read_entry(path, key, _PARSER_MAGIC)
+    if saved is not None:
+        with contextlib.suppress(Exception):  # whatever a stale or damaged entry raises
+            return Lark.load(io.BytesIO(saved))
+    parser = build_parser()
+    out = io.BytesIO()
+    parser.save(out)
+    diskcache.write_entry(path, out.getvalue(), key, _PARSER_MAGIC, "parser")
+    return parser
 
 
 def _pos(tok: Token) -> ast.Pos:

@@ -2,25 +2,22 @@
 
 Compiling needs no GPU: NVRTC and the toolkit headers come from pip wheels
 (``nvidia-cuda-nvrtc``, ``nvidia-cuda-runtime``), so cubins can be built, cached and
-disassembled on any machine. A cache entry is the raw ELF cubin followed by an
-80-byte trailer: magic (format version), the full cache key, the cubin's length and
-a sha256 of everything before it. An entry is loaded only when it is a regular file
-of bounded size owned by this user, its trailer checks and it records this very key;
-anything else is ignored and rewritten. The cache folder is created private (0700).
+disassembled on any machine. A cache entry is the raw ELF cubin followed by
+`gemmspec.diskcache`'s trailer (magic, the full cache key, the length, a sha256): it is
+loaded only when it is a regular file of bounded size owned by this user, its trailer
+checks and it records this very key; anything else is ignored and rewritten. The cache
+folder is created private (0700).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
 import re
 import shutil
-import stat
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +27,7 @@ from cuda.core import Program, ProgramOptions
 from cuda.core._utils.cuda_utils import CUDAError
 from cuda.pathfinder import find_nvidia_binary_utility, find_nvidia_header_directory
 
+from gemmspec.diskcache import cache_enabled, default_cache_dir, read_entry, write_entry
 from gemmspec.errors import CompileError, GemmspecError
 
 __all__ = [
@@ -43,10 +41,7 @@ __all__ = [
 
 _HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inl")
 # Format 2 records the key; format 1 entries (no key) fail the magic and are recompiled.
-_TRAILER_MAGIC = b"GSCUBIN2"
-_TRAILER_LEN = len(_TRAILER_MAGIC) + 32 + 8 + 32  # magic, key, cubin length, sha256
-# Cubins are at most a few tens of MB; anything larger is not ours.
-_MAX_ENTRY_BYTES = 256 << 20
+_CUBIN_MAGIC = b"GSCUBIN2"
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -89,11 +84,6 @@ def nvrtc_version() -> tuple[int, int]:
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise CompileError(f"cannot query the NVRTC version: {err.name}")
     return int(major), int(minor)
-
-
-def default_cache_dir() -> str:
-    """$GEMMSPEC_CACHE_DIR, else ~/.cache/gemmspec."""
-    return os.environ.get("GEMMSPEC_CACHE_DIR") or os.path.expanduser("~/.cache/gemmspec")
 
 
 # --- options ---------------------------------------------------------------------
@@ -183,100 +173,6 @@ def _cache_key(
     return h.hexdigest()
 
 
-# --- disk cache ------------------------------------------------------------------
-
-
-def _cache_enabled() -> bool:
-    return os.environ.get("GEMMSPEC_NO_CACHE", "").strip().lower() in ("", "0", "false", "no")
-
-
-def _open_entry(path: str) -> tuple[int, int] | None:
-    """(descriptor, size) of `path` if it is a regular file we own, of a size an entry can have."""
-    # O_NOFOLLOW: a symlink is never an entry. O_NONBLOCK: opening a FIFO does not wait.
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        return None
-    owned = not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
-    if not (stat.S_ISREG(st.st_mode) and owned and _TRAILER_LEN < st.st_size <= _MAX_ENTRY_BYTES):
-        os.close(fd)
-        return None
-    return fd, st.st_size
-
-
-def _read_entry(path: str, key: str) -> bytes | None:
-    """The cubin of the entry for `key`; None if absent, foreign, damaged or of another key."""
-    opened = _open_entry(path)
-    if opened is None:
-        return None
-    fd, size = opened
-    chunks: list[bytes] = []
-    try:
-        while size > 0:
-            chunk = os.read(fd, size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size -= len(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return _parse_entry(b"".join(chunks), key)
-
-
-def _parse_entry(blob: bytes, key: str) -> bytes | None:
-    if len(blob) <= _TRAILER_LEN:
-        return None
-    body, digest = blob[:-32], blob[-32:]
-    trailer = body[-(_TRAILER_LEN - 32) :]
-    cubin = body[: -len(trailer)]
-    magic, stored_key, length = trailer[:8], trailer[8:40], trailer[40:48]
-    if magic != _TRAILER_MAGIC or int.from_bytes(length, "little") != len(cubin):
-        return None
-    if stored_key != bytes.fromhex(key) or hashlib.sha256(body).digest() != digest:
-        return None
-    return cubin
-
-
-def _entry_bytes(cubin: bytes, key: str) -> bytes:
-    body = cubin + _TRAILER_MAGIC + bytes.fromhex(key) + len(cubin).to_bytes(8, "little")
-    return body + hashlib.sha256(body).digest()
-
-
-def _write_entry(path: str, cubin: bytes, key: str) -> None:
-    """Write via a temp file and os.replace, so readers never see a partial entry."""
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except OSError as e:
-        _warn_not_caching(f"cannot create the cubin cache folder {directory}", e)
-        return
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".cubin")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_entry_bytes(cubin, key))
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as e:
-        _warn_not_caching(f"cannot write the cubin cache entry {path}", e)
-
-
-def _warn_not_caching(what: str, e: OSError) -> None:
-    # Say what went wrong (permission, disk full, ...), not just that it did.
-    warnings.warn(f"gemmspec: {what}: {e.strerror or e}; not caching", RuntimeWarning, stacklevel=4)
-
-
 # --- compile ---------------------------------------------------------------------
 
 
@@ -300,9 +196,9 @@ def compile_cubin(
     include_dirs = [os.path.abspath(d) for d in include_dirs]
     key = _cache_key(source, include_dirs, arch, extra_options)
     entry = None
-    if _cache_enabled():
+    if cache_enabled():
         entry = os.path.join(cache_dir or default_cache_dir(), f"{name}-{key[:16]}.cubin")
-        cached = _read_entry(entry, key)
+        cached = read_entry(entry, key, _CUBIN_MAGIC)
         if cached is not None:
             return CompiledCubin(name=name, cubin=cached, key=key, log="", from_cache=True)
 
@@ -319,7 +215,7 @@ def compile_cubin(
         program.close()
     cubin = bytes(code.code)
     if entry is not None:
-        _write_entry(entry, cubin, key)
+        write_entry(entry, cubin, key, _CUBIN_MAGIC, "cubin")
     return CompiledCubin(name=name, cubin=cubin, key=key, log=log.text.strip(), from_cache=False)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gemmspec import diskcache
 from gemmspec.errors import CompileError
 from gemmspec.runtime import nvrtc
 from gemmspec.runtime.nvrtc import compile_cubin, cuda_include_dirs, disassemble, nvrtc_version
@@ -230,7 +231,7 @@ def test_entry_owned_by_another_user_is_ignored(
 
 def test_oversized_entry_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     good = compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path))
-    monkeypatch.setattr(nvrtc, "_MAX_ENTRY_BYTES", len(good.cubin))
+    monkeypatch.setattr(diskcache, "MAX_ENTRY_BYTES", len(good.cubin))
     assert not compile_cubin(BF16_SRC, name="widen", cache_dir=str(tmp_path)).from_cache
 
 
