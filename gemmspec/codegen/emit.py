@@ -15,7 +15,15 @@ from dataclasses import dataclass, replace
 
 from ..errors import GemmspecError
 from ..expr import Poly
-from ..lower.schedule import Extent, KernelSignature, Launch, PrePass, ProblemGenerator, Schedule
+from ..lower.schedule import (
+    Extent,
+    KernelSignature,
+    Launch,
+    PrePass,
+    ProblemGenerator,
+    Schedule,
+    unit_shape,
+)
 from ..spec import KERNEL_K_BLOCK, Spec, Tensor
 from .kernels import (
     ELEMENT_BYTES,
@@ -421,6 +429,7 @@ def emit_launch(
             if name is None:
                 raise EmitError(f"launch {launch.index} reads '{t}', which the offsets check does not take")
             aliases.append((tensor_param(t), name))
+    unit_m, unit_n = unit_shape(cfg.tile_m, cfg.tile_n, cfg.cluster, cfg.multicast_b)
     table = ENV.get_template("leaf_table.cu.jinja").render(
         name=table_name,
         check=check is not None,
@@ -439,9 +448,9 @@ def emit_launch(
         pinned_axes=[{"var": f"g_{a}", "value": i} for a, i in pg.fixed_axes],
         body=body,
         fields=fields,
-        # A pair computes neighbouring row blocks (B multicast) or column blocks (A multicast).
-        tile_m=cfg.tile_m * (cfg.cluster if cfg.multicast_b else 1),
-        tile_n=cfg.tile_n * (1 if cfg.multicast_b else cfg.cluster),
+        # The leaf table counts work units: a pair's neighbouring row or column blocks.
+        tile_m=unit_m,
+        tile_n=unit_n,
         a_bytes=ELEMENT_BYTES[cfg.a_type],
         b_bytes=ELEMENT_BYTES[cfg.b_type],
         d_bytes=ELEMENT_BYTES[cfg.d_type],

@@ -271,6 +271,12 @@ class ProblemGenerator:
         return "\n".join(lines)
 
 
+def unit_shape(tile_m: int, tile_n: int, cluster: int, multicast_b: bool) -> tuple[int, int]:
+    """Rows and columns of one work unit (what a cluster computes): a CTA pair owns two
+    row blocks when it shares B, two column blocks when it shares A."""
+    return (tile_m * cluster, tile_n) if multicast_b else (tile_m, tile_n * cluster)
+
+
 @dataclass(frozen=True)
 class KernelSignature:
     """Everything a kernel fixes at compile time; equal signatures can share a launch."""
@@ -314,6 +320,10 @@ class KernelSignature:
         name += ("_gather" if self.gather else "") + ("_scatter" if self.scatter else "")
         name += "_pow2" if self.d_scale_pow2 else ""
         return name + ("_copy128x1" + ("pow2" if self.copy_scale_pow2 else "") if self.copy else "")
+
+    @property
+    def unit_shape(self) -> tuple[int, int]:
+        return unit_shape(self.tile_m, self.tile_n, self.cluster, self.multicast_b)
 
     @property
     def _cluster_name(self) -> str:

@@ -67,14 +67,15 @@ def check_sizes(spec: Spec, schedule: Schedule, manifest: Manifest, dims: dict[s
     for launch in schedule.launches:
         g = spec.gemms[launch.statement]
         sig = launch.signature
-        # A work unit of a cluster spans its CTAs' neighbouring column blocks.
-        plan = LaunchPlan(launch.statement, launch.problems.fixed_axes, sig.tile_m, sig.tile_n * sig.cluster)
+        # A work unit of a cluster spans its CTAs' neighbouring row or column blocks.
+        unit_m, unit_n = sig.unit_shape
+        plan = LaunchPlan(launch.statement, launch.problems.fixed_axes, unit_m, unit_n)
         tiles = tile_bound(spec, g, plan, launch.leaf_count, dims)
         if tiles is not None and tiles > MAX_TILES_PER_LAUNCH:
             raise ArgumentError(
                 f"{spec.name}: with {_dims_text(dims)}, launch {launch.index} (statement "
                 f"#{g.index}) can have up to {tiles} output tiles of "
-                f"{sig.tile_m}x{sig.tile_n * sig.cluster}, more than 2^31 - 1: the kernels "
+                f"{unit_m}x{unit_n}, more than 2^31 - 1: the kernels "
                 "count tiles in 32-bit signed integers; split the call"
             )
     _check_manifest_values(spec, manifest, dims)

@@ -107,6 +107,24 @@ def test_output_tiles_beyond_int32_are_rejected():
         exe._bind(big)
 
 
+def test_a_pair_along_m_counts_units_of_two_row_blocks(monkeypatch):
+    # The blockwise FP8 launch runs as CTA pairs sharing B: its work units are 256 x 192,
+    # and the 32-bit count is checked in those units (a pair sharing A would be 128 x 384).
+    from gemmspec.bench import moe_spec
+    from gemmspec.lower.schedule import unit_shape
+
+    exe = gemmspec.build(moe_spec(n=768, k=576, e=4, fp8=True))
+    (launch,) = exe.schedule.launches
+    assert launch.signature.unit_shape == (256, 192) == unit_shape(128, 192, 2, True)
+    assert unit_shape(128, 192, 2, False) == (128, 384) and unit_shape(128, 192, 1, False) == (128, 192)
+    dims = {"T": 4096}
+    checks.check_sizes(exe.spec, exe.schedule, exe.manifest, dims)
+    # With the bound lowered to one unit, the refusal names the unit it counted.
+    monkeypatch.setattr(checks, "MAX_TILES_PER_LAUNCH", 1)
+    with pytest.raises(ArgumentError, match=r"output tiles of 256x192, more than 2\^31 - 1"):
+        checks.check_sizes(exe.spec, exe.schedule, exe.manifest, dims)
+
+
 def test_values_a_kernel_takes_as_int_are_bounded():
     # Past the dim check, every int the launches pass is checked against its C++ type.
     exe = gemmspec.build(EXAMPLES / "linear_fp8_training.gspec")
