@@ -41,8 +41,10 @@ the wgmma limit. The choice trades three things, in this order:
    nor do masked rows (counts below a bound known only at run time: 5.5 % slower on the
    masked decode case, 6 x at most 1024 rows, where the idle halves and the pairs' coarser
    waves outweigh the saving); neither do gathered rows (no A tile per row block to pair),
-   fused epilogues and FP8 outputs (not measured). Pairs along N that multicast A were 1.5-3 % slower (the kernels
-   are not L2-bound there, and a pair's CTAs wait on each other's stages);
+   a fused bias, a SwiGLU and FP8 outputs (not measured; a per-leaf scalar or row weight
+   pairs: the expert FFN's down projection, with its row weights, ran as fast in pairs).
+   Pairs along N that multicast A were 1.5-3 % slower (the kernels are not L2-bound
+   there, and a pair's CTAs wait on each other's stages);
    `GemmKernelConfig(cluster=2)` keeps them for probes.
 
 The ring depth is then as many stages as shared memory holds (see GemmKernelConfig).

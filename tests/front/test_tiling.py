@@ -50,7 +50,7 @@ def test_choose_tile(n, m_bound, scaled, sb_bn, want, pairs):
 def test_blockwise_fp8_tiles_not_paired(why, kwargs):
     t = choose_tile([4096], 1024 if kwargs.get("masked") else None, True, 128, **kwargs)
     assert not t.pair_rows and why in t.reason
-    # Fused epilogues and FP8 outputs keep one CTA per tile too (not measured in pairs).
+    # A bias, an FP8 output and a SwiGLU keep one CTA per tile too (not measured in pairs).
     for other in ({"bias": True}, {"fp8_out": True}, {"swiglu": True}):
         assert not choose_tile([4096], None, True, 128, **other).pair_rows
     # Per-channel scales run the unscaled main loop: no pairs.
