@@ -202,10 +202,10 @@ class GemmKernelConfig:
     # wgmma issue (DeepGEMM's order), instead of after it. None: before it where B's scales
     # change per column (SB mode 2, the WGRAD): read after it, ptxas placed the shared loads
     # between the K block's first and second wgmma, and the 96 SA x SB products there waited
-    # on them, holding up the other three's issue (measured on the H200: 805-812 against
-    # 774-784 TFLOPS, +3-4 %); after it
-    # elsewhere (one or two B scales: 1131 against 1123-1125, within drift). The name says
-    # the non-default (``_earlyscales`` / ``_latescales``).
+    # on them, holding up the other three's issue (kernel probe on the H200: 805-812
+    # against 774-784 TFLOPS, +3-4 %); after it elsewhere (one or two B scales: 1131
+    # against 1123-1125, within drift). The name says the non-default (``_earlyscales`` /
+    # ``_latescales``).
     scales_before_issue: bool | None = None
     # An FP8 D (``d_type`` e4m3 or e5m2): the epilogue rounds the result to bf16 and
     # quantizes it as the quantize pass does, one f32 scale per row and D_SCALE_COLS
