@@ -18,6 +18,7 @@ from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from ..lower.schedule import cluster_suffix
 from .wgmma import wgmma_struct
 
 # Element types the kernels understand, with their C++ spellings (CUDA toolkit headers).
@@ -560,7 +561,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     mode = "acc" if cfg.accumulate else "store"
     raster = f"r{cfg.raster}" if cfg.raster != 8 else ""
     raster += f"o{cfg.ctas_per_sm}" if cfg.ctas_per_sm != 1 else ""
-    cluster = f"c{cfg.cluster}" + ("b" if cfg.multicast_b else "") if cfg.cluster > 1 else ""
+    cluster = cluster_suffix(cfg.cluster, cfg.multicast_b)
     staged = "_tma" if cfg.store_tma else ""
     if cfg.consumer_scales:  # not the default
         staged += "_consumerscales"

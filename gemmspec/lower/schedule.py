@@ -277,6 +277,11 @@ def unit_shape(tile_m: int, tile_n: int, cluster: int, multicast_b: bool) -> tup
     return (tile_m * cluster, tile_n) if multicast_b else (tile_m, tile_n * cluster)
 
 
+def cluster_suffix(cluster: int, multicast_b: bool) -> str:
+    """The kernel name's cluster part: `c2` for a pair sharing A, `c2b` sharing B."""
+    return f"c{cluster}" + ("b" if multicast_b else "") if cluster > 1 else ""
+
+
 @dataclass(frozen=True)
 class KernelSignature:
     """Everything a kernel fixes at compile time; equal signatures can share a launch."""
@@ -326,10 +331,6 @@ class KernelSignature:
         return unit_shape(self.tile_m, self.tile_n, self.cluster, self.multicast_b)
 
     @property
-    def _cluster_name(self) -> str:
-        return f"c{self.cluster}" + ("b" if self.multicast_b else "") if self.cluster > 1 else ""
-
-    @property
     def name(self) -> str:
         """Procedural name spelling every choice, used for symbols and cache keys."""
         scale = (
@@ -341,7 +342,7 @@ class KernelSignature:
         mode = "acc" if self.accumulate else "store"
         return (
             f"gs_sm90a_{self.a_type}{self.b_type}_{self.d_type}_{scale}_{majors}_"
-            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{self._cluster_name}_{mode}"
+            f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{cluster_suffix(self.cluster, self.multicast_b)}_{mode}"
             f"{self.epilogue_name}"
         )
 
