@@ -49,6 +49,7 @@ VARIANTS = {
     "192 wide, CTA pairs multicasting A": {"tile_n": 192, "cluster": 2},
     "192 wide, CTA pairs along M multicasting B": {"tile_n": 192, "cluster": 2, "multicast_b": True},
     "scales read before the wgmma issue": {"scales_before_issue": True},
+    "raw scales staged, products in the consumers (3.13)": {"staged_products": False},
     "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},

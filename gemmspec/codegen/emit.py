@@ -550,6 +550,7 @@ _DERIVED = {
     "ring_rounds": None,
     "lean_registers": None,
     "scales_before_issue": None,
+    "staged_products": None,
 }
 
 

@@ -208,6 +208,17 @@ class GemmKernelConfig:
     # against 1123-1125, within drift). The name says the non-default (``_earlyscales`` /
     # ``_latescales``).
     scales_before_issue: bool | None = None
+    # The producer stages each tile row's SA x SB products (one per B scale of the tile)
+    # instead of the raw scales, loading them into registers a K block ahead and storing
+    # the products before its arrival on the stage's full barrier; the consumers read
+    # products and multiply nothing before the promotion. Read as scales, ptxas put the
+    # consumers' four products between a K block's first and second wgmma, where they
+    # waited on the shared loads and held up the rest of the issue (kernel probe on the
+    # H200, outputs identical: 1143.5 against 1130.7-1131.4 TFLOPS on 8 x 4096, 1156.2
+    # against 1130.1-1130.6 on 4 x 8192). Possible (and the default, None) with one or two
+    # B scales per tile (SB mode 0 or 1), one wgmma batch per K block and rows not
+    # gathered; False elsewhere. The name says the non-default (``_rawscales``).
+    staged_products: bool | None = None
     # An FP8 D (``d_type`` e4m3 or e5m2): the epilogue rounds the result to bf16 and
     # quantizes it as the quantize pass does, one f32 scale per row and D_SCALE_COLS
     # columns of D (a GsDScale record per leaf says where). ``d_scale_pow2``: the scales
@@ -247,6 +258,8 @@ class GemmKernelConfig:
         if self.scales_before_issue is None or not self.smem_scales:
             # Only staged scales are read from the stage; normalised so equal kernels compare equal.
             object.__setattr__(self, "scales_before_issue", self.early_scales_by_default())
+        if self.staged_products is None or not self.products_possible():
+            object.__setattr__(self, "staged_products", self.products_possible())
         if self.ring_rounds is None:
             object.__setattr__(self, "ring_rounds", self.rounds_by_default())
         elif not self.blockwise:
@@ -397,6 +410,10 @@ class GemmKernelConfig:
         """The producer stages each stage's scales in shared memory for the consumers."""
         return self.blockwise and not self.consumer_scales
 
+    def products_possible(self) -> bool:
+        """The producer can stage SA x SB products (see ``staged_products``)."""
+        return self.smem_scales and self.sb_mode != 2 and self.mma_parts == 1 and not self.gather
+
     def early_scales_by_default(self) -> bool:
         """Staged scales read before the K block's wgmma issue: where B's scales change
         per column (see ``scales_before_issue``)."""
@@ -506,6 +523,8 @@ class GemmKernelConfig:
         """Scales of one stage: a float per tile row, then the B scales (sb_mode)."""
         if not self.blockwise or self.consumer_scales:
             return 0
+        if self.staged_products:  # a product per row and B scale
+            return 4 * self.tile_m * (1, 2)[self.sb_mode]
         floats = self.tile_m + (1, 2, self.tile_n)[self.sb_mode]
         return 16 * _ceil_div(floats, 4)  # padded to 16 bytes
 
@@ -579,6 +598,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_rounds" if cfg.ring_rounds else "_norounds"
     if cfg.scales_before_issue != cfg.early_scales_by_default():  # not the default
         staged += "_earlyscales" if cfg.scales_before_issue else "_latescales"
+    if cfg.staged_products != cfg.products_possible():  # not the default
+        staged += "_rawscales"
     if cfg.scatter:
         staged += "_scatter"
     if not cfg.programmatic:
@@ -753,6 +774,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         programmatic=cfg.programmatic,
         ring_rounds=cfg.ring_rounds,
         scales_before_issue=cfg.scales_before_issue,
+        staged_products=cfg.staged_products,
         fp8_out=cfg.fp8_out,
         out_max=repr(FP8_MAX[cfg.d_type]) if cfg.fp8_out else "",
         out_interp=FP8_INTERP[cfg.d_type] if cfg.fp8_out else "",

@@ -132,7 +132,8 @@ def test_configs_without_index_tensors_render_no_gather_code():
         source = render_gemm(cfg)
         assert "GsGather" not in source and "gathered_row" not in source
     gathered = GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, gather=True)
-    plain = dataclasses.replace(gathered, gather=False, name="", stages=0, consumer_scales=None, prefetch_scales=None)
+    plain = dataclasses.replace(gathered, gather=False, name="", stages=0, consumer_scales=None, prefetch_scales=None,
+                                staged_products=None)
     assert plain == GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128)
     # The producer stages the gathered rows' scales: the ring is shallower.
     assert gathered.scale_bytes > 0 and gathered.stages <= plain.stages

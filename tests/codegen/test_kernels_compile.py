@@ -59,6 +59,15 @@ GEMM_CONFIGS = {
         "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sb_bn=1, tile_n=144
     ),
     "bf16_skinny_m64": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16),
+    # The producer staging the raw scales (not the default SA x SB products): two B scales
+    # per tile in pairs, one on 64 rows.
+    "e4m3_n192_rawscales_pair": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192, cluster=2, multicast_b=True,
+        staged_products=False,
+    ),
+    "e4m3_m64_rawscales": GemmKernelConfig(
+        "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sb_bn=128, tile_m=64, staged_products=False
+    ),
     "e4m3_m64_s3": GemmKernelConfig(
         "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, stages=3
     ),
@@ -181,16 +190,17 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     assert bool(re.search(r"\bSHFL\.BFLY\b", sass)) == cfg.swiglu
 
 
-def _shared_loads_inside_batches(sass: str) -> int:
-    """Shared loads between a wgmma batch's warpgroup.arrive and its wait."""
-    ops = re.findall(r"\b(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR|QGMMA|LDS)\b", sass)
+def _shared_loads_inside_batches(sass: str, op_name: str = "LDS") -> int:
+    """Shared loads (or other `op_name` instructions) between a wgmma batch's
+    warpgroup.arrive and its wait."""
+    ops = re.findall(rf"\b(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR|QGMMA|{op_name})\b", sass)
     inside, count = False, 0
     for op in ops:
         if op == "WARPGROUP.ARRIVE":
             inside = True
         elif op == "WARPGROUP.DEPBAR":
             inside = False
-        elif op == "LDS" and inside:
+        elif op == op_name and inside:
             count += 1
     return count
 
@@ -205,6 +215,18 @@ def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -
     assert _shared_loads_inside_batches(compiled(key, render_gemm(cfg))[2]) == 0
     late = dataclasses.replace(cfg, scales_before_issue=False)
     assert _shared_loads_inside_batches(compiled(f"{key}_late", render_gemm(late))[2]) > 0
+
+
+# One or two B scales per tile: the producer stages each row's SA x SB products, so no
+# multiply sits between a K block's wgmma (with raw scales ptxas put the four products
+# there, waiting on the shared loads and holding up the rest of the batch's issue).
+@pytest.mark.parametrize("key", ["e4m3_n192", "e4m3_pair", "e4m3_1x128_128x128_bf16"])
+def test_scale_products_stay_out_of_the_wgmma_issue(compiled, key: str) -> None:
+    cfg = GEMM_CONFIGS[key]
+    assert cfg.staged_products and cfg.sb_mode in (0, 1)
+    assert _shared_loads_inside_batches(compiled(key, render_gemm(cfg))[2], "FMUL") == 0
+    raw = dataclasses.replace(cfg, name="", stages=0, staged_products=False)
+    assert _shared_loads_inside_batches(compiled(f"{key}_raw", render_gemm(raw))[2], "FMUL") > 0
 
 
 def test_requant_compiles(compiled) -> None:
@@ -290,18 +312,24 @@ def test_render_is_deterministic() -> None:
 
 def test_smem_bytes_matches_layout() -> None:
     # Alignment slack, the epilogue staging (a whole D tile), then per stage: A and B
-    # tiles, a scale per row and the B scales (padded to 16 bytes), two mbarriers.
+    # tiles, the scales, two mbarriers.
     fp8 = GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
-    # The producer stages each stage's scales: 128 SA and the B scale(s), padded to 132 floats.
+    # The producer stages each stage's SA x SB products: one per row (one B scale per tile).
     assert fp8.store_tma and fp8.sb_mode == 0 and not fp8.consumer_scales and fp8.stages == 5
-    assert fp8.ring_rounds and fp8.smem_bytes == 1024 + 128 * 128 * 2 + 5 * (256 * 128 + 132 * 4 + 16)
+    assert fp8.staged_products and fp8.ring_rounds
+    assert fp8.smem_bytes == 1024 + 128 * 128 * 2 + 5 * (256 * 128 + 128 * 4 + 16)
+    # Two per row where the tile straddles a B scale block.
     wide = GEMM_CONFIGS["e4m3_n192"]
     assert wide.sb_mode == 1 and wide.sb_splits == (8, 16) and wide.stages == 4
-    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
+    assert wide.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 2 * 128 * 4 + 16)
+    # The raw scales instead: 128 SA and the B scale(s), padded to 132 floats.
+    raw = dataclasses.replace(wide, name="", stages=0, staged_products=False)
+    assert raw.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 132 * 4 + 16)
     # Read by the consumers from global memory instead (one or two B scales per tile only):
     # no scale slots; the one-block loop.
-    consumers = dataclasses.replace(wide, name="", stages=0, consumer_scales=True, prefetch_scales=None, ring_rounds=None)
-    assert consumers.prefetch_scales and not consumers.ring_rounds
+    consumers = dataclasses.replace(wide, name="", stages=0, consumer_scales=True, prefetch_scales=None, ring_rounds=None,
+                                    staged_products=None)
+    assert consumers.prefetch_scales and not consumers.ring_rounds and not consumers.staged_products
     assert consumers.smem_bytes == 1024 + 128 * 192 * 2 + 4 * (320 * 128 + 16)
     # Per-column B scales: staged per stage by the producer (a float per row and column).
     per_column = GEMM_CONFIGS["e4m3_1d1d_n144"]
@@ -318,7 +346,7 @@ def test_smem_bytes_matches_layout() -> None:
     # kernel's of the same tile.
     sw = GEMM_CONFIGS["e4m3_swiglu_bf16"]
     assert not sw.store_tma and sw.staging_bytes == 0 and sw.stages == 6
-    assert sw.smem_bytes == 1024 + 6 * (256 * 128 + 132 * 4 + 16)
+    assert sw.smem_bytes == 1024 + 6 * (256 * 128 + 128 * 4 + 16)  # staged products, one per row
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
     assert dataclasses.replace(GEMM_CONFIGS["bf16_skinny_m64"], name="", stages=0, ctas_per_sm=1).stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())

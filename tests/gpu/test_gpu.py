@@ -141,6 +141,22 @@ def test_wgrad_cta_pairs_multicasting_b():
     report_ok(run_random(exe, lengths={"expert": [1, 127, 129, 0, 1000]}, seed=17, repeats=0))
 
 
+# The producer staging each row's SA x SB products (the default) or the raw scales (an
+# option): one B scale per tile (128 wide) and two (192 wide, a block boundary inside the
+# tile), CTA pairs along M, and rows that are not 16-byte aligned (K = 200: copied by hand).
+@pytest.mark.parametrize("products", [True, False], ids=["products", "rawscales"])
+@pytest.mark.parametrize("n, k, tile_n, pairs", [(520, 576, 192, True), (520, 7168, 128, False),
+                                                 (264, 200, 192, False), (264, 200, 128, True)])
+def test_staged_scale_products(n, k, tile_n, pairs, products):
+    from gemmspec.codegen.emit import with_kernel_config
+
+    exe = gemmspec.build(with_tile(moe(n, k, len(PIPELINE_EDGE) + 1, True), 128, tile_n))
+    exe.program = with_kernel_config(exe.spec, exe.program, tile_n=tile_n, cluster=2 if pairs else 1,
+                                     multicast_b=pairs, staged_products=products)
+    assert exe.program.launches[0].gemm.staged_products == products
+    report_ok(run_random(exe, lengths={"expert": [*PIPELINE_EDGE, 300]}, seed=n + k + tile_n, repeats=0))
+
+
 def test_pipeline_64_row_tiles():
     # M of at most 64 per leaf picks 64-row tiles (one consumer warpgroup).
     spec = MASKED.format(m=64, n=200, k=576, e=5)
