@@ -469,7 +469,8 @@ def _plan_launches(
     elif not g.swiglu:
         reasons.append(
             f"{prefix}stores: each consumer warpgroup stages its output rows in shared memory and "
-            "stores them by TMA through a per-leaf map of the output (reduce-add for f32 +=), when the "
+            "stores them by TMA through a per-leaf map of the output (f32 += reduce-adds; a 16-bit += "
+            "first loads the old tile into the staging by TMA and adds to it), when the "
             "tile is whole 128-byte boxes wide and the ring keeps 3 stages beside it; otherwise, and "
             "for leaves whose output base or row stride is not a multiple of 16 bytes, straight from "
             "registers, masked at the leaf's edges"

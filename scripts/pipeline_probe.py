@@ -9,7 +9,7 @@ is not the spec's result, it only shows what the load pipeline and wgmma sustain
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora | --wgrad | --gather] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora | --expand | --wgrad | --gather] [--idle MS]
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import gemmspec  # noqa: E402
 from gemmspec.bench import (  # noqa: E402
     GATHER,
     LORA,
+    LORA_EXPAND_COUNTS,
     WGRAD,
     _fp8,
     _offsets,
     _scales,
     moe_spec,
+    nested_offsets,
     timed_launches,
     with_directive,
 )
@@ -83,6 +85,16 @@ LORA_VARIANTS = {
     "GEMM launched the ordinary way (no PDL)": {"programmatic": False},
     "check a kernel of its own, PDL": {"fuse_check": False},
     "check a kernel of its own, no PDL (3 launches)": {"fuse_check": False, "programmatic": False},
+}
+
+# The scaled multi-LoRA expand (examples/lora_moe_scaled.gspec): a BF16 D += with a fused
+# epilogue, K = 16: memory-bound on D, whose old tile the staged epilogue loads by TMA.
+EXPAND_VARIANTS = {
+    "as compiled": {},
+    "from registers, pair by pair (3.13)": {"store_tma": False},
+    "64-row tiles": {"tile_m": 64},
+    "128 x 256 tiles": {"tile_n": 256},
+    "as compiled (again: drift over the run)": {},
 }
 
 # FP8 WGRAD (K-grouped, 128 x 1 scales on both sides, f32 +=), its producer staging the
@@ -142,6 +154,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run the variants whose label contains one of these (comma-separated)")
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
     ap.add_argument("--lora", action="store_true", help="probe the memory-bound nested LoRA shrink instead")
+    ap.add_argument("--expand", action="store_true", help="probe the scaled multi-LoRA expand (BF16 D +=) instead")
     ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
     ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
     ap.add_argument(
@@ -152,7 +165,24 @@ def main() -> int:
     args = ap.parse_args()
     e, m, n, k = map(int, args.shape.split(","))
     t = e * m
-    if args.lora:
+    y0 = None
+    if args.expand:
+        counts = LORA_EXPAND_COUNTS
+        lo_off, inner = nested_offsets(counts)
+        t, n, k = sum(map(sum, counts)), 4096, 16
+        tensors = {
+            "lora_offsets": torch.tensor(lo_off, dtype=torch.int32, device="cuda"),
+            "expert_offsets": torch.tensor(inner, dtype=torch.int32, device="cuda"),
+            "h": torch.randn((t, k), device="cuda", dtype=torch.bfloat16),
+            "wb": (torch.randn((len(counts), len(counts[0]), n, k), device="cuda") / 4).to(torch.bfloat16),
+            "scaling": torch.rand((len(counts),), device="cuda") + 0.25,
+            "route_w": torch.rand((t,), device="cuda"),
+            "bias": torch.randn((len(counts[0]), n), device="cuda", dtype=torch.bfloat16),
+        }
+        y0 = torch.randn((t, n), device="cuda", dtype=torch.bfloat16)
+        spec = (Path(__file__).resolve().parents[1] / "examples" / "lora_moe_scaled.gspec").read_text()
+        variants = EXPAND_VARIANTS
+    elif args.lora:
         tensors, variants = lora_inputs(), LORA_VARIANTS
         spec = LORA.format(k=4096, r=16, l=4, e=8)
         t, n, k = 8192, 16, 4096
@@ -196,18 +226,21 @@ def main() -> int:
             print(f"{label:40} skipped: {err}", flush=True)
             continue
         out_dtype = torch.float32 if args.lora else torch.bfloat16
-        if args.wgrad:  # dw += ...: every launch adds, so the check compares the first launch's sum
+        if args.expand:  # y += ...: the check compares one launch's update of y0
+            y = y0.clone()
+            outputs = {"y": y}
+        elif args.wgrad:  # dw += ...: every launch adds, so the check compares the first launch's sum
             y = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
             outputs = {"dw": y}
         else:
             y = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
             outputs = {"y": y}
-        extra = {} if args.lora else {"offs": offs}
+        extra = {} if args.lora or args.expand else {"offs": offs}
         run = exe.prepare(torch.cuda.current_stream(), **outputs, **extra, **tensors)
         run.enqueue()
         torch.cuda.synchronize()
         check = ""
-        if cfg.scaled or args.bf16 or args.lora or args.wgrad:
+        if cfg.scaled or args.bf16 or args.lora or args.wgrad or args.expand:
             if reference is None:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
@@ -216,7 +249,7 @@ def main() -> int:
             ms = timed_launches(run.enqueue, 60, args.idle)
         else:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
-        rate = f"{ms * 1e3:8.1f} us" if args.lora else f"{flops / ms / 1e9:8.1f} TFLOPS"
+        rate = f"{ms * 1e3:8.1f} us" if args.lora or args.expand else f"{flops / ms / 1e9:8.1f} TFLOPS"
         print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {rate} {check}", flush=True)
     return 0
 

@@ -274,8 +274,7 @@ class GemmKernelConfig:
             raise ValueError("an FP8 D is quantized and stored from registers")
         elif self.store_tma and not self.store_tma_possible:
             raise ValueError(
-                f"a TMA-stored epilogue needs whole {self.box_cols}-column boxes and, for D +=, "
-                f"f32 output (tile_n {self.tile_n}, {self.d_type}{', +=' if self.accumulate else ''})"
+                f"a TMA-stored epilogue needs whole {self.box_cols}-column boxes (tile_n {self.tile_n}, {self.d_type})"
             )
         if self.stages == 0:
             object.__setattr__(self, "stages", self._max_stages())
@@ -452,7 +451,13 @@ class GemmKernelConfig:
 
     @property
     def store_tma_possible(self) -> bool:
-        return self.tile_n % self.box_cols == 0 and (not self.accumulate or self.d_type == "f32")
+        return self.tile_n % self.box_cols == 0
+
+    @property
+    def staged_add(self) -> bool:
+        """A 16-bit D += through the staging: the old tile loaded by TMA, added to in f32 and
+        stored back (an f32 D += reduce-adds in the store instead)."""
+        return bool(self.store_tma) and self.accumulate and ELEMENT_BYTES[self.d_type] == 2
 
     @property
     def staging_bytes(self) -> int:
@@ -535,10 +540,11 @@ class GemmKernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory per block; the template static_asserts the same sum:
         alignment slack, the ring's operands, the epilogue staging, the ring's scales, a
-        full/empty mbarrier pair per stage and, when A is gathered, the tile's row numbers."""
+        full/empty mbarrier pair per stage, an mbarrier per consumer warpgroup for a staged
+        add and, when A is gathered, the tile's row numbers."""
         return (
             SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
-            + self.rows_bytes + self.copy_bytes
+            + 8 * self.consumer_warpgroups * self.staged_add + self.rows_bytes + self.copy_bytes
         )
 
     def tiles(self, m: int, n: int) -> int:
@@ -775,6 +781,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         ring_rounds=cfg.ring_rounds,
         scales_before_issue=cfg.scales_before_issue,
         staged_products=cfg.staged_products,
+        staged_add=cfg.staged_add,
         fp8_out=cfg.fp8_out,
         out_max=repr(FP8_MAX[cfg.d_type]) if cfg.fp8_out else "",
         out_interp=FP8_INTERP[cfg.d_type] if cfg.fp8_out else "",

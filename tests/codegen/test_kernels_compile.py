@@ -38,6 +38,7 @@ from nvrtc_helper import assert_spill_free, compile_cubin, disassemble  # noqa: 
 GEMM_CONFIGS = {
     "bf16_store": GemmKernelConfig("bf16", "bf16", "bf16"),
     "bf16_f32_acc": GemmKernelConfig("bf16", "bf16", "f32", accumulate=True),
+    "bf16_acc_staged": GemmKernelConfig("bf16", "bf16", "bf16", accumulate=True),
     "f16_store": GemmKernelConfig("f16", "f16", "f16"),
     # Forward / DGRAD: 1x128 activations, 128x128 weights.
     "e4m3_1x128_128x128_bf16": GemmKernelConfig(
@@ -172,8 +173,11 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     # initialisation (a cluster barrier instead when CTAs pair up). Named barriers only
     # sync one warpgroup (a staged epilogue, the producer's copies by hand).
     assert len(re.findall(r"\bBAR\.SYNC(?:\.DEFER_BLOCKING)? 0x0\b", sass)) == (0 if cfg.cluster > 1 else 1)
-    tma_store = "UTMAREDG" if cfg.accumulate else "UTMASTG"
+    # A staged f32 += reduce-adds; a staged 16-bit += loads its old tile (a TMA load of D
+    # beside A's and B's) and stores the sums.
+    tma_store = "UTMAREDG" if cfg.accumulate and not cfg.staged_add else "UTMASTG"
     assert bool(re.search(rf"\b{tma_store}\.2D\b", sass)) == cfg.store_tma, f"{tma_store} iff staged epilogue"
+    assert not re.search(r"\bUTMAREDG\b", sass) if cfg.staged_add else True
     if cfg.cluster > 1:
         assert re.search(r"\bUTMALDG\.2D\.MULTICAST\b", sass), "A is not multicast"
     fp8 = cfg.a_type in ("e4m3", "e5m2")
@@ -340,6 +344,11 @@ def test_smem_bytes_matches_layout() -> None:
     # only 2 would remain, so that one stores from registers.
     bf = GEMM_CONFIGS["bf16_wide"]
     assert bf.store_tma and bf.stages == 3 and bf.smem_bytes == 1024 + 128 * 256 * 2 + 3 * (384 * 64 * 2 + 16)
+    # A 16-bit D += goes through the staging too (old tile loaded, added to, stored back),
+    # with an mbarrier per consumer warpgroup for the loads.
+    add = GemmKernelConfig("bf16", "bf16", "bf16", accumulate=True)
+    assert add.store_tma and add.staged_add and not GemmKernelConfig("bf16", "bf16", "f32", accumulate=True).staged_add
+    assert add.smem_bytes == 1024 + 128 * 128 * 2 + add.stages * (256 * 64 * 2 + 16) + 2 * 8
     bf32 = GemmKernelConfig("bf16", "bf16", "f32", tile_n=256)
     assert not bf32.store_tma and bf32.stages == 4
     # A SwiGLU stores from registers: no staging, so the ring is deeper than the staged
@@ -385,9 +394,9 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sb_bn=64, tile_n=256),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", stages=1),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=256, stages=5),
-        # A staged epilogue stores whole 128-byte boxes, and reduce-adds only f32.
+        # A staged epilogue stores whole 128-byte boxes (a 16-bit += too: it loads them).
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=96, store_tma=True),
-        dict(a_type="bf16", b_type="bf16", d_type="bf16", accumulate=True, store_tma=True),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_n=96, accumulate=True, store_tma=True),
         # Consumers read one or two B scales per tile, never per-column ones.
         dict(a_type="e4m3", b_type="e4m3", d_type="f32", scaled=True, sa_bm=1, sb_bn=1, consumer_scales=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", consumer_scales=True),

@@ -1,8 +1,9 @@
 """On a Hopper GPU: fused epilogues (per-leaf scalar, per-row weight, per-column bias,
 += into BF16 and FP32, SwiGLU over interleaved gate/up rows) against the float64
 reference, outputs poisoned first, ragged segments of 0, 1, 127 and 129 rows. Both store
-paths are exercised: the staged TMA store (BF16 =, FP32 +=) and the register path (BF16
-+=, tiles that stage nothing, every SwiGLU)."""
+paths are exercised: the staged TMA store (BF16 =, FP32 += by reduce-add, BF16 += by
+loading the old tile into the staging) and the register path (BF16 += on rows TMA cannot
+describe, tiles that stage nothing, every SwiGLU)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,17 @@ CASES = {
         directive="tile(128, 128)",
     ),
     "all_bf16_store": dict(pre="alpha[expert(t)] * route_w[t] * ", post=" + bias[expert(t), n]", op="=", o="bf16"),
-    "all_bf16_acc_registers": dict(
+    "all_bf16_acc": dict(
         pre="alpha[expert(t)] * route_w[t] * ", post=" + bias[expert(t), n]", op="+=", o="bf16"
+    ),
+    # Whole 64-column boxes: the old tile is loaded into the staging, added to, stored back.
+    "all_bf16_acc_staged": dict(
+        pre="alpha[expert(t)] * route_w[t] * ", post=" + bias[expert(t), n]", op="+=", o="bf16",
+        directive="tile(128, 128)",
+    ),
+    # An odd N: D's rows are not 16-byte multiples apart, so the += goes from registers.
+    "all_bf16_acc_registers_odd_n": dict(
+        pre="alpha[expert(t)] * route_w[t] * ", post=" + bias[expert(t), n]", op="+=", o="bf16", n=263
     ),
     "all_f32_acc_tma_reduce": dict(
         pre="alpha[expert(t)] * route_w[t] * ", post=" + bias[expert(t), n]", op="+=", o="f32"
