@@ -93,6 +93,7 @@ EXPAND_VARIANTS = {
     "as compiled": {},
     "from registers, pair by pair (3.13)": {"store_tma": False},
     "64-row tiles": {"tile_m": 64},
+    "64-row tiles, two blocks per SM": {"tile_m": 64, "ctas_per_sm": 2},
     "128 x 256 tiles": {"tile_n": 256},
     "as compiled (again: drift over the run)": {},
 }

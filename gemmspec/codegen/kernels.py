@@ -292,6 +292,9 @@ class GemmKernelConfig:
         if self.ctas_per_sm == 2 and self.consumer_warpgroups != 1:
             # Two blocks of 384 threads would leave each thread at most 85 registers.
             raise ValueError("two blocks per SM only with one consumer warpgroup (64-row tiles)")
+        if self.ctas_per_sm == 2 and self.tile_n > 192:
+            # 128 registers per thread: a 256-wide tile's 128 accumulators do not fit (ptxas refuses).
+            raise ValueError("two blocks per SM take tiles of at most 192 columns")
         a, b = self.a_type, self.b_type
         if a not in OPERAND_TYPES or b not in OPERAND_TYPES:
             raise ValueError(f"operand types must be in {sorted(OPERAND_TYPES)}, got {a}, {b}")
