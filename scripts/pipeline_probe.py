@@ -53,6 +53,7 @@ VARIANTS = {
     "scales read before the wgmma issue": {"scales_before_issue": True},
     "raw scales staged, products in the consumers (3.13)": {"staged_products": False},
     "192 wide, raster groups of 16 row blocks": {"tile_n": 192, "raster": 16},
+    "256 wide (two 128-column wgmma halves per K block)": {"tile_n": 256},
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},
     "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False, "consumer_scales": None},
