@@ -153,7 +153,10 @@ def _kernel_line(spec: Spec, launch) -> str:
         parts.append("CTA pairs along M multicasting B" if cfg.multicast_b else "CTA pairs multicasting A")
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
-    parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
+    if cfg.staged_add:
+        parts.append("old output tile loaded into the staging by TMA, added to and stored by TMA")
+    else:
+        parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
     pg = launch.problems
     if cfg.gather:
         how = "rows loaded by TMA, a one-row box each" if cfg.gather_tma else "rows copied by the producer"
@@ -175,7 +178,7 @@ def _kernel_line(spec: Spec, launch) -> str:
         parts.append("per-channel scales: the unscaled main loop, SA(row) * SB(column) in the epilogue")
     elif cfg.scaled:
         count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]
-        where = "staged by the producer"
+        where = "staged by the producer" + (" as SA x SB products" if cfg.staged_products else "")
         if cfg.consumer_scales:
             where = "read by the consumers" + (" a K block ahead" if cfg.prefetch_scales else "")
         parts.append(f"{count} and K block, {where}")

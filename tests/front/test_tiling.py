@@ -84,11 +84,15 @@ def test_explain_names_the_emitted_kernel_and_its_configuration():
     text = exe.explain()
     assert f"kernel {launch.gemm.name} (128x192 tiles, {launch.gemm.stages} stages" in text
     assert (
-        "output staged and stored by TMA, two B scales per tile and K block, staged by the producer, K loop in rounds "
+        "output staged and stored by TMA, two B scales per tile and K block, staged by the producer as SA x SB "
+        "products, K loop in rounds "
         f"of {launch.gemm.stages} blocks with their stages fixed at compile time)"
     ) in text
     wgrad = gemmspec.build(EXAMPLES / "moe_fp8_wgrad.gspec").explain()
     assert "a B scale per column and K block, staged by the producer, K loop in rounds of" in wgrad
+    # A BF16 += through the staging: the old tile comes in by TMA.
+    expand = gemmspec.build(EXAMPLES / "lora_moe_scaled.gspec").explain()
+    assert "old output tile loaded into the staging by TMA, added to and stored by TMA" in expand
 
 
 def test_tile_directive_pins_the_tile():
