@@ -66,6 +66,9 @@ CASES = {
     "all_fp8_bf16_store": dict(
         pre="alpha[expert(t)] * route_w[t] * ", post=" + bias[expert(t), n]", op="=", o="bf16", fp8=True
     ),
+    # FP8 operands with a BF16 += in CTA pairs along M (a row weight pairs; a bias would not):
+    # the staged add in a paired kernel.
+    "row_fp8_bf16_acc_pairs": dict(pre="route_w[t] * ", post="", op="+=", o="bf16", fp8=True, n=576),
     "row_fp8_f32_acc_wide": dict(pre="route_w[t] * ", post="", op="+=", o="f32", fp8=True, n=576),
 }
 
