@@ -783,6 +783,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         programmatic=cfg.programmatic,
         ring_rounds=cfg.ring_rounds,
         scales_before_issue=cfg.scales_before_issue,
+        smem_scales=cfg.smem_scales,
         staged_products=cfg.staged_products,
         staged_add=cfg.staged_add,
         fp8_out=cfg.fp8_out,

@@ -194,8 +194,8 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     assert bool(re.search(r"\bSHFL\.BFLY\b", sass)) == cfg.swiglu
 
 
-def _shared_loads_inside_batches(sass: str, op_name: str = "LDS") -> int:
-    """Shared loads (or other `op_name` instructions) between a wgmma batch's
+def _ops_inside_batches(sass: str, op_name: str) -> int:
+    """`op_name` instructions (shared loads, multiplies) between a wgmma batch's
     warpgroup.arrive and its wait."""
     ops = re.findall(rf"\b(WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR|QGMMA|{op_name})\b", sass)
     inside, count = False, 0
@@ -216,9 +216,9 @@ def _shared_loads_inside_batches(sass: str, op_name: str = "LDS") -> int:
 def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
     assert cfg.scales_before_issue and not GEMM_CONFIGS["e4m3_n192"].scales_before_issue
-    assert _shared_loads_inside_batches(compiled(key, render_gemm(cfg))[2]) == 0
+    assert _ops_inside_batches(compiled(key, render_gemm(cfg))[2], "LDS") == 0
     late = dataclasses.replace(cfg, scales_before_issue=False)
-    assert _shared_loads_inside_batches(compiled(f"{key}_late", render_gemm(late))[2]) > 0
+    assert _ops_inside_batches(compiled(f"{key}_late", render_gemm(late))[2], "LDS") > 0
 
 
 # One or two B scales per tile: the producer stages each row's SA x SB products, so no
@@ -228,9 +228,9 @@ def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -
 def test_scale_products_stay_out_of_the_wgmma_issue(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
     assert cfg.staged_products and cfg.sb_mode in (0, 1)
-    assert _shared_loads_inside_batches(compiled(key, render_gemm(cfg))[2], "FMUL") == 0
+    assert _ops_inside_batches(compiled(key, render_gemm(cfg))[2], "FMUL") == 0
     raw = dataclasses.replace(cfg, name="", stages=0, staged_products=False)
-    assert _shared_loads_inside_batches(compiled(f"{key}_raw", render_gemm(raw))[2], "FMUL") > 0
+    assert _ops_inside_batches(compiled(f"{key}_raw", render_gemm(raw))[2], "FMUL") > 0
 
 
 def test_requant_compiles(compiled) -> None:
