@@ -144,7 +144,7 @@ def _check_placement(spec: Spec, schedule: Schedule):
 def _kernel_line(spec: Spec, launch) -> str:
     """The launch's kernel symbol and what its configuration chose."""
     from .codegen.emit import gemm_config  # the back end decides stages and epilogue
-    from .codegen.kernels import gemm_kernel_name
+    from .codegen.kernels import SPLIT_MAX, gemm_kernel_name
     from .codegen.names import gemm_symbol
 
     cfg = gemm_config(launch)
@@ -153,6 +153,11 @@ def _kernel_line(spec: Spec, launch) -> str:
         parts.append("CTA pairs along M multicasting B" if cfg.multicast_b else "CTA pairs multicasting A")
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
+    if cfg.split_k:
+        parts.append(
+            f"K split into up to {SPLIT_MAX} parts per tile, as many as even out the SMs' bytes for the "
+            "run-time tile count; the last part to finish adds the others' partial sums in split order"
+        )
     if cfg.staged_add:
         parts.append("old output tile loaded into the staging by TMA, added to and stored by TMA")
     else:

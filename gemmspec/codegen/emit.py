@@ -28,6 +28,7 @@ from ..spec import KERNEL_K_BLOCK, Spec, Tensor
 from .kernels import (
     ELEMENT_BYTES,
     ENV,
+    SPLIT_ALIGN,
     GatherRowsKernelConfig,
     GemmKernelConfig,
     QuantizeKernelConfig,
@@ -58,6 +59,17 @@ GATHER_RECORD_BYTES = 32
 DSCALE_RECORD_BYTES = 32
 # Then sizeof(GsCopy) (defined in the kernels that write D's copy): where the copy goes.
 COPY_RECORD_BYTES = 32
+
+
+LEAF_RECORD_BYTES = 144  # sizeof(GsLeaf)
+
+
+def split_area_at(leaf_count: int, epilogue: bool) -> int:
+    """Where a split-K kernel's counters and partial sums start in its leaf table's
+    workspace: after the sentinel and the GsEpilogue records (split K takes no other
+    records), at the next SPLIT_ALIGN boundary (the kernel computes the same)."""
+    end = (leaf_count + 1) * LEAF_RECORD_BYTES + (leaf_count * EPILOGUE_RECORD_BYTES if epilogue else 0)
+    return -(-end // SPLIT_ALIGN) * SPLIT_ALIGN
 
 
 class EmitError(GemmspecError):
@@ -472,6 +484,9 @@ def emit_launch(
             (EPILOGUE_RECORD_BYTES if pg.epilogue else 0) + (GATHER_RECORD_BYTES if pg.index_maps else 0)
             + DSCALE_RECORD_BYTES
         ),
+        # A split-K GEMM's arrival counters, zeroed by the builder before every launch.
+        split_at=split_area_at(pg.leaf_count, bool(pg.epilogue)) if cfg.split_k else 0,
+        split_counters=cfg.split_counter_bytes // 4 if cfg.split_k else 0,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(

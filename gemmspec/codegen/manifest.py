@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 from ..lower.schedule import PrePass
 from ..spec import INDEX_TYPE, Spec, Tensor
-from .emit import TABLE_THREADS, EmittedCheck, EmittedLaunch, EmittedPrePass, EmittedProgram
+from .emit import (
+    LEAF_RECORD_BYTES,
+    TABLE_THREADS,
+    EmittedCheck,
+    EmittedLaunch,
+    EmittedPrePass,
+    EmittedProgram,
+    split_area_at,
+)
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, map_specs
 from .names import file_stem, host_prefix
@@ -27,7 +35,7 @@ from .validate import Check, CheckParam, group_chain_count, prepass_offsets
 
 MANIFEST_VERSION = 2
 TARGET = "sm_90a"
-LEAF_BYTES = 144  # sizeof(GsLeaf), docs/kernel-abi.md
+LEAF_BYTES = LEAF_RECORD_BYTES  # sizeof(GsLeaf), docs/kernel-abi.md
 EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
 GATHER_BYTES = 32  # sizeof(GsGather): per leaf, after those, with rows through index tensors
 DSCALE_BYTES = 32  # sizeof(GsDScale): per leaf, after those, with an FP8 output
@@ -616,14 +624,19 @@ class _Builder:
         dscale_bytes = x.leaf_count * DSCALE_BYTES if pg.sd is not None else 0
         # Its copy: where each leaf's copy and copy scales go, after those.
         copy_bytes = x.leaf_count * COPY_BYTES if pg.c is not None else 0
+        table_bytes = (x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes + dscale_bytes + copy_bytes
+        if cfg.split_k:
+            # Split K: the arrival counters and partial sums after the records.
+            table_bytes = split_area_at(x.leaf_count, bool(pg.epilogue)) + cfg.split_bytes
         leaves = self.workspace(
             f"launch{i}.leaves",
-            Formula.const((x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes + dscale_bytes + copy_bytes),
+            Formula.const(table_bytes),
             "the leaf table"
             + (" and its epilogue addresses" if pg.epilogue else "")
             + (" and its row numbers (index tensors)" if pg.index_maps else "")
             + (" and its output scale addresses" if pg.sd is not None else "")
-            + (" and its copy addresses" if pg.c is not None else ""),
+            + (" and its copy addresses" if pg.c is not None else "")
+            + (" and split K's arrival counters and partial sums" if cfg.split_k else ""),
         )
         maps_ws = self.workspace(
             f"launch{i}.maps",

@@ -299,7 +299,7 @@ def test_swiglu_code_only_in_swiglu_kernels() -> None:
     for key, cfg in GEMM_CONFIGS.items():
         source = render_gemm(cfg)
         assert ("silu" in source) == cfg.swiglu, key
-        assert cfg.name.endswith("_swiglu") == cfg.swiglu, key
+        assert ("_swiglu" in cfg.name) == cfg.swiglu, key
     plain = dataclasses.replace(GEMM_CONFIGS["e4m3_swiglu_bf16"], swiglu=False, name="", stages=0, store_tma=None)
     assert plain == GEMM_CONFIGS["e4m3_1x128_128x128_bf16"]
 
