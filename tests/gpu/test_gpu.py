@@ -170,6 +170,28 @@ def test_wgrad_counts_not_multiples_of_128():
     report_ok(run_random(exe, lengths={"expert": [1, 127, 129, 0, 1000]}, seed=12, repeats=0))
 
 
+# A BF16 K-grouped += (staged: each tile's old output loaded by TMA when the tile starts)
+# with empty segments among others, and more tiles than SMs: a tile whose leaf has no K
+# adds nothing, so it must load nothing either (the next tile waits for its own load).
+BF16_WGRAD = """
+gemm wgrad_bf16 {
+  dim T
+  dim N = 1024, K = 1024
+  group expert[E = 6] = ragged(T, offsets = offs)
+  tensor dy : bf16 [T, N] layout segment_major(expert)
+  tensor x  : bf16 [T, K] layout segment_major(expert)
+  tensor dw : bf16 [E, N, K]
+  dw[e, n, k] += sum[t in expert(e)] dy[t, n] * x[t, k]
+}
+"""
+
+
+def test_bf16_wgrad_staged_add_with_empty_segments():
+    exe = gemmspec.build(BF16_WGRAD)
+    assert exe.program.launches[0].gemm.staged_add
+    report_ok(run_random(exe, lengths={"expert": [0, 300, 0, 129, 0, 1]}, seed=19, repeats=0))
+
+
 def test_nest_of_2048_leaves():
     exe = gemmspec.build(nested(192, 16, 128))
     assert exe.program.launches[0].leaf_count == 2048
