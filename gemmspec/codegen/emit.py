@@ -51,17 +51,16 @@ TABLE_THREADS = 256  # the leaf-table builder is one block of this many threads
 assert TABLE_THREADS == CHECK_THREADS
 
 HEADER = '#include "gemmspec_ptx.cuh"\n'
-# Per-leaf records after a leaf table's sentinel (docs/kernel-abi.md): sizeof(GsEpilogue),
-# then sizeof(GsGather) (defined in the kernels that gather or scatter rows).
+# The leaf table's records (docs/kernel-abi.md): sizeof(GsLeaf) per leaf and the sentinel;
+# after the sentinel, per leaf, sizeof(GsEpilogue), then sizeof(GsGather) (defined in the
+# kernels that gather or scatter rows).
+LEAF_RECORD_BYTES = 144
 EPILOGUE_RECORD_BYTES = 48
 GATHER_RECORD_BYTES = 32
 # Then sizeof(GsDScale) (defined in the kernels with an FP8 D): where its scales go.
 DSCALE_RECORD_BYTES = 32
 # Then sizeof(GsCopy) (defined in the kernels that write D's copy): where the copy goes.
 COPY_RECORD_BYTES = 32
-
-
-LEAF_RECORD_BYTES = 144  # sizeof(GsLeaf)
 
 
 def split_area_at(leaf_count: int, epilogue: bool) -> int:

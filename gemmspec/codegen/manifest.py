@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from ..lower.schedule import PrePass
 from ..spec import INDEX_TYPE, Spec, Tensor
 from .emit import (
+    COPY_RECORD_BYTES,
+    DSCALE_RECORD_BYTES,
+    EPILOGUE_RECORD_BYTES,
+    GATHER_RECORD_BYTES,
     LEAF_RECORD_BYTES,
     TABLE_THREADS,
     EmittedCheck,
@@ -35,11 +39,12 @@ from .validate import Check, CheckParam, group_chain_count, prepass_offsets
 
 MANIFEST_VERSION = 2
 TARGET = "sm_90a"
+# The leaf table's record sizes (the emitter's, which lays the records out):
 LEAF_BYTES = LEAF_RECORD_BYTES  # sizeof(GsLeaf), docs/kernel-abi.md
-EPILOGUE_BYTES = 48  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
-GATHER_BYTES = 32  # sizeof(GsGather): per leaf, after those, with rows through index tensors
-DSCALE_BYTES = 32  # sizeof(GsDScale): per leaf, after those, with an FP8 output
-COPY_BYTES = 32  # sizeof(GsCopy): per leaf, after those, with an FP8 output's copy
+EPILOGUE_BYTES = EPILOGUE_RECORD_BYTES  # sizeof(GsEpilogue): per leaf, after the leaf table, with an epilogue
+GATHER_BYTES = GATHER_RECORD_BYTES  # sizeof(GsGather): per leaf, after those, with rows through index tensors
+DSCALE_BYTES = DSCALE_RECORD_BYTES  # sizeof(GsDScale): per leaf, after those, with an FP8 output
+COPY_BYTES = COPY_RECORD_BYTES  # sizeof(GsCopy): per leaf, after those, with an FP8 output's copy
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 WORKSPACE_ALIGN = 256  # every workspace starts at a multiple of this in the one buffer
 SHARED_HEADER = "gemmspec_ptx.cuh"
