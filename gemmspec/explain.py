@@ -128,7 +128,8 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
         doc["offsets_check"] = {"fused": placement.fused, "where": placement.reason}
     if program is not None:
         for launch, x in zip(doc["launches"], program.launches):
-            launch["symbols"] = {"leaf_table": x.table_kernel, "gemm": x.gemm.name}
+            # A GEMM that builds its leaf table itself has no builder kernel.
+            launch["symbols"] = {"leaf_table": None if x.gemm.inline_table else x.table_kernel, "gemm": x.gemm.name}
         for prepass, p in zip(doc["prepasses"], program.prepasses):
             prepass["symbol"] = p.kernel
     return doc
@@ -136,18 +137,22 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
 
 def _check_placement(spec: Spec, schedule: Schedule):
     """Where the device check of the run-time offsets runs (None: the spec has none)."""
-    from .codegen.validate import check_placement  # the back end places it
+    from .codegen.emit import launch_config
+    from .codegen.validate import CheckPlacement, check_placement  # the back end places it
 
-    return check_placement(spec, schedule)
+    placement = check_placement(spec, schedule)
+    if placement is not None and placement.fused and launch_config(spec, schedule, schedule.launches[0]).inline_table:
+        return CheckPlacement(True, "in every block of launch 0's GEMM kernel, before it builds its leaf table")
+    return placement
 
 
-def _kernel_line(spec: Spec, launch) -> str:
+def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     """The launch's kernel symbol and what its configuration chose."""
-    from .codegen.emit import gemm_config  # the back end decides stages and epilogue
+    from .codegen.emit import launch_config  # the back end decides stages and epilogue
     from .codegen.kernels import SPLIT_MAX, gemm_kernel_name
     from .codegen.names import gemm_symbol
 
-    cfg = gemm_config(launch)
+    cfg = launch_config(spec, schedule, launch)
     parts = [f"{cfg.tile_m}x{cfg.tile_n} tiles", f"{cfg.stages} stages"]
     if cfg.cluster > 1:
         parts.append("CTA pairs along M multicasting B" if cfg.multicast_b else "CTA pairs multicasting A")
@@ -158,6 +163,8 @@ def _kernel_line(spec: Spec, launch) -> str:
             f"K split into up to {SPLIT_MAX} parts per tile, as many as even out the SMs' bytes for the "
             "run-time tile count; the last part to finish adds the others' partial sums in split order"
         )
+    if cfg.inline_table:
+        parts.append("leaf table built by each block (no builder kernel: one launch per call)")
     if cfg.staged_add:
         parts.append("old output tile loaded into the staging by TMA, added to and stored by TMA")
     else:
@@ -209,7 +216,7 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
     lines.append(f"launches: {len(schedule.launches)}")
     for launch in schedule.launches:
         body = str(launch).splitlines()
-        body[1] = f"  kernel {_kernel_line(spec, launch)}"
+        body[1] = f"  kernel {_kernel_line(spec, schedule, launch)}"
         lines += ["  " + ln for ln in body]
     placement = _check_placement(spec, schedule)
     if placement is not None:

@@ -57,13 +57,15 @@ VARIANTS = {
     "160 wide (registers epilogue)": {"tile_n": 160},
     "128 wide, staged epilogue": {"tile_n": 128},
     "192 wide, no promotion (wrong values)": {"tile_n": 192, "scaled": False, "consumer_scales": None},
-    "no programmatic launch (no wait, ordinary launch)": {"programmatic": False},
+    "leaf-table builder before the GEMM (PDL)": {"inline_tables": False},
+    "builder, no programmatic launch (no wait, ordinary launch)": {"inline_tables": False, "programmatic": False},
     "as compiled (again: drift over the run)": {},
 }
 # The BF16 kernel: the widest tile keeps its epilogue in registers (staging it would leave a
 # 3-stage ring); narrower staged tiles keep 4 stages.
 BF16_VARIANTS = {
     "as compiled": {},
+    "leaf-table builder before the GEMM (PDL)": {"inline_tables": False},
     "256 wide, staged epilogue, 3 stages": {"tile_n": 256, "store_tma": True},
     "192 wide, staged epilogue": {"tile_n": 192, "store_tma": True},
     "192 wide, registers epilogue": {"tile_n": 192, "store_tma": False},
@@ -81,11 +83,12 @@ BF16_VARIANTS = {
 LORA_VARIANTS = {
     "as compiled": {},
     "split K where tiles are few (kernel option)": {"split_k": True},
+    "leaf-table builder before the GEMM (PDL)": {"inline_tables": False},
     "one block per SM": {"ctas_per_sm": 1},
     "two blocks per SM, 4 stages": {"stages": 4},
     "two blocks per SM, 6 stages": {"stages": 6},
     "two blocks per SM, 8 stages": {"stages": 8},
-    "GEMM launched the ordinary way (no PDL)": {"programmatic": False},
+    "builder, GEMM launched the ordinary way (no PDL)": {"inline_tables": False, "programmatic": False},
     "check a kernel of its own, PDL": {"fuse_check": False},
     "check a kernel of its own, no PDL (3 launches)": {"fuse_check": False, "programmatic": False},
     "as compiled (again: drift over the run)": {},
@@ -95,6 +98,7 @@ LORA_VARIANTS = {
 # epilogue, K = 16: memory-bound on D, whose old tile the staged epilogue loads by TMA.
 EXPAND_VARIANTS = {
     "as compiled": {},
+    "leaf-table builder before the GEMM (PDL)": {"inline_tables": False},
     "from registers, pair by pair (3.13)": {"store_tma": False},
     "64-row tiles": {"tile_m": 64},
     "64-row tiles, two blocks per SM": {"tile_m": 64, "ctas_per_sm": 2},
@@ -106,6 +110,7 @@ EXPAND_VARIANTS = {
 # per-row and per-column scales of each stage.
 WGRAD_VARIANTS = {
     "as compiled": {},
+    "leaf-table builder before the GEMM (PDL)": {"inline_tables": False},
     "one-block K loop, stage in a register (no rounds)": {"ring_rounds": False},
     "registers epilogue (f32 read-modify-write)": {"store_tma": False},
     "160 wide, 3 stages": {"tile_n": 160, "stages": 3},
@@ -144,11 +149,12 @@ def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
     }
 
 
-def variant(exe, fuse_check=True, **changes):
+def variant(exe, fuse_check=True, inline_tables=True, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows);
-    `fuse_check` False runs the offsets check as a kernel of its own."""
-    if not fuse_check:
-        exe.program = emit(exe.spec, exe.schedule, fuse_check=False)
+    `fuse_check` False runs the offsets check as a kernel of its own; `inline_tables` False
+    puts a leaf-table builder before a GEMM that would build its table itself."""
+    if not fuse_check or not inline_tables:
+        exe.program = emit(exe.spec, exe.schedule, fuse_check=fuse_check, inline_tables=inline_tables)
     exe.program = with_kernel_config(exe.spec, exe.program, **changes)
     return exe.program.launches[0].gemm
 

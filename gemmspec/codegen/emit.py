@@ -28,6 +28,8 @@ from ..spec import KERNEL_K_BLOCK, Spec, Tensor
 from .kernels import (
     ELEMENT_BYTES,
     ENV,
+    INLINE_MAX_LEAVES,
+    INLINE_STATIC_BYTES,
     SPLIT_ALIGN,
     GatherRowsKernelConfig,
     GemmKernelConfig,
@@ -111,6 +113,12 @@ class EmittedLaunch:
     leaf_count: int
     source: str
     check: ValidationKernel | None = None  # the offsets check its builder runs first
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels of the launch's source: its leaf-table builder and its GEMM, or the
+        GEMM alone where it builds the table itself."""
+        return (self.gemm.name,) if self.gemm.inline_table else (self.table_kernel, self.gemm.name)
 
 
 @dataclass(frozen=True)
@@ -356,15 +364,67 @@ def _mixed_radix(pg: ProblemGenerator) -> list[dict]:
     return axes[::-1]
 
 
+def _ceil16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass(frozen=True)
+class InlineTable:
+    """Where a table built in the kernel keeps its parts, in bytes from its records' start
+    (the GEMM template places that after the map templates and scratch slots): the records
+    as the builder lays them out in global memory, then each checked copy of the offsets,
+    then the flags of the blocks other than block 0."""
+
+    copies: tuple[int, ...]  # one per checked copy, in the check's tensor order
+    ignored_flags: int
+    end: int
+
+
+def inline_table_layout(pg: ProblemGenerator, check: ValidationKernel | None) -> InlineTable:
+    records = (pg.leaf_count + 1) * LEAF_RECORD_BYTES
+    records += pg.leaf_count * (
+        (EPILOGUE_RECORD_BYTES if pg.epilogue else 0)
+        + (DSCALE_RECORD_BYTES if pg.sd is not None else 0)
+        + (COPY_RECORD_BYTES if pg.c is not None else 0)
+    )
+    at, copies = _ceil16(records), []
+    for ints in check.copy_ints if check else ():
+        copies.append(at)
+        at += _ceil16(4 * ints)
+    flags = 4 * max(len(check.checks), 1) if check else 0
+    return InlineTable(tuple(copies), at, at + flags)
+
+
+def inline_fields(pg: ProblemGenerator, check: ValidationKernel | None) -> dict[str, int]:
+    """The configuration fields of a GEMM that builds its table: its region's bytes, and
+    the static shared memory its check takes (a counter, where scale rows are counted)."""
+    return {
+        "inline_table": inline_table_layout(pg, check).end,
+        "inline_static": INLINE_STATIC_BYTES if check is not None and check.anchored else 0,
+    }
+
+
+def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator) -> bool:
+    """Whether a launch's table can be built by each block of its GEMM (given that no other
+    kernel of the call reads the table or the checked offsets): few leaves (each block
+    builds them all) and no rows through index tensors."""
+    return pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps and not (cfg.gather or cfg.scatter or cfg.split_k)
+
+
 def emit_launch(
-    spec: Spec, launch: Launch, config: GemmKernelConfig | None = None, check: ValidationKernel | None = None
+    spec: Spec, launch: Launch, config: GemmKernelConfig | None = None, check: ValidationKernel | None = None,
+    inline: bool = False,
 ) -> EmittedLaunch:
     """The launch's GEMM kernel and leaf-table builder; `config` overrides the kernel
-    configuration the signature implies (benchmark probes of kernel variants). With
-    `check` the builder runs the spec's offsets check first and builds its table from
-    the checked copies (and the index tensors) the check takes."""
+    configuration the signature implies (benchmark probes of kernel variants; its
+    `inline_table` says whether the GEMM builds the table). With `check` the builder runs
+    the spec's offsets check first and builds its table from the checked copies (and the
+    index tensors) the check takes. `inline`: no other kernel of the call reads the table
+    or the checked copies, so the GEMM builds the table itself where inline_possible."""
     pg = launch.problems
     cfg = config or gemm_config(launch)
+    if config is None and inline and inline_possible(cfg, pg):
+        cfg = replace(cfg, **_DERIVED, **inline_fields(pg, check))
     # The symbol names the spec and launch, so that equal configurations in two launches
     # (or two specs) never define one symbol twice.
     cfg = replace(cfg, name=gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg)))
@@ -441,18 +501,32 @@ def emit_launch(
                 raise EmitError(f"launch {launch.index} reads '{t}', which the offsets check does not take")
             aliases.append((tensor_param(t), name))
     unit_m, unit_n = unit_shape(cfg.tile_m, cfg.tile_n, cfg.cluster, cfg.multicast_b)
+    layout = inline_table_layout(pg, check)
     table = ENV.get_template("leaf_table.cu.jinja").render(
         name=table_name,
+        inline=bool(cfg.inline_table),
+        gemm=cfg.name,
+        a_ctype=ENV.filters["ctype"](cfg.a_type),
+        b_ctype=ENV.filters["ctype"](cfg.b_type),
+        d_ctype=ENV.filters["ctype"](cfg.d_type),
+        ctas_per_sm=cfg.ctas_per_sm,
+        cluster=cfg.cluster,
+        copies_at=0,
+        inline_copies=[(f"checked_{t}", at) for t, at in zip(check.tensors, layout.copies)] if check else [],
+        ignored_flags_at=layout.ignored_flags,
         check=check is not None,
         check_function=check.function if check else "",
-        check_params=check.declarations() if check else "",
+        check_params=(
+            check.declarations(check.inline_params if cfg.inline_table else None) if check else ""
+        ),
         check_call=check.call() if check else "",
+        check_args=", ".join(p.name for p in check.inline_params) if check else "",
         check_aliases=aliases,
         spec_name=spec.name,
         launch_index=launch.index,
         statement=launch.statement_text,
         leaf_count=pg.leaf_count,
-        threads=TABLE_THREADS,
+        threads=cfg.threads if cfg.inline_table else TABLE_THREADS,
         tensor_params=params,
         dim_params=dims,
         free_axes=_mixed_radix(pg),
@@ -573,7 +647,11 @@ def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **ch
     `changes` (its leaf-table builder follows; the derived fields are worked out again
     unless `changes` sets them): kernel variants for probes and tests of kernel options."""
     x = program.launches[index]
-    cfg = replace(gemm_config(x.launch), **{**_DERIVED, **changes})
+    # The table stays in the kernel unless the variant takes what a built-in table cannot.
+    inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
+    if any(changes.get(k) for k in ("split_k", "gather", "scatter")):
+        inline = {"inline_table": 0, "inline_static": 0}
+    cfg = replace(gemm_config(x.launch), **{**_DERIVED, **inline, **changes})
     launches = list(program.launches)
     launches[index] = emit_launch(spec, x.launch, cfg, x.check)
     return replace(program, launches=tuple(launches))
@@ -592,15 +670,36 @@ def emit_check(spec: Spec, schedule: Schedule, fuse: bool = True) -> EmittedChec
     return EmittedCheck(kernel, placement)
 
 
-def emit(spec: Spec, schedule: Schedule, *, fuse_check: bool = True) -> EmittedProgram:
+def _alone(schedule: Schedule, check: EmittedCheck | None) -> bool:
+    """One launch and nothing before it: no other kernel reads its table or the checked
+    offsets, so its GEMM may build the table itself (one kernel per call)."""
+    return len(schedule.launches) == 1 and not schedule.prepasses and (check is None or check.fused)
+
+
+def launch_config(spec: Spec, schedule: Schedule, launch: Launch) -> GemmKernelConfig:
+    """The GEMM configuration `emit` gives `launch` (what `explain` reports)."""
+    check = emit_check(spec, schedule)
+    cfg = gemm_config(launch)
+    if _alone(schedule, check) and inline_possible(cfg, launch.problems):
+        fused = check.kernel if check is not None else None
+        cfg = replace(cfg, **_DERIVED, **inline_fields(launch.problems, fused))
+    return cfg
+
+
+def emit(spec: Spec, schedule: Schedule, *, fuse_check: bool = True, inline_tables: bool = True) -> EmittedProgram:
     """The CUDA of every kernel of `schedule`. `fuse_check=False` runs the offsets check
     as a kernel of its own before anything else (the launch sequence before the check
-    was fused into the first builder: for comparisons)."""
+    was fused into the first builder: for comparisons). `inline_tables=False` keeps a
+    leaf-table builder before every GEMM, also where the GEMM could build its table itself
+    (for comparisons)."""
     check = emit_check(spec, schedule, fuse_check)
     fused = check.kernel if check is not None and check.fused else None
+    alone = inline_tables and _alone(schedule, check)
     return EmittedProgram(
         schedule.spec,
         tuple(emit_prepass(spec, p, i) for i, p in enumerate(schedule.prepasses)),
-        tuple(emit_launch(spec, x, check=fused if x.index == 0 else None) for x in schedule.launches),
+        tuple(
+            emit_launch(spec, x, check=fused if x.index == 0 else None, inline=alone) for x in schedule.launches
+        ),
         check,
     )

@@ -99,6 +99,14 @@ SMEM_LIMIT = 232448
 # two blocks per SM get (SM_SMEM / 2 - SMEM_RESERVED_PER_CTA) each.
 SM_SMEM = 233472
 SMEM_RESERVED_PER_CTA = 1024
+# A table built in the kernel (``inline_table``): its region's alignment slack, the static
+# shared memory a check with anchored scale rows adds (its counter: ptxas places the
+# 1024-byte aligned dynamic array after it, so it takes a whole 1 KB), the most blocks
+# that get map slots and the most leaves such a table holds.
+INLINE_ROUNDING = 128
+INLINE_STATIC_BYTES = 1024
+INLINE_MAX_BLOCKS = 320
+INLINE_MAX_LEAVES = 32
 MAX_STAGES = 12
 # A staged epilogue is worth its shared memory only while the ring stays this deep.
 MIN_STAGES_WITH_STAGING = 3
@@ -246,6 +254,17 @@ class GemmKernelConfig:
     # 36.6 at 8192 tokens, where the kernel keeps whole tiles; so not the default until a
     # launch can pick the kernel by its token count. ``_splitk`` in the name.
     split_k: bool = False
+    # The leaf table built inside the kernel (``inline_table`` > 0: the bytes of its records
+    # and of the checked offsets, which the emitter lays out): every block runs the offsets
+    # check and builds the whole table in its shared memory before its first tile, and
+    # writes the tensor maps of the leaves it computes into its own slots of the maps
+    # workspace (INLINE_MAX_BLOCKS blocks at most), so a call is one launch with no
+    # leaf-table builder before it. For launches of few leaves (at most INLINE_MAX_LEAVES)
+    # and no rows through index tensors; the emitter decides. ``_inl``.
+    inline_table: int = 0
+    # Static shared memory of that table's check (a counter for anchored scale rows), which
+    # ptxas places before the 1024-byte aligned dynamic array: 0 or INLINE_STATIC_BYTES.
+    inline_static: int = 0
 
     def __post_init__(self) -> None:
         # Frozen: fill the derived defaults through object.__setattr__.
@@ -262,6 +281,10 @@ class GemmKernelConfig:
                 "split K takes unscaled main loops, one CTA per tile, an epilogue from registers "
                 "(no TMA store) and no rows through index tensors or FP8 outputs"
             )
+        if self.inline_table and (self.gather or self.scatter or self.split_k):
+            raise ValueError("a table built in the kernel takes no index tensors and no split K")
+        if self.inline_table:
+            object.__setattr__(self, "programmatic", False)  # no builder to wait for
         if self.split_k and self.store_tma is None:
             object.__setattr__(self, "store_tma", False)  # the last unit of a tile stores it
         self._validate()
@@ -516,7 +539,14 @@ class GemmKernelConfig:
         """Ring stages (operands, scales, an mbarrier pair) that fit beside `staging` bytes
         (and a gathered tile's row numbers)."""
         per_stage = self.stage_bytes + self.scale_bytes + 16
-        return (self.smem_limit - SMEM_ALIGN - staging - self.rows_bytes - self.copy_bytes) // per_stage
+        inline = self.inline_bytes + INLINE_ROUNDING + self.inline_static if self.inline_table else 0
+        return (self.smem_limit - SMEM_ALIGN - staging - self.rows_bytes - self.copy_bytes - inline) // per_stage
+
+    @property
+    def inline_bytes(self) -> int:
+        """Shared memory of a table built in the kernel, after everything else (128-byte
+        aligned): the emitter's records and checked offsets."""
+        return _ceil_div(self.inline_table, 16) * 16
 
     @property
     def copy_bytes(self) -> int:
@@ -586,10 +616,13 @@ class GemmKernelConfig:
         alignment slack, the ring's operands, the epilogue staging, the ring's scales, a
         full/empty mbarrier pair per stage, an mbarrier per consumer warpgroup for a staged
         add and, when A is gathered, the tile's row numbers."""
-        return (
+        total = (
             SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
             + 8 * self.consumer_warpgroups * self.staged_add + self.rows_bytes + self.copy_bytes
         )
+        if self.inline_table:  # the table's region starts at the next 128-byte boundary
+            total = SMEM_ALIGN + _ceil_div(total - SMEM_ALIGN, 128) * 128 + self.inline_bytes
+        return total
 
     def tiles(self, m: int, n: int) -> int:
         """Output tiles of one leaf; the leaf table's tile_begin sums these."""
@@ -652,7 +685,9 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_rawscales"
     if cfg.scatter:
         staged += "_scatter"
-    if not cfg.programmatic:
+    if cfg.inline_table:
+        staged += "_inl"
+    elif not cfg.programmatic:
         staged += "_nopdl"
     if cfg.d_scale_pow2:
         staged += "_pow2"
@@ -843,6 +878,9 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         split_slots=SPLIT_SLOTS,
         split_align=SPLIT_ALIGN,
         split_counter_bytes=cfg.split_counter_bytes,
+        inline_table=bool(cfg.inline_table),
+        inline_bytes=cfg.inline_bytes,
+        inline_max_blocks=INLINE_MAX_BLOCKS,
     )
 
 

@@ -32,7 +32,7 @@ from .emit import (
     split_area_at,
 )
 from .formula import NUM_SMS, Formula
-from .kernels import CTYPES, ELEMENT_BYTES, map_specs
+from .kernels import CTYPES, ELEMENT_BYTES, INLINE_MAX_BLOCKS, map_specs
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
 from .validate import Check, CheckParam, group_chain_count, prepass_offsets
@@ -392,6 +392,13 @@ class _Builder:
             CHECK_FLAGS, Formula.const(4 * max(len(v.checks), 1)), "the flags of the offsets check, one int32 per check"
         )
         copies: dict[str, Source] = {}
+        # A GEMM that builds its table itself checks into its blocks' shared memory.
+        inline = bool(c.fused and self.program.launches and self.program.launches[0].gemm.inline_table)
+        if inline:
+            self.check_params = tuple(
+                Param(p.name, p.ctype, self.check_source(p, flags, copies)) for p in v.inline_params
+            )
+            return
         for t in v.tensors:
             g = next(g for g in self.spec.groups if g.tensor == t)
             n = group_chain_count(self.spec, g.name) * (g.count + (1 if g.kind == "ragged" else 0))
@@ -620,6 +627,9 @@ class _Builder:
         i, cfg, pg = x.launch.index, x.gemm, x.launch.problems
         file = f"{self.stem}_launch{i}.cu"
         maps = tuple(MapTemplate(m.operand, m.dtype, m.box_inner, m.box_rows) for m in map_specs(cfg))
+        if cfg.inline_table:
+            self.inline_launch(x, file, maps)
+            return
         # A fused epilogue's per-leaf addresses follow the table's sentinel (the GEMM
         # kernel finds them from `leaves`, so its parameters stay as they are).
         epilogue_bytes = x.leaf_count * EPILOGUE_BYTES if pg.epilogue else 0
@@ -655,29 +665,13 @@ class _Builder:
         operand = {"a": pg.a.tensor, "b": pg.b.tensor, "d": pg.d.tensor}
         # A builder that runs the offsets check takes the check's parameters in place of
         # its own tensors (it reads the copies it checks, and the index tensors).
-        tensors = (
-            self.check_params if x.check is not None
-            else tuple(Param(f"p_{t}", "const int*", self.where[t]) for t in x.table_params)
-        )
         table_params = [
             Param("leaves", "GsLeaf*", leaves),
             Param("maps", "GsTensorMap*", maps_ws),
             Param("templates", "const GsTensorMap*", templates),
             *(Param(op.upper(), "const void*", self.where[operand[op]]) for op in TABLE_OPERANDS),
-            *tensors,
-            *(Param(f"dim_{d}", "long long", Source("dim", d)) for d in x.dim_params),
+            *self.table_operands(x),
         ]
-        if pg.epilogue:
-            by_kind = {e.kind: e for e in pg.epilogue}
-            null = Source("null")
-            for kind, pname in (("alpha", "ALPHA"), ("row", "ROW"), ("bias", "BIAS")):
-                e = by_kind.get(kind)
-                table_params.append(Param(pname, "const void*", self.where[e.tensor] if e else null))
-        if pg.sd is not None:
-            table_params.append(Param("SD", "float*", self.where[pg.sd.tensor]))
-        if pg.c is not None and pg.sc is not None:
-            table_params.append(Param("C", "void*", self.where[pg.c.tensor]))
-            table_params.append(Param("SC", "float*", self.where[pg.sc.tensor]))
         one = Formula.const(1)
         self.steps.append(
             KernelLaunch(
@@ -709,6 +703,62 @@ class _Builder:
         )
 
 
+    def table_operands(self, x: EmittedLaunch) -> list[Param]:
+        """The builder's run-time inputs after its operands: the check's parameters (or the
+        offsets tensors), the run-time dims, then the fused epilogue's operands, an FP8
+        D's scales and D's copy with its scales."""
+        pg = x.launch.problems
+        tensors = (
+            self.check_params if x.check is not None
+            else tuple(Param(f"p_{t}", "const int*", self.where[t]) for t in x.table_params)
+        )
+        params = [*tensors, *(Param(f"dim_{d}", "long long", Source("dim", d)) for d in x.dim_params)]
+        if pg.epilogue:
+            by_kind = {e.kind: e for e in pg.epilogue}
+            null = Source("null")
+            for kind, pname in (("alpha", "ALPHA"), ("row", "ROW"), ("bias", "BIAS")):
+                e = by_kind.get(kind)
+                params.append(Param(pname, "const void*", self.where[e.tensor] if e else null))
+        if pg.sd is not None:
+            params.append(Param("SD", "float*", self.where[pg.sd.tensor]))
+        if pg.c is not None and pg.sc is not None:
+            params.append(Param("C", "void*", self.where[pg.c.tensor]))
+            params.append(Param("SC", "float*", self.where[pg.sc.tensor]))
+        return params
+
+    def inline_launch(self, x: EmittedLaunch, file: str, maps: tuple[MapTemplate, ...]) -> None:
+        """A GEMM that builds its leaf table itself: one kernel, with the builder's inputs
+        after its own, and map slots for each of its blocks."""
+        i, cfg, pg = x.launch.index, x.gemm, x.launch.problems
+        leaf_maps = 2 + (cfg.consumer_warpgroups if cfg.store_tma else 0)
+        maps_ws = self.workspace(
+            f"launch{i}.maps",
+            Formula.const(INLINE_MAX_BLOCKS * x.leaf_count * leaf_maps * TENSOR_MAP_BYTES),
+            "each block's tensor maps of the leaves it computes",
+        )
+        templates = self.workspace(
+            f"launch{i}.templates", Formula.const(len(maps) * TENSOR_MAP_BYTES), "the tensor-map templates"
+        )
+        self.steps.append(Upload(templates.ref, templates=maps, address_of=maps_ws.ref))
+        null = Source("null")
+        params = (
+            Param("maps", "GsTensorMap*", maps_ws),
+            Param("templates", "const GsTensorMap*", templates),
+            Param("A", _ptr(cfg.a_type), self.where[pg.a.tensor]),
+            Param("B", _ptr(cfg.b_type), self.where[pg.b.tensor]),
+            Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
+            Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
+            Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
+            *self.table_operands(x),
+        )
+        one = Formula.const(1)
+        # Persistent as the builder's GEMM: whole clusters only.
+        grid = ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
+        self.steps.append(
+            KernelLaunch("gemm", cfg.name, file, f"launch {i}", grid, cfg.threads, cfg.smem_bytes, cfg.cluster, params)
+        )
+
+
 def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None) -> Manifest:
     """The manifest of one emitted spec; `stem` names its files (default: file_stem)."""
     b = _Builder(spec, program, stem or file_stem(spec.name))
@@ -716,7 +766,12 @@ def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None
     if program.check is not None:
         b.offsets_check(program.check)
         v = program.check.kernel
-        symbol = v.name if not program.check.fused else program.launches[0].table_kernel
+        first = program.launches[0] if program.launches else None
+        symbol = (
+            v.name if not program.check.fused
+            else first.gemm.name if first is not None and first.gemm.inline_table  # its blocks check
+            else first.table_kernel
+        )
         check = OffsetsCheck(symbol, program.check.fused, v.checks)
     for i, p in enumerate(program.prepasses):
         b.prepass(i, p)

@@ -27,7 +27,7 @@ it is a kernel of its own that runs first (`check_placement`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..lower.schedule import PrePass, Schedule
 from ..spec import Spec, Tensor
@@ -96,6 +96,7 @@ class ValidationKernel:
     anchored: tuple[AnchoredRows, ...]  # one `long long` row count each, after the sizes
     checks: tuple[Check, ...]  # flags[i] is 1 when checks[i] failed
     indices: tuple[str, ...] = ()  # index tensors, one pointer each after the pairs
+    copy_ints: tuple[int, ...] = ()  # the ints of each checked copy, in `tensors` order
 
     @property
     def params(self) -> tuple[CheckParam, ...]:
@@ -110,12 +111,21 @@ class ValidationKernel:
         ]
         return tuple(out)
 
-    def declarations(self) -> str:
+    @property
+    def inline_params(self) -> tuple[CheckParam, ...]:
+        """The parameters of a GEMM that runs the check in each block (its table built in
+        the kernel): no checked copies (each block's are in its shared memory) and the
+        flags as `check_flags` (block 0 writes them)."""
+        return tuple(
+            replace(p, name="check_flags") if p.kind == "flags" else p for p in self.params if p.kind != "checked"
+        )
+
+    def declarations(self, params: tuple[CheckParam, ...] | None = None) -> str:
         """The parameters as a kernel declares them (the pointers __restrict__: a checked
         copy is read, after the check, only through pointers made from its own)."""
         return ", ".join(
             f"{p.ctype} __restrict__ {p.name}" if p.ctype.endswith("*") else f"{p.ctype} {p.name}"
-            for p in self.params
+            for p in (self.params if params is None else params)
         )
 
     def call(self) -> str:
@@ -334,10 +344,11 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
     params += [f"const int* __restrict__ ix{j}" for j in range(len(indices))]
     params += [f"long long size{k}" for k in range(len(sizes))]
     params += [f"long long rows{j}" for j in range(len(anchored))]
-    copies = []
+    copies, copy_ints = [], []
     for g in groups:
         i = index[g.name]
         n = group_chain_count(spec, g.name) * (g.count + (1 if g.kind == "ragged" else 0))
+        copy_ints.append(n)
         copies.append(f"  for (int s = threadIdx.x; s < {n}; s += blockDim.x) out{i}[s] = bad ? 0 : in{i}[s];")
     function = "\n".join(
         [
@@ -360,7 +371,7 @@ def validation_kernel(spec: Spec) -> ValidationKernel | None:
     )
     v = ValidationKernel(
         check_symbol(spec.name), function, tuple(g.tensor for g in groups), tuple(sizes), anchored,
-        tuple(checks), indices,
+        tuple(checks), indices, tuple(copy_ints),
     )
     return v
 

@@ -17,7 +17,7 @@ from gemmspec.codegen.emit import emit
 from gemmspec.codegen.formula import NUM_SMS, Formula
 from gemmspec.codegen.header import SHARED_HEADER, check_symbols, plan_programs, spec_files
 from gemmspec.codegen.host import declaration
-from gemmspec.codegen.kernels import include_dir, map_specs
+from gemmspec.codegen.kernels import INLINE_MAX_BLOCKS, include_dir, map_specs
 from gemmspec.codegen.manifest import (
     LEAF_BYTES,
     TENSOR_MAP_BYTES,
@@ -95,7 +95,8 @@ def test_manifest_describes_the_emitted_program(path):
         assert [a.name for a in m.arguments] == executor.Executable(spec, schedule, program).argument_names()
         roles = [k.role for k in m.kernels]
         assert roles == [*(p.prepass.kind for p in program.prepasses),  # the role is the pass's kind
-                         *(r for _ in program.launches for r in ("leaf_table", "gemm"))]
+                         *(r for x in program.launches  # a GEMM that builds its table has no builder
+                           for r in (("gemm",) if x.gemm.inline_table else ("leaf_table", "gemm")))]
         names = {w.name for w in m.workspaces}
         dims = set(m.runtime_dims) | {NUM_SMS}
         arguments = {a.name for a in m.arguments}
@@ -131,7 +132,11 @@ def test_manifest_describes_the_emitted_program(path):
             want = [(s.operand, s.dtype, s.box_inner, s.box_rows) for s in map_specs(x.gemm)]
             assert [(t.operand, t.dtype, t.box_inner, t.box_rows) for t in up.templates] == want
             maps = m.workspace(up.address_of)
-            assert maps.bytes.evaluate({}) == len(want) * x.leaf_count * TENSOR_MAP_BYTES
+            if x.gemm.inline_table:  # each block's slots: A, B and a D per consumer warpgroup
+                per_leaf = 2 + (x.gemm.consumer_warpgroups if x.gemm.store_tma else 0)
+                assert maps.bytes.evaluate({}) == INLINE_MAX_BLOCKS * per_leaf * x.leaf_count * TENSOR_MAP_BYTES
+            else:
+                assert maps.bytes.evaluate({}) == len(want) * x.leaf_count * TENSOR_MAP_BYTES
 
 
 def test_constants_agree_with_the_runtime():
@@ -204,7 +209,7 @@ def test_declarations_match_the_kernel_definitions(path):
 
 
 def test_a_wrong_declaration_is_caught():
-    (spec, schedule, program), *_ = programs(ROOT / "examples" / "moe_fp8_forward.gspec")
+    (spec, schedule, program), *_ = programs(ROOT / "examples" / "split_nest.gspec")
     sf = spec_files(spec, schedule, program)
     table = next(k for k in sf.manifest.kernels if k.role == "leaf_table")
     wrong = declaration(table).replace("long long dim_T", "int dim_T")
@@ -222,12 +227,15 @@ def test_header_and_launcher_are_the_manifest_laid_out(planned):
         for a in m.arguments:
             assert f"  {a.ctype} {a.name};" in header
         # Every kernel is launched once, in manifest order: GEMM kernels as programmatic
-        # dependents of their builders (cudaLaunchKernelEx), the others with <<<>>>.
+        # dependents of their builders (cudaLaunchKernelEx), the others (GEMM kernels that
+        # build their tables too) with <<<>>>.
         found = re.findall(r"^\s+(gs_\w+)<<<|cudaLaunchKernelEx\(&config, (gs_\w+),", host, re.MULTILINE)
         launched = [a or b for a, b in found if (a or b) != "gs_upload_kernel"]
         assert launched == [k.symbol for k in m.kernels]
         ex = [b for _, b in found if b]
-        assert ex == [k.symbol for k in m.kernels if k.programmatic] == [k.symbol for k in m.kernels if k.role == "gemm"]
+        kernels = list(m.kernels)
+        after_builder = [k.symbol for i, k in enumerate(kernels) if i > 0 and kernels[i - 1].role == "leaf_table"]
+        assert ex == [k.symbol for k in m.kernels if k.programmatic] == after_builder
         assert host.count("cudaLaunchAttributeProgrammaticStreamSerialization") == len(ex)
         assert ("#define GEMMSPEC_PDL 1" in host) == bool(ex)
         assert "cuTensorMapEncodeTiled" in host and "cudaStreamSynchronize" not in host

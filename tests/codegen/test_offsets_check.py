@@ -56,7 +56,7 @@ def builder_text(source: str) -> str:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_launch_0s_builder_runs_the_check(path):
     for spec, schedule in lowered(path):
-        program = emit(spec, schedule)
+        program = emit(spec, schedule, inline_tables=False)
         v = validation_kernel(spec)
         if v is None:
             assert program.check is None and check_placement(spec, schedule) is None
@@ -84,7 +84,7 @@ def test_launch_0s_builder_runs_the_check(path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_fused_manifest_has_one_step_fewer(path):
     for spec, schedule in lowered(path):
-        fused = launch_manifest(spec, emit(spec, schedule))
+        fused = launch_manifest(spec, emit(spec, schedule, inline_tables=False))
         alone = launch_manifest(spec, emit(spec, schedule, fuse_check=False))
         steps = lambda m: [(k.role, k.symbol) for k in m.kernels]  # noqa: E731
         if fused.offsets_check is None:
@@ -145,7 +145,7 @@ def test_builders_that_check_compile_without_spills(name):
     """The builders of every kind of check (anchored scale rows, index tensors, nested
     and masked groups): no warning, no spill, and the launch's GEMM still there."""
     ((spec, schedule),) = lowered(ROOT / "examples" / f"{name}.gspec")
-    first = emit(spec, schedule).launches[0]
+    first = emit(spec, schedule, inline_tables=False).launches[0]
     cubin, log = compile_cubin(first.source, [include_dir()], name=first.table_kernel)
     assert "warning" not in log, log
     assert_spill_free(log)

@@ -38,7 +38,7 @@ def kernel_body(source: str, name: str) -> str:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_every_gemm_waits_after_its_prologue_and_before_it_reads(path):
     for x in lower_file(path):
-        for launch in emit(x.spec, x.schedule).launches:
+        for launch in emit(x.spec, x.schedule, inline_tables=False).launches:
             assert launch.gemm.programmatic
             body = kernel_body(launch.source, launch.gemm.name)
             # One wait per role, after its register reallocation and before the first read
@@ -113,7 +113,7 @@ def test_in_sass_the_wait_is_all_that_changes(name):
     address computations and their branches' reconvergence differently), so its main loop is untouched: no wgmma, FFMA,
     barrier or memory instruction changes. The builder's trigger is PREEXIT."""
     (x,) = lower_file(ROOT / "examples" / f"{name}.gspec")
-    program = emit(x.spec, x.schedule)
+    program = emit(x.spec, x.schedule, inline_tables=False)
     (launch,) = program.launches
     (plain,) = with_kernel_config(x.spec, program, 0, programmatic=False).launches
     with_wait = _opcodes(launch.source, launch.table_kernel)

@@ -114,7 +114,10 @@ def test_nested_padded_segments():
 
 def leaf_loads(exe, counts: list[int], n: int, k: int) -> np.ndarray:
     """Run a WGRAD spec on arbitrary bytes with these counts and read back each leaf's
-    `loads` and `k` from its leaf table."""
+    `loads` and `k` from its leaf table (built by a builder, in global memory)."""
+    from gemmspec.codegen.emit import emit
+
+    exe.program = emit(exe.spec, exe.schedule, inline_tables=False)
     spec, e, t = exe.spec, len(counts), sum(counts)
     extra = spec.tensor("dy").layout.pad_rows
     blocks = sum(-(-c // 128) for c in counts)

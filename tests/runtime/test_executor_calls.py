@@ -62,8 +62,8 @@ def test_call_waits_for_nothing_and_reuses_its_plan(exe, offline):
     assert len(exe._plans) == 1
     first = executor.LoadedKernel.launched[:]
     names = [name for name, _, _ in first]
-    # The leaf-table builder checks the offsets itself: two launches, no check kernel.
-    assert names == ["gs_moe_fp8_forward_l0_leaves", exe.program.launches[0].gemm.name]
+    # The GEMM checks the offsets and builds its leaf table itself: one launch.
+    assert names == [exe.program.launches[0].gemm.name] and names[0].endswith("_inl")
     executor.LoadedKernel.launched.clear()
     exe(**forward_args(base=64 * GIB))  # same shapes, other memory
     assert len(exe._plans) == 1
@@ -71,7 +71,7 @@ def test_call_waits_for_nothing_and_reuses_its_plan(exe, offline):
     assert [name for name, _, _ in again] == names
     new = {a.ptr for a in forward_args(base=64 * GIB).values()}
     assert user_pointers(again) <= new and not user_pointers(again) & user_pointers(first)
-    # The workspaces (leaf table, maps, checked offsets) are the plan's own, reused.
+    # The workspaces (maps, templates, flags) are the plan's own, reused.
     assert workspaces(first) == workspaces(again)
 
 
@@ -86,6 +86,9 @@ def param(exe, symbol: str, name: str) -> int:
 
 
 def test_gemm_launches_read_the_checked_offsets(exe, offline):
+    from gemmspec.codegen.emit import emit
+
+    exe.program = emit(exe.spec, exe.schedule, inline_tables=False)  # a builder, then the GEMM
     args = forward_args()
     exe(**args)
     (table_name, _, table), (_, _, gemm) = executor.LoadedKernel.launched
@@ -95,6 +98,17 @@ def test_gemm_launches_read_the_checked_offsets(exe, offline):
     copy = table[param(exe, table_name, "checked_expert_offsets")]
     assert copy is exe._plans[next(iter(exe._plans))].workspace[1]  # the second workspace: after the flags
     assert [a for a in table if a == offsets] == [offsets] and offsets not in gemm
+
+
+def test_a_gemm_that_builds_its_table_checks_into_the_flags(exe, offline):
+    args = forward_args()
+    exe(**args)
+    ((name, _, gemm),) = executor.LoadedKernel.launched
+    # It reads the user's offsets itself (each block checks them into its shared memory)
+    # and block 0 writes the flags, the plan's first workspace; no checked copy exists.
+    assert gemm[param(exe, name, "in_expert_offsets")] == args["expert_offsets"].ptr
+    assert gemm[param(exe, name, "check_flags")] is exe._plans[next(iter(exe._plans))].workspace[0]
+    assert not any(w.name.startswith("check.expert") for w in exe.manifest.workspaces)
 
 
 def test_new_shapes_make_a_new_plan(exe, offline):
@@ -118,7 +132,7 @@ def test_each_stream_has_its_own_plan(exe, offline, monkeypatch):
     exe(stream=11, **forward_args())
     assert len(exe._plans) == 2
     handles = [stream.handle for _, stream, _ in executor.LoadedKernel.launched]
-    assert handles == [11] * 2 + [12] * 2 + [11] * 2
+    assert handles == [11, 12, 11]  # one kernel per call
 
 
 def test_capture_takes_over_a_plan_made_before(exe, offline, monkeypatch):

@@ -50,9 +50,9 @@ def launches():
 
 
 def builder_param(name: str) -> int:
-    """Where parameter `name` of the forward spec's leaf-table builder (which also checks
-    the offsets) sits in its launch's arguments."""
-    step = next(k for k in gemmspec.build(FORWARD).manifest.kernels if k.role == "leaf_table")
+    """Where parameter `name` of the forward spec's one kernel (a GEMM that checks the
+    offsets and builds its leaf table itself) sits in its launch's arguments."""
+    (step,) = gemmspec.build(FORWARD).manifest.kernels
     return [p.name for p in step.params].index(name)
 
 
@@ -69,7 +69,7 @@ def test_a_planned_call_takes_the_fast_path(exe, offline, monkeypatch):
     monkeypatch.setattr(exe, "_plan_call", None)
     moved = forward_args(base=64 * GIB)
     exe(**moved)
-    (_, _, table), (_, _, gemm) = launches()
+    ((_, _, table),) = launches()
     assert table[OFFSETS] == moved["expert_offsets"].ptr
     assert moved["x"].ptr in table and moved["y"].ptr in table
     assert not {a.ptr for a in forward_args().values()} & set(table)
@@ -116,8 +116,8 @@ def test_alternating_signatures_each_launch_their_own_plan(exe, offline):
     for t in (T, T + 8, T, T, T + 8):
         exe(**forward_args(t=t))
     assert len(exe._plans) == 2
-    # The builder's offsets check takes T.
-    sizes = [int(args[SIZE_T]) for name, _, args in launches() if name.endswith("_leaves")]
+    # The GEMM's offsets check takes T.
+    sizes = [int(args[SIZE_T]) for name, _, args in launches()]
     assert sizes == [T, T + 8, T, T, T + 8]
 
 
@@ -134,7 +134,7 @@ def test_a_dropped_recent_plan_is_not_used_again(exe, offline, monkeypatch):
     exe(**forward_args(t=T + 8))
     assert list(exe._plans) == [key] and exe._recent[0] == key
     exe(**forward_args(t=T + 8))
-    sizes = [int(args[SIZE_T]) for name, _, args in launches() if name.endswith("_leaves")]
+    sizes = [int(args[SIZE_T]) for name, _, args in launches()]
     assert sizes == [T, T + 8, T, T + 8, T + 8]
 
 
@@ -180,7 +180,7 @@ def test_a_capture_launches_on_its_own_stream(exe, offline, monkeypatch):
     exe(stream=6, **forward_args())
     exe(stream=5, **forward_args())
     handles = [stream.handle for _, stream, _ in launches()]
-    assert handles == [5] * 2 + [6] * 2 + [5] * 2
+    assert handles == [5, 6, 5]  # one kernel per call
 
 
 def test_prepared_enqueue_launches_on_its_arrays_or_others(exe, offline):
@@ -190,7 +190,7 @@ def test_prepared_enqueue_launches_on_its_arrays_or_others(exe, offline):
     run.enqueue()
     run.enqueue(forward_args(base=64 * GIB))
     done = launches()
-    first, second = done[:2], done[2:]
+    first, second = done[:1], done[1:]
     assert first[0][2][OFFSETS] == 6 * GIB  # the offsets check reads the prepared offsets
     assert second[0][2][OFFSETS] == 69 * GIB  # then those passed to enqueue
     assert [name for name, _, _ in first] == [name for name, _, _ in second]
@@ -229,7 +229,7 @@ def test_torch_tensors_reuse_the_plan_and_are_checked_each_call(exe, offline, to
     exe(**args)
     exe(**args)
     assert len(exe._plans) == 1
-    (_, _, table) = launches()[2]
+    (_, _, table) = launches()[1]
     assert table[OFFSETS] == args["expert_offsets"].data_ptr()
     # The same tensor object, changed in place: new pointer, new shape, new dtype.
     storage = torch.empty(64 * N + 8, dtype=torch.bfloat16)
@@ -408,11 +408,11 @@ def torch_op(exe, offline, torch_cuda, monkeypatch):
 def test_a_planned_op_call_skips_the_dispatcher(torch_op, torch_cuda):
     op, args = torch_op, torch_args(torch_cuda)
     assert op(**args) is args["y"]
-    assert op.dispatched == ["in place"] and len(launches()) == 2  # planned there
+    assert op.dispatched == ["in place"] and len(launches()) == 1  # planned there
     moved = torch_args(torch_cuda)
     assert op(**moved) is moved["y"]
     assert op.dispatched == ["in place"]
-    (_, _, table), _ = launches()
+    ((_, _, table),) = launches()
     assert table[OFFSETS] == moved["expert_offsets"].data_ptr() and moved["y"].data_ptr() in table
 
 
@@ -532,5 +532,5 @@ def test_fresh_outputs_without_the_dispatcher(torch_op, torch_cuda, monkeypatch)
     first, second = op(**inputs), op(**inputs)
     assert op.dispatched == ["in place"]  # the first one planned there, with the outputs made
     assert first is made[0][0] and second is made[1][0] and tuple(second.shape) == (64, N)
-    (_, _, table), _ = launches()[2:]
+    ((_, _, table),) = launches()[1:]
     assert second.data_ptr() in table

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gemmspec
+from gemmspec.codegen.emit import emit
 from gemmspec.runtime import executor, launch
 from gemmspec.runtime.arrays import DeviceArray
 
@@ -41,9 +42,24 @@ def recorded():
     return out
 
 
+def forward_with_builder():
+    """The forward spec with a leaf-table builder before its GEMM (by default the GEMM
+    builds its table itself and is launched the ordinary way, alone)."""
+    exe = gemmspec.build(FORWARD)
+    exe.program = emit(exe.spec, exe.schedule, inline_tables=False)
+    return exe
+
+
+def test_a_gemm_that_builds_its_table_is_an_ordinary_launch(offline, monkeypatch):
+    monkeypatch.setenv("GEMMSPEC_PDL", "1")
+    exe = gemmspec.build(FORWARD)
+    exe(**forward_args())
+    assert recorded() == [(exe.program.launches[0].gemm.name, False)]
+
+
 def test_each_gemm_is_a_programmatic_dependent_of_its_builder(offline, monkeypatch):
     monkeypatch.delenv("GEMMSPEC_PDL", raising=False)
-    exe = gemmspec.build(FORWARD)
+    exe = forward_with_builder()
     exe(**forward_args())
     exe(**forward_args(base=64 * GIB))  # the planned call's fast path
     gemm = exe.program.launches[0].gemm.name
@@ -64,7 +80,7 @@ def test_two_launches_alternate_builder_and_dependent(offline):
 @pytest.mark.parametrize("value, on", [("0", False), (" 0 ", False), ("1", True), ("", True)])
 def test_gemmspec_pdl_0_launches_the_ordinary_way(offline, monkeypatch, value, on):
     monkeypatch.setenv("GEMMSPEC_PDL", value)
-    exe = gemmspec.build(FORWARD)
+    exe = forward_with_builder()
     exe(**forward_args())
     assert [p for _, p in recorded()] == [False, on]
     # Read when the plan was packed: later calls of the plan keep it.
@@ -80,7 +96,7 @@ def test_a_capture_launches_its_gemm_as_a_dependent_too(offline, monkeypatch):
 
     monkeypatch.setattr(executor, "stream_key", lambda stream, objects, device: stream or 0)
     monkeypatch.setattr(executor, "caller_stream", lambda stream, objects, device: Stream(stream))
-    exe = gemmspec.build(FORWARD)
+    exe = forward_with_builder()
     exe(stream=5, **forward_args())  # warm-up
     monkeypatch.setattr(executor, "is_capturing", lambda s: True)
     exe(stream=6, **forward_args())  # captured: the same launches, packed for stream 6

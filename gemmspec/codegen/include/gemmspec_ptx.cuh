@@ -59,6 +59,14 @@ static_assert(sizeof(GsTensorMap) == 128, "a tensor map is 128 bytes");
 // ---------------------------------------------------------------------------
 // Shared-memory addresses and wgmma matrix descriptors.
 // ---------------------------------------------------------------------------
+// blockIdx.x, read where it is used: a volatile read is never kept in a register across a
+// loop (ptxas spilled a hoisted copy in the tightest consumers).
+__device__ __forceinline__ int gs_block_index() {
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return x;
+}
+
 __device__ __forceinline__ unsigned gs_smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -303,6 +311,34 @@ __device__ __forceinline__ void gs_tensormap_acquire(const GsTensorMap* map) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(
                    reinterpret_cast<unsigned long long>(map))
                : "memory");
+}
+
+// A leaf's operand: base + off elements, `rows` rows of `k` elements, rows `row_stride`
+// elements apart, `k_stride` between elements of a row. TMA describes it when its rows are
+// contiguous and its base and row stride are multiples of 16 bytes.
+__device__ __forceinline__ bool gs_tma_describable(const void* base, long long off, long long row_stride,
+                                                   long long k_stride, int rows, int k, int element_bytes) {
+  const unsigned long long addr = reinterpret_cast<unsigned long long>(base) + off * element_bytes;
+  const long long stride_bytes = row_stride * element_bytes;
+  return k_stride == 1 && (addr & 15ull) == 0 && rows > 0 && k > 0 &&
+         (rows == 1 || (stride_bytes > 0 && stride_bytes % 16 == 0 && stride_bytes < (1ll << 40)));
+}
+
+// Copies the template into the thread's shared `slot`, patches the leaf's base address,
+// extents and row stride into it and publishes it to `out` (the writer then releases it
+// with gs_tensormap_release, and each thread that loads or stores through it acquires it).
+__device__ __forceinline__ void gs_write_map(GsTensorMap* out, GsTensorMap* slot, const GsTensorMap* tmpl,
+                                             const void* base, long long off, long long row_stride, int rows,
+                                             int k, int element_bytes) {
+  *slot = *tmpl;
+  const unsigned s = gs_smem_addr(slot);
+  const unsigned char* address = static_cast<const unsigned char*>(base) + off * element_bytes;
+  // A single-row leaf never steps to row 1 (it is out of bounds): any legal stride will do.
+  const long long row_bytes = rows > 1 ? row_stride * element_bytes : ((k * element_bytes + 15) / 16) * 16;
+  gs_tensormap_set_address(s, address);
+  gs_tensormap_set_extent(s, static_cast<unsigned>(k), static_cast<unsigned>(rows),
+                          static_cast<unsigned long long>(row_bytes));
+  *out = *slot;
 }
 
 // ---------------------------------------------------------------------------
