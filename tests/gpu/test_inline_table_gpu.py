@@ -4,10 +4,12 @@ the tensor maps of the leaves it computes) match the float64 reference, as the s
 launch with a leaf-table builder before it does, on ragged leaves with 0, 1, 127 and 129
 rows: nested LoRA leaves (many tiles and several leaves per block), K-grouped staged
 16-bit `+=` with empty segments, maps of D per consumer warpgroup (TMA-stored epilogues),
-masked FP8 decode, fused epilogue records, FP8 outputs; and bad offsets still raise."""
+CTA pairs, masked FP8 decode, fused epilogue records, a SwiGLU, the FP8 WGRAD (anchored
+scale rows in the check); bad offsets still raise, and blocks past the map slots leave."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,9 @@ from gemmspec.codegen.emit import emit
 from gemmspec.errors import ArgumentError
 from gemmspec.runtime.verify import run_random
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_gpu import BF16_WGRAD  # noqa: E402  (a K-grouped BF16 +=, stored staged)
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,17 +31,6 @@ EDGE = [0, 1, 127, 129, 300]
 NESTED_COUNTS = [[0, 1, 127, 129, 300], [64, 65, 0, 2, 511]]
 NESTED = {"lora": [sum(c) for c in NESTED_COUNTS], "expert": [c for row in NESTED_COUNTS for c in row]}
 
-BF16_WGRAD = """
-gemm wgrad_bf16 {
-  dim T
-  dim N = 1024, K = 1024
-  group expert[E = 6] = ragged(T, offsets = offs)
-  tensor dy : bf16 [T, N] layout segment_major(expert)
-  tensor x  : bf16 [T, K] layout segment_major(expert)
-  tensor dw : bf16 [E, N, K]
-  dw[e, n, k] += sum[t in expert(e)] dy[t, n] * x[t, k]
-}
-"""
 
 
 def report_ok(report) -> None:
