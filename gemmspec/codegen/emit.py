@@ -371,9 +371,9 @@ def _ceil16(n: int) -> int:
 @dataclass(frozen=True)
 class InlineTable:
     """Where a table built in the kernel keeps its parts, in bytes from its records' start
-    (the GEMM template places that after the map templates and scratch slots): the records
-    as the builder lays them out in global memory, then each checked copy of the offsets,
-    then the flags of the blocks other than block 0."""
+    (INLINE_RECORDS in the GEMM template: after the ring, the staging and the mbarriers):
+    the records as the builder lays them out in global memory, then each checked copy of
+    the offsets, then the flags of the blocks other than block 0."""
 
     copies: tuple[int, ...]  # one per checked copy, in the check's tensor order
     ignored_flags: int
@@ -511,7 +511,6 @@ def emit_launch(
         d_ctype=ENV.filters["ctype"](cfg.d_type),
         ctas_per_sm=cfg.ctas_per_sm,
         cluster=cfg.cluster,
-        copies_at=0,
         inline_copies=[(f"checked_{t}", at) for t, at in zip(check.tensors, layout.copies)] if check else [],
         ignored_flags_at=layout.ignored_flags,
         check=check is not None,
