@@ -380,14 +380,22 @@ class InlineTable:
     end: int
 
 
-def inline_table_layout(pg: ProblemGenerator, check: ValidationKernel | None) -> InlineTable:
-    records = (pg.leaf_count + 1) * LEAF_RECORD_BYTES
-    records += pg.leaf_count * (
+def table_record_bytes(pg: ProblemGenerator) -> int:
+    """The bytes of a launch's leaf table (docs/kernel-abi.md): a GsLeaf per leaf and the
+    sentinel, then per leaf a GsEpilogue (a fused epilogue's addresses), a GsGather (row
+    numbers through index tensors), a GsDScale (an FP8 output's scales) and a GsCopy (its
+    copy), each where the launch has it."""
+    per_leaf = (
         (EPILOGUE_RECORD_BYTES if pg.epilogue else 0)
+        + (GATHER_RECORD_BYTES if pg.index_maps else 0)
         + (DSCALE_RECORD_BYTES if pg.sd is not None else 0)
         + (COPY_RECORD_BYTES if pg.c is not None else 0)
     )
-    at, copies = _ceil16(records), []
+    return (pg.leaf_count + 1) * LEAF_RECORD_BYTES + pg.leaf_count * per_leaf
+
+
+def inline_table_layout(pg: ProblemGenerator, check: ValidationKernel | None) -> InlineTable:
+    at, copies = _ceil16(table_record_bytes(pg)), []
     for ints in check.copy_ints if check else ():
         copies.append(at)
         at += _ceil16(4 * ints)

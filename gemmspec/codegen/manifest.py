@@ -30,12 +30,13 @@ from .emit import (
     EmittedPrePass,
     EmittedProgram,
     split_area_at,
+    table_record_bytes,
 )
 from .formula import NUM_SMS, Formula
 from .kernels import CTYPES, ELEMENT_BYTES, INLINE_MAX_BLOCKS, map_specs
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
-from .validate import Check, CheckParam, group_chain_count, prepass_offsets
+from .validate import Check, CheckParam, prepass_offsets
 
 MANIFEST_VERSION = 2
 TARGET = "sm_90a"
@@ -399,9 +400,7 @@ class _Builder:
                 Param(p.name, p.ctype, self.check_source(p, flags, copies)) for p in v.inline_params
             )
             return
-        for t in v.tensors:
-            g = next(g for g in self.spec.groups if g.tensor == t)
-            n = group_chain_count(self.spec, g.name) * (g.count + (1 if g.kind == "ragged" else 0))
+        for t, n in zip(v.tensors, v.copy_ints):
             copies[t] = self.workspace(
                 f"check.{t}", Formula.const(4 * n), f"the checked copy of '{t}' (all zeros when a check failed)"
             )
@@ -630,16 +629,9 @@ class _Builder:
         if cfg.inline_table:
             self.inline_launch(x, file, maps)
             return
-        # A fused epilogue's per-leaf addresses follow the table's sentinel (the GEMM
-        # kernel finds them from `leaves`, so its parameters stay as they are).
-        epilogue_bytes = x.leaf_count * EPILOGUE_BYTES if pg.epilogue else 0
-        # Rows read or written through index tensors: each leaf's row numbers after those.
-        gather_bytes = x.leaf_count * GATHER_BYTES if pg.index_maps else 0
-        # An FP8 output: where each leaf's scales go, after those.
-        dscale_bytes = x.leaf_count * DSCALE_BYTES if pg.sd is not None else 0
-        # Its copy: where each leaf's copy and copy scales go, after those.
-        copy_bytes = x.leaf_count * COPY_BYTES if pg.c is not None else 0
-        table_bytes = (x.leaf_count + 1) * LEAF_BYTES + epilogue_bytes + gather_bytes + dscale_bytes + copy_bytes
+        # The records (the GEMM kernel finds the per-leaf ones after the sentinel from
+        # `leaves`, so its parameters stay as they are).
+        table_bytes = table_record_bytes(pg)
         if cfg.split_k:
             # Split K: the arrival counters and partial sums after the records.
             table_bytes = split_area_at(x.leaf_count, bool(pg.epilogue)) + cfg.split_bytes
