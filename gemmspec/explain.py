@@ -149,7 +149,7 @@ def _check_placement(spec: Spec, schedule: Schedule):
 def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     """The launch's kernel symbol and what its configuration chose."""
     from .codegen.emit import launch_config  # the back end decides stages and epilogue
-    from .codegen.kernels import SPLIT_MAX, gemm_kernel_name
+    from .codegen.kernels import SPLIT_MAX_BLOCKS, gemm_kernel_name
     from .codegen.names import gemm_symbol
 
     cfg = launch_config(spec, schedule, launch)
@@ -160,8 +160,8 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
     if cfg.split_k:
         parts.append(
-            f"K split into up to {SPLIT_MAX} parts per tile, as many as even out the SMs' bytes for the "
-            "run-time tile count; the last part to finish adds the others' partial sums in split order"
+            f"K blocks of all tiles dealt evenly to the blocks (up to {SPLIT_MAX_BLOCKS}) whatever the "
+            "run-time tile count; a tile that several blocks share is added up by the last of them, in block order"
         )
     if cfg.inline_table:
         parts.append("leaf table built by each block (no builder kernel: one launch per call)")

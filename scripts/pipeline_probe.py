@@ -9,7 +9,7 @@ is not the spec's result, it only shows what the load pipeline and wgmma sustain
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant.
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora | --expand | --wgrad | --gather] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather] [--idle MS]
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ BF16_VARIANTS = {
 
 # The memory-bound nested LoRA shrink (64 x 16 tiles, two blocks per SM): how its time
 # depends on the ring depth and the blocks per SM (a latency-bound stream slows with a
-# shallower ring), and on the launch sequence. Times include the offsets check and the
-# leaf-table builder. `fuse_check` False runs the check as a kernel of its own. Split K
-# (an option) splits only when there are few tiles, not at the bench's 8192 tokens.
+# shallower ring), on split K (the default: every block an equal run of K blocks) and on
+# the launch sequence. `fuse_check` False runs the check as a kernel of its own.
 LORA_VARIANTS = {
     "as compiled": {},
-    "split K where tiles are few (kernel option)": {"split_k": True},
+    "whole tiles, round robin (no split K)": {"split_k": False},
+    "no L2 eviction hints": {"cache_hints": False},
+    "whole tiles, no L2 eviction hints": {"split_k": False, "cache_hints": False},
     "leaf-table builder before the GEMM (PDL)": {"inline_tables": False},
     "one block per SM": {"ctas_per_sm": 1},
     "two blocks per SM, 4 stages": {"stages": 4},
@@ -165,6 +166,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run the variants whose label contains one of these (comma-separated)")
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
     ap.add_argument("--lora", action="store_true", help="probe the memory-bound nested LoRA shrink instead")
+    ap.add_argument("--tokens", type=int, default=8192, help="the LoRA shrink's tokens (with --lora)")
     ap.add_argument("--expand", action="store_true", help="probe the scaled multi-LoRA expand (BF16 D +=) instead")
     ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
     ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
@@ -194,9 +196,9 @@ def main() -> int:
         spec = (Path(__file__).resolve().parents[1] / "examples" / "lora_moe_scaled.gspec").read_text()
         variants = EXPAND_VARIANTS
     elif args.lora:
-        tensors, variants = lora_inputs(), LORA_VARIANTS
-        spec = LORA.format(k=4096, r=16, l=4, e=8)
-        t, n, k = 8192, 16, 4096
+        t, n, k = args.tokens, 16, 4096
+        tensors, variants = lora_inputs(t=t), LORA_VARIANTS
+        spec = LORA.format(k=k, r=16, l=4, e=8)
     elif args.gather:
         s = t // 2
         g = torch.Generator(device="cpu").manual_seed(3)

@@ -30,7 +30,6 @@ from .kernels import (
     ENV,
     INLINE_MAX_LEAVES,
     INLINE_STATIC_BYTES,
-    SPLIT_ALIGN,
     GatherRowsKernelConfig,
     GemmKernelConfig,
     QuantizeKernelConfig,
@@ -63,14 +62,6 @@ GATHER_RECORD_BYTES = 32
 DSCALE_RECORD_BYTES = 32
 # Then sizeof(GsCopy) (defined in the kernels that write D's copy): where the copy goes.
 COPY_RECORD_BYTES = 32
-
-
-def split_area_at(leaf_count: int, epilogue: bool) -> int:
-    """Where a split-K kernel's counters and partial sums start in its leaf table's
-    workspace: after the sentinel and the GsEpilogue records (split K takes no other
-    records), at the next SPLIT_ALIGN boundary (the kernel computes the same)."""
-    end = (leaf_count + 1) * LEAF_RECORD_BYTES + (leaf_count * EPILOGUE_RECORD_BYTES if epilogue else 0)
-    return -(-end // SPLIT_ALIGN) * SPLIT_ALIGN
 
 
 class EmitError(GemmspecError):
@@ -326,6 +317,15 @@ def _k_block(sig: KernelSignature, block: tuple[int, int]) -> int:
 
 
 def gemm_config(launch: Launch) -> GemmKernelConfig:
+    """The kernel configuration a launch's signature implies; memory-bound tiles whose
+    leaves share one K split it evenly over the blocks where the kernel can (split_k)."""
+    cfg = _signature_config(launch)
+    if cfg.memory_bound and launch.problems.extents[2].kind == "fixed" and cfg.split_possible(store_tma=False):
+        return replace(cfg, **_DERIVED, split_k=True)
+    return cfg
+
+
+def _signature_config(launch: Launch) -> GemmKernelConfig:
     sig = launch.signature
     return GemmKernelConfig(
         a_type=sig.a_type,
@@ -416,7 +416,7 @@ def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator) -> bool:
     """Whether a launch's table can be built by each block of its GEMM (given that no other
     kernel of the call reads the table or the checked offsets): few leaves (each block
     builds them all) and no rows through index tensors."""
-    return pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps and not (cfg.gather or cfg.scatter or cfg.split_k)
+    return pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps and not (cfg.gather or cfg.scatter)
 
 
 def emit_launch(
@@ -564,9 +564,7 @@ def emit_launch(
             (EPILOGUE_RECORD_BYTES if pg.epilogue else 0) + (GATHER_RECORD_BYTES if pg.index_maps else 0)
             + DSCALE_RECORD_BYTES
         ),
-        # A split-K GEMM's arrival counters, zeroed by the builder before every launch.
-        split_at=split_area_at(pg.leaf_count, bool(pg.epilogue)) if cfg.split_k else 0,
-        split_counters=cfg.split_counter_bytes // 4 if cfg.split_k else 0,
+        split_k=cfg.split_k,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(
@@ -642,6 +640,7 @@ _DERIVED = {
     "store_tma": None,
     "consumer_scales": None,
     "prefetch_scales": None,
+    "cache_hints": None,
     "ring_rounds": None,
     "lean_registers": None,
     "scales_before_issue": None,
@@ -656,7 +655,7 @@ def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **ch
     x = program.launches[index]
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
     inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
-    if any(changes.get(k) for k in ("split_k", "gather", "scatter")):
+    if any(changes.get(k) for k in ("gather", "scatter")):
         inline = {"inline_table": 0, "inline_static": 0}
     cfg = replace(gemm_config(x.launch), **{**_DERIVED, **inline, **changes})
     launches = list(program.launches)

@@ -44,7 +44,7 @@ def declaration(k: KernelLaunch) -> str:
 class _Step:
     """One step of the launcher, as the template lays it out."""
 
-    kind: str  # "templates", "int32" or "kernel"
+    kind: str  # "templates", "int32", "zeros" or "kernel"
     comment: str
     workspace: int = -1  # index into the offsets array
     address_of: int = -1
@@ -92,6 +92,10 @@ class _Renderer:
                     workspace=self.ws_index[s.workspace], address_of=self.ws_index[s.address_of],
                     templates=maps,
                 )
+            if all(v.is_const and v.value == 0 for v in s.int32):
+                # Zeros (split K's counters): one memset, however many.
+                return _Step("zeros", f"{s.workspace}: zeros", workspace=self.ws_index[s.workspace],
+                             values=(str(4 * len(s.int32)),))
             return _Step(
                 "int32", f"{s.workspace}", workspace=self.ws_index[s.workspace],
                 values=tuple(cexpr(v) for v in s.int32),

@@ -116,13 +116,11 @@ MMA_PART_N = 128
 # the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
 PRODUCER_REGS = 56
 CONSUMER_REGS = 224
-# Split K (memory-bound tiles): a tile's K blocks go to up to SPLIT_MAX work units, the
-# count chosen at run time from the tiles and the SMs. Each unit's partial sums take one
-# of SPLIT_SLOTS slots (so tiles x splits <= SPLIT_SLOTS, else fewer splits); one arrival
-# counter per consumer warp of a split tile. Both live after the leaf table's records.
-SPLIT_MAX = 8
-SPLIT_SLOTS = 1024
-SPLIT_ALIGN = 256
+# Split K (memory-bound tiles): the launch's K blocks are dealt evenly to at most
+# SPLIT_MAX_BLOCKS blocks (the most that get map slots when the table is built in the
+# kernel). Each block has two slots of partial sums (the tiles its run starts and ends
+# in) and one arrival counter per consumer warp (for the tile its run ends in).
+SPLIT_MAX_BLOCKS = INLINE_MAX_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -187,6 +185,9 @@ class GemmKernelConfig:
     store_tma: bool | None = None
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
+    # L2 eviction policies on the TMA loads (A evict-first, B evict-last); default: for
+    # memory-bound tiles, which stream A once while B stays to be read again.
+    cache_hints: bool | None = None
     lean_registers: bool | None = None
     ctas_per_sm: int = 0
     name: str = ""
@@ -245,14 +246,12 @@ class GemmKernelConfig:
     # leaf says where). ``copy_pow2``: those scales are powers of two.
     copy: bool = False
     copy_pow2: bool = False
-    # Split K for a memory-bound tile (see ``split_bytes``), an option: when the run-time tile
-    # count leaves most blocks idle (at most one tile per four blocks: decode-sized LoRA
-    # batches), a tile's K blocks go to several units; each stores its partial sums and the
-    # last to finish (an arrival counter per consumer warp) adds them in split order, so the
-    # result does not depend on which finished last, and runs the epilogue. Measured on the
-    # H200 (LoRA shrink, K = 4096): 2048 tokens 24.0 us against 29.3 whole, but 37.6 against
-    # 36.6 at 8192 tokens, where the kernel keeps whole tiles; so not the default until a
-    # launch can pick the kernel by its token count. ``_splitk`` in the name.
+    # Split K for memory-bound tiles whose leaves share one K (the emitter's default for
+    # them): the launch's work is its tiles' K blocks in a row, and each block takes an
+    # equal run of them, so a ragged or small tile count leaves no block idle and none
+    # with a whole tile more than another. A tile shared by several blocks is added up by
+    # the last of them to finish (an arrival counter per consumer warp), in block order,
+    # so the result does not depend on which finished last. ``_splitk`` in the name.
     split_k: bool = False
     # The leaf table built inside the kernel (``inline_table`` > 0: the bytes of its records
     # and of the checked offsets, which the emitter lays out): every block runs the offsets
@@ -273,16 +272,15 @@ class GemmKernelConfig:
                 object.__setattr__(self, f, 1)
         if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
             object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
-        memory_bound = self.tile_m == 64 and self.tile_n <= 32
         if self.ctas_per_sm == 0:
-            object.__setattr__(self, "ctas_per_sm", 2 if memory_bound else 1)
+            object.__setattr__(self, "ctas_per_sm", 2 if self.memory_bound else 1)
         if self.split_k and not self.split_possible():
             raise ValueError(
                 "split K takes unscaled main loops, one CTA per tile, an epilogue from registers "
                 "(no TMA store) and no rows through index tensors or FP8 outputs"
             )
-        if self.inline_table and (self.gather or self.scatter or self.split_k):
-            raise ValueError("a table built in the kernel takes no index tensors and no split K")
+        if self.inline_table and (self.gather or self.scatter):
+            raise ValueError("a table built in the kernel takes no index tensors")
         if self.inline_table:
             object.__setattr__(self, "programmatic", False)  # no builder to wait for
         if self.split_k and self.store_tma is None:
@@ -295,6 +293,8 @@ class GemmKernelConfig:
             raise ValueError("consumers read scales only when a tile needs at most two B scales")
         elif self.consumer_scales and self.gather:
             raise ValueError("a gathered A's scales are staged by the producer, which reads its row numbers")
+        if self.cache_hints is None:
+            object.__setattr__(self, "cache_hints", self.memory_bound and self.cluster == 1)
         if self.prefetch_scales is None:
             object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self.bias_crowds_registers())
         elif not self.consumer_scales:
@@ -458,23 +458,28 @@ class GemmKernelConfig:
         """The producer stages each stage's scales in shared memory for the consumers."""
         return self.blockwise and not self.consumer_scales
 
-    def split_possible(self) -> bool:
-        """Split K is implemented for these (see ``split_k``)."""
-        return (not self.scaled and self.cluster == 1 and not self.store_tma and not self.gather
+    @property
+    def memory_bound(self) -> bool:
+        """Tiles of 64 rows and at most 32 columns: bound by reading A (the LoRA shrink's)."""
+        return self.tile_m == 64 and self.tile_n <= 32
+
+    def split_possible(self, store_tma: bool | None = None) -> bool:
+        """Split K is implemented for these (see ``split_k``); `store_tma` stands for the
+        configuration's own."""
+        store_tma = self.store_tma if store_tma is None else store_tma
+        return (not self.scaled and self.cluster == 1 and not store_tma and not self.gather
                 and not self.scatter and not self.fp8_out and not self.copy)
 
     @property
-    def split_bytes(self) -> int:
-        """Bytes after the leaf table's records (from a SPLIT_ALIGN boundary) that a split-K
-        kernel uses: the arrival counters, then SPLIT_SLOTS slots of partial sums."""
-        if not self.split_k:
-            return 0
-        return self.split_counter_bytes + SPLIT_SLOTS * self.tile_m * self.tile_n * 4
+    def split_sums_bytes(self) -> int:
+        """The partial sums of a split-K kernel: two tile-sized f32 slots per block."""
+        return SPLIT_MAX_BLOCKS * 2 * self.tile_m * self.tile_n * 4 if self.split_k else 0
 
     @property
-    def split_counter_bytes(self) -> int:
-        """One int32 per consumer warp of each tile that can be split (at most half the slots)."""
-        return (SPLIT_SLOTS // 2) * 4 * self.consumer_warpgroups * 4
+    def split_counters(self) -> int:
+        """The arrival counters of a split-K kernel: one int32 per block and consumer warp,
+        zero before the first launch; the last arrival sets each back to zero."""
+        return SPLIT_MAX_BLOCKS * self.consumer_warpgroups * 4 if self.split_k else 0
 
     def products_possible(self) -> bool:
         """The producer can stage SA x SB products (see ``staged_products``)."""
@@ -685,6 +690,10 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_rawscales"
     if cfg.scatter:
         staged += "_scatter"
+    if cfg.cache_hints != (cfg.memory_bound and cfg.cluster == 1):  # not the default
+        staged += "_hints" if cfg.cache_hints else "_nohints"
+    if cfg.split_k:
+        staged += "_splitk"
     if cfg.inline_table:
         staged += "_inl"
     elif not cfg.programmatic:
@@ -693,8 +702,6 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_pow2"
     if cfg.copy:
         staged += "_copy128x1" + ("pow2" if cfg.copy_pow2 else "")
-    if cfg.split_k:
-        staged += "_splitk"
     return (
         f"gs_sm90a_{cfg.a_type}{cfg.b_type}_{cfg.d_type}_{scales}"
         f"_t{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}_w{cfg.threads}s{cfg.stages}{raster}{cluster}_{mode}{staged}"
@@ -874,10 +881,8 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         copy_pow2=cfg.copy_pow2,
         copy_col_pitch=COPY_COL_PITCH,
         split_k=cfg.split_k,
-        split_max=SPLIT_MAX,
-        split_slots=SPLIT_SLOTS,
-        split_align=SPLIT_ALIGN,
-        split_counter_bytes=cfg.split_counter_bytes,
+        split_max_blocks=SPLIT_MAX_BLOCKS,
+        cache_hints=cfg.cache_hints,
         inline_table=bool(cfg.inline_table),
         inline_bytes=cfg.inline_bytes,
         inline_max_blocks=INLINE_MAX_BLOCKS,

@@ -29,7 +29,6 @@ from .emit import (
     EmittedLaunch,
     EmittedPrePass,
     EmittedProgram,
-    split_area_at,
     table_record_bytes,
 )
 from .formula import NUM_SMS, Formula
@@ -632,9 +631,6 @@ class _Builder:
         # The records (the GEMM kernel finds the per-leaf ones after the sentinel from
         # `leaves`, so its parameters stay as they are).
         table_bytes = table_record_bytes(pg)
-        if cfg.split_k:
-            # Split K: the arrival counters and partial sums after the records.
-            table_bytes = split_area_at(x.leaf_count, bool(pg.epilogue)) + cfg.split_bytes
         leaves = self.workspace(
             f"launch{i}.leaves",
             Formula.const(table_bytes),
@@ -642,8 +638,7 @@ class _Builder:
             + (" and its epilogue addresses" if pg.epilogue else "")
             + (" and its row numbers (index tensors)" if pg.index_maps else "")
             + (" and its output scale addresses" if pg.sd is not None else "")
-            + (" and its copy addresses" if pg.c is not None else "")
-            + (" and split K's arrival counters and partial sums" if cfg.split_k else ""),
+            + (" and its copy addresses" if pg.c is not None else ""),
         )
         maps_ws = self.workspace(
             f"launch{i}.maps",
@@ -681,6 +676,7 @@ class _Builder:
             Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
             Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
             Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
+            *self.split_params(x),
         )
         # A persistent grid: one block per multiprocessor (two for memory-bound tiles),
         # whole clusters only.
@@ -694,6 +690,21 @@ class _Builder:
             )
         )
 
+
+    def split_params(self, x: EmittedLaunch) -> list[Param]:
+        """A split-K GEMM's arrival counters (uploaded as zeros; each launch leaves them at
+        zero) and partial sums, its last two parameters."""
+        i, cfg = x.launch.index, x.gemm
+        if not cfg.split_k:
+            return []
+        counters = self.workspace(
+            f"launch{i}.split_counters", Formula.const(4 * cfg.split_counters), "split K's arrival counters"
+        )
+        self.steps.append(Upload(counters.ref, int32=(Formula.const(0),) * cfg.split_counters))
+        sums = self.workspace(
+            f"launch{i}.split_sums", Formula.const(cfg.split_sums_bytes), "split K's partial sums"
+        )
+        return [Param("split_counters", "int*", counters), Param("split_sums", "float*", sums)]
 
     def table_operands(self, x: EmittedLaunch) -> list[Param]:
         """The builder's run-time inputs after its operands: the check's parameters (or the
@@ -742,6 +753,7 @@ class _Builder:
             Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
             Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
             *self.table_operands(x),
+            *self.split_params(x),
         )
         one = Formula.const(1)
         # Persistent as the builder's GEMM: whole clusters only.

@@ -86,8 +86,11 @@ def test_the_manifest_has_one_kernel_step_with_the_builders_inputs():
     assert "check_flags" in names and not any(n.startswith("checked_") for n in names)
     flags = next(p for p in step.params if p.name == "check_flags")
     assert (flags.source.kind, flags.source.ref) == ("workspace", CHECK_FLAGS)
-    # No leaf table and no checked copies in global memory; map slots for every block.
-    assert [w.name for w in m.workspaces] == [CHECK_FLAGS, "launch0.maps", "launch0.templates"]
+    # No leaf table and no checked copies in global memory; map slots for every block
+    # (and split K's counters and partial sums: the shrink splits its K blocks).
+    assert [w.name for w in m.workspaces] == [
+        CHECK_FLAGS, "launch0.maps", "launch0.templates", "launch0.split_counters", "launch0.split_sums"
+    ]
     maps = m.workspace("launch0.maps")
     assert maps.bytes.evaluate({}) == INLINE_MAX_BLOCKS * x.leaf_count * 2 * TENSOR_MAP_BYTES
     assert m.offsets_check.symbol == x.gemm.name and m.offsets_check.fused
@@ -99,8 +102,10 @@ def test_shared_memory_counts_the_table():
     assert inl.name == base.name.replace(f"s{base.stages}", f"s{inl.stages}") + "_inl"
     assert inl.smem_bytes <= inl.smem_limit and inl.stages <= base.stages
     assert inl.smem_bytes >= 1024 + inl.stages * inl.stage_bytes + inl.inline_bytes
-    with pytest.raises(ValueError, match="no index tensors and no split K"):
-        GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, inline_table=4800, split_k=True)
+    split = GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, inline_table=4800, split_k=True)
+    assert split.name.endswith("_splitk_inl")
+    with pytest.raises(ValueError, match="no index tensors"):
+        GemmKernelConfig("bf16", "bf16", "bf16", tile_m=64, tile_n=16, inline_table=4800, scatter=True)
 
 
 @pytest.mark.parametrize("name", ["lora_moe_nested", "moe_fp8_forward", "moe_fp8_wgrad", "moe_masked_decode"])

@@ -1,7 +1,7 @@
-"""Split K, a kernel option for memory-bound tiles: what it accepts, where its counters and
-partial sums live (after the leaf table's records, zeroed by the builder), and its SASS
-(an atomic arrival per warp, no spills). Not chosen by default: the examples' kernels
-have no split code."""
+"""Split K for memory-bound tiles (64 rows, at most 32 columns) whose leaves share one K:
+the default where the kernel can (the LoRA shrink), its workspaces (counters uploaded as
+zeros, partial sums), its parameters in both kinds of launch, and its SASS (an atomic
+arrival per warp, no spills)."""
 
 from __future__ import annotations
 
@@ -15,21 +15,33 @@ pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed"
 
 import gemmspec  # noqa: E402
 from gemmspec import bench  # noqa: E402
-from gemmspec.codegen.emit import split_area_at, with_kernel_config  # noqa: E402
-from gemmspec.codegen.kernels import SPLIT_SLOTS, GemmKernelConfig, include_dir, render_gemm  # noqa: E402
-from gemmspec.codegen.manifest import launch_manifest  # noqa: E402
+from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
+from gemmspec.codegen.host import render_host  # noqa: E402
+from gemmspec.codegen.kernels import SPLIT_MAX_BLOCKS, GemmKernelConfig, include_dir, render_gemm  # noqa: E402
+from gemmspec.codegen.manifest import KernelLaunch, Upload, launch_manifest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nvrtc_helper import assert_spill_free, compile_cubin, disassemble  # noqa: E402
 
 SHRINK = bench.LORA.format(k=4096, r=16, l=4, e=8)
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_not_the_default():
+def test_default_for_the_lora_shrink():
     exe = gemmspec.build(SHRINK)
     cfg = exe.program.launches[0].gemm
-    assert not cfg.split_k and "_splitk" not in cfg.name
-    assert "reduce_split" not in render_gemm(cfg)
+    assert cfg.split_k and cfg.inline_table and cfg.name.endswith("_splitk_inl") and not cfg.store_tma
+    assert "reduce_split" in exe.program.launches[0].source
+    whole = with_kernel_config(exe.spec, exe.program, split_k=False).launches[0].gemm
+    assert not whole.split_k and whole.inline_table and "_splitk" not in whole.name
+
+
+def test_not_for_compute_bound_or_k_grouped_launches():
+    for name in ("moe_fp8_forward", "moe_bf16_forward", "moe_fp8_wgrad", "lora_moe_scaled"):
+        exe = gemmspec.build(ROOT / "examples" / f"{name}.gspec")
+        for x in exe.program.launches:
+            assert not x.gemm.split_k, x.gemm.name
+            assert "reduce_split" not in x.source
 
 
 @pytest.mark.parametrize("changes", [
@@ -44,19 +56,29 @@ def test_refused_where_not_implemented(changes):
         GemmKernelConfig(**args)
 
 
-def test_workspace_and_builder():
+@pytest.mark.parametrize("inline", [True, False])
+def test_workspaces_and_parameters(inline):
     exe = gemmspec.build(SHRINK)
-    program = with_kernel_config(exe.spec, exe.program, split_k=True)
-    launch = program.launches[0]
-    cfg = launch.gemm
-    assert cfg.split_k and cfg.name.endswith("_splitk") and not cfg.store_tma
-    at = split_area_at(launch.leaf_count, epilogue=False)
-    assert at % 256 == 0 and at >= (launch.leaf_count + 1) * 144
-    leaves = launch_manifest(exe.spec, program).workspace("launch0.leaves")
-    assert leaves.bytes.value == at + cfg.split_counter_bytes + SPLIT_SLOTS * 64 * 16 * 4
-    assert "split K" in leaves.purpose
-    # The builder zeroes one counter per consumer warp of every tile that can be split.
-    assert f"+ {at});" in launch.source and f"i < {SPLIT_SLOTS // 2 * 4};" in launch.source
+    program = emit(exe.spec, exe.schedule, inline_tables=inline)
+    cfg = program.launches[0].gemm
+    assert cfg.split_k and bool(cfg.inline_table) == inline
+    m = launch_manifest(exe.spec, program)
+    counters, sums = m.workspace("launch0.split_counters"), m.workspace("launch0.split_sums")
+    assert counters.bytes.value == 4 * SPLIT_MAX_BLOCKS * 4  # one per block and consumer warp
+    assert sums.bytes.value == SPLIT_MAX_BLOCKS * 2 * 64 * 16 * 4  # two tile slots per block
+    zeros = [s for s in m.steps if isinstance(s, Upload) and s.workspace == "launch0.split_counters"]
+    assert len(zeros) == 1 and {v.value for v in zeros[0].int32} == {0}
+    gemm = next(s for s in m.steps if isinstance(s, KernelLaunch) and s.role == "gemm")
+    assert [p.name for p in gemm.params[-2:]] == ["split_counters", "split_sums"]
+    assert [p.source.ref for p in gemm.params[-2:]] == ["launch0.split_counters", "launch0.split_sums"]
+    # The kernel's last two parameters are the same two.
+    source = program.launches[0].source
+    assert "int* __restrict__ split_counters, float* __restrict__ split_sums)" in source or (
+        "int* split_counters, float* split_sums)" in source
+    )
+    # The C++ launcher zeroes the counters with one memset (not a chain of small uploads).
+    host = render_host(m)
+    assert "cudaMemsetAsync" in host and f"{4 * SPLIT_MAX_BLOCKS * 4}, stream" in host
 
 
 def test_sass_counts_arrivals_without_spills():

@@ -1,9 +1,10 @@
-"""On a Hopper GPU: split K (a kernel option for memory-bound tiles of at most 32 columns,
-the LoRA shrink's; split at run time when there are few tiles) matches the float64 reference on nested
-ragged leaves with 0, 1, 127 and 129 rows; with parts that get no K block (K of one
-block), an f32 +=, a fused epilogue (its records lie before the split area), few tiles
-(eight parts) and enough tiles that the kernel keeps them whole; and two calls give the
-same bits (the parts are added in split order)."""
+"""On a Hopper GPU: split K (memory-bound tiles of at most 32 columns whose leaves share one
+K, the LoRA shrink's: every block takes an equal run of the launch's K blocks) matches the
+float64 reference on nested ragged leaves with 0, 1, 127 and 129 rows, with the table
+built in the kernel and by a builder; with K of one block (every tile one step), an f32
++=, a fused epilogue, token counts from a handful of tiles (more blocks than steps) to
+hundreds; and repeated calls give the same bits (shared tiles are added in block order;
+the arrival counters are back at zero after every launch)."""
 
 from __future__ import annotations
 
@@ -32,25 +33,34 @@ def report_ok(report) -> None:
     assert report.ok, report.describe()
 
 
-def build_split(text: str):
-    from gemmspec.codegen.emit import with_kernel_config
+def build_split(text: str, inline: bool = True):
+    from gemmspec.codegen.emit import emit
 
     exe = gemmspec.build(text)
-    exe.program = with_kernel_config(exe.spec, exe.program, split_k=True)
-    assert exe.program.launches[0].gemm.split_k, exe.program.launches[0].gemm.name
+    if not inline:
+        exe.program = emit(exe.spec, exe.schedule, inline_tables=False)
+    cfg = exe.program.launches[0].gemm
+    assert cfg.split_k and bool(cfg.inline_table) == inline, cfg.name
     return exe
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["table in the kernel", "builder"])
 @pytest.mark.parametrize("k", [64, 200, 576, 4096])
-def test_split_k_ragged_nested_edges(k):
-    exe = build_split(shrink(k))
+def test_split_k_ragged_nested_edges(k, inline):
+    exe = build_split(shrink(k), inline)
     report_ok(run_random(exe, lengths=EDGE_LENGTHS, seed=k, repeats=0))
 
 
-@pytest.mark.parametrize("t", [300, 3000, 9000])
+@pytest.mark.parametrize("t", [3, 40, 300, 3000, 9000])
 def test_split_k_tile_counts(t):
-    # About 10 and 60 tiles over the SMs: eight and a few parts per tile; 150: whole tiles.
+    # A few tiles (more blocks than K blocks: some blocks idle), tens, hundreds.
     report_ok(run_random(build_split(shrink(576, loras=4, experts=8)), dims={"T": t}, seed=t, repeats=0))
+
+
+@pytest.mark.parametrize("t", [5, 1000, 20000])
+def test_split_k_one_k_block_per_tile(t):
+    # K of one block: every tile is one step, so no tile is shared.
+    report_ok(run_random(build_split(shrink(64, loras=4, experts=8)), dims={"T": t}, seed=t, repeats=0))
 
 
 def test_split_k_accumulates_f32():
@@ -65,14 +75,14 @@ def test_split_k_fused_epilogue_bf16():
     report_ok(run_random(exe, lengths=EDGE_LENGTHS, seed=6, repeats=0))
 
 
-def test_many_tiles_stay_whole():
-    # Over 600 tiles of 64 rows: whole tiles, dealt round robin.
+def test_many_tiles():
+    # Over 600 tiles of 64 rows, two K blocks each.
     report_ok(run_random(build_split(shrink(128, loras=2, experts=2)), dims={"T": 40000}, seed=7, repeats=0))
 
 
 def test_split_k_is_deterministic():
     torch = pytest.importorskip("torch")
-    # 2048 tokens in about 50 tiles: split.
+    # 2048 tokens in about 50 tiles: each shared by several blocks.
     exe = build_split(shrink(4096, loras=4, experts=8))
     g = torch.Generator(device="cpu").manual_seed(3)
     lo, inner = bench.nested_offsets(bench.random_nested_counts([512] * 4, 8, g))

@@ -232,6 +232,29 @@ __device__ __forceinline__ void gs_tma_load_2d(unsigned dst, const GsTensorMap* 
       : "memory");
 }
 
+// The same load with an L2 eviction policy (gs_policy_*): memory-bound kernels stream A once
+// (evict first) and read B from many blocks (evict last).
+__device__ __forceinline__ void gs_tma_load_2d_hint(unsigned dst, const GsTensorMap* map, unsigned bar, int c0,
+                                                    int c1, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+__device__ __forceinline__ unsigned long long gs_policy_evict_first() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ unsigned long long gs_policy_evict_last() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // The same box, written to the same shared-memory offset (and signalled on the same
 // mbarrier offset) in every CTA of the cluster named by `cta_mask`.
 __device__ __forceinline__ void gs_tma_load_2d_multicast(unsigned dst, const GsTensorMap* map, unsigned bar,
