@@ -163,6 +163,8 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
             f"K blocks of all tiles dealt evenly to the blocks (up to {SPLIT_MAX_BLOCKS}) whatever the "
             "run-time tile count; a tile that several blocks share is added up by the last of them, in block order"
         )
+    if cfg.cache_hints:
+        parts.append("TMA loads with L2 eviction hints (A evict-first, B evict-last)")
     if cfg.inline_table:
         parts.append("leaf table built by each block (no builder kernel: one launch per call)")
     if cfg.staged_add:

@@ -320,9 +320,14 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
     """The kernel configuration a launch's signature implies; memory-bound tiles whose
     leaves share one K split it evenly over the blocks where the kernel can (split_k)."""
     cfg = _signature_config(launch)
-    if cfg.memory_bound and launch.problems.extents[2].kind == "fixed" and cfg.split_possible(store_tma=False):
+    if cfg.memory_bound and _one_k(launch.problems) and cfg.split_possible(store_tma=False):
         return replace(cfg, **_DERIVED, split_k=True)
     return cfg
+
+
+def _one_k(pg: ProblemGenerator) -> bool:
+    """Every leaf has the same K (split K's walk counts K blocks from the first leaf's)."""
+    return pg.extents[2].kind == "fixed"
 
 
 def _signature_config(launch: Launch) -> GemmKernelConfig:
@@ -431,6 +436,8 @@ def emit_launch(
     or the checked copies, so the GEMM builds the table itself where inline_possible."""
     pg = launch.problems
     cfg = config or gemm_config(launch)
+    if cfg.split_k and not _one_k(pg):
+        raise EmitError(f"launch {launch.index}: split K needs leaves that share one K (its K is {pg.extents[2]})")
     if config is None and inline and inline_possible(cfg, pg):
         cfg = replace(cfg, **_DERIVED, **inline_fields(pg, check))
     # The symbol names the spec and launch, so that equal configurations in two launches

@@ -90,3 +90,23 @@ def test_sass_counts_arrivals_without_spills():
     plain = disassemble(compile_cubin(render_gemm(GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16)),
                                       [str(include_dir())])[0])
     assert "ATOMG" not in plain
+
+
+def test_refused_for_leaves_of_several_k():
+    # K-grouped (each part's tokens): split K would count every leaf's K blocks as the
+    # first one's.
+    from gemmspec.codegen.emit import EmitError
+
+    exe = gemmspec.build("""
+gemm kgrouped {
+  dim N = 16, K = 192, T = 3000
+  group part[P = 3] = split(T, sizes = [17, 0, 2983])
+  tensor dy : bf16 [T, N] layout segment_major(part) pad 8
+  tensor x  : bf16 [T, K] layout segment_major(part) pad 32
+  tensor dw : f32 [P, N, K]
+  dw[p, n, k] = sum[t in part(p)] dy[t, n] * x[t, k]
+}
+""")
+    assert not exe.program.launches[0].gemm.split_k
+    with pytest.raises(EmitError, match="share one K"):
+        with_kernel_config(exe.spec, exe.program, split_k=True, tile_m=64, tile_n=16, store_tma=False)
