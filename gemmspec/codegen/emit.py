@@ -435,11 +435,9 @@ def emit_launch(
     index tensors) the check takes. `inline`: no other kernel of the call reads the table
     or the checked copies, so the GEMM builds the table itself where inline_possible."""
     pg = launch.problems
-    cfg = config or gemm_config(launch)
+    cfg = config or _launch_gemm_config(launch, inline, check)
     if cfg.split_k and not _one_k(pg):
         raise EmitError(f"launch {launch.index}: split K needs leaves that share one K (its K is {pg.extents[2]})")
-    if config is None and inline and inline_possible(cfg, pg):
-        cfg = replace(cfg, **_DERIVED, **inline_fields(pg, check))
     # The symbol names the spec and launch, so that equal configurations in two launches
     # (or two specs) never define one symbol twice.
     cfg = replace(cfg, name=gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg)))
@@ -689,14 +687,19 @@ def _alone(schedule: Schedule, check: EmittedCheck | None) -> bool:
     return len(schedule.launches) == 1 and not schedule.prepasses and (check is None or check.fused)
 
 
+def _launch_gemm_config(launch: Launch, inline: bool, check: ValidationKernel | None) -> GemmKernelConfig:
+    """The signature's configuration, with the table built in the kernel where `inline`
+    (nothing else of the call reads the table) and the launch allows it."""
+    cfg = gemm_config(launch)
+    if inline and inline_possible(cfg, launch.problems):
+        cfg = replace(cfg, **_DERIVED, **inline_fields(launch.problems, check))
+    return cfg
+
+
 def launch_config(spec: Spec, schedule: Schedule, launch: Launch) -> GemmKernelConfig:
     """The GEMM configuration `emit` gives `launch` (what `explain` reports)."""
     check = emit_check(spec, schedule)
-    cfg = gemm_config(launch)
-    if _alone(schedule, check) and inline_possible(cfg, launch.problems):
-        fused = check.kernel if check is not None else None
-        cfg = replace(cfg, **_DERIVED, **inline_fields(launch.problems, fused))
-    return cfg
+    return _launch_gemm_config(launch, _alone(schedule, check), check.kernel if check is not None else None)
 
 
 def emit(spec: Spec, schedule: Schedule, *, fuse_check: bool = True, inline_tables: bool = True) -> EmittedProgram:

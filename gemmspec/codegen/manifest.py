@@ -32,7 +32,7 @@ from .emit import (
     table_record_bytes,
 )
 from .formula import NUM_SMS, Formula
-from .kernels import CTYPES, ELEMENT_BYTES, INLINE_MAX_BLOCKS, map_specs
+from .kernels import CTYPES, ELEMENT_BYTES, INLINE_MAX_BLOCKS, GemmKernelConfig, map_specs
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
 from .validate import Check, CheckParam, prepass_offsets
@@ -645,10 +645,7 @@ class _Builder:
             Formula.const(len(maps) * x.leaf_count * TENSOR_MAP_BYTES),
             "the per-leaf tensor maps",
         )
-        templates = self.workspace(
-            f"launch{i}.templates", Formula.const(len(maps) * TENSOR_MAP_BYTES), "the tensor-map templates"
-        )
-        self.steps.append(Upload(templates.ref, templates=maps, address_of=maps_ws.ref))
+        templates = self.map_templates(i, maps, maps_ws)
         operand = {"a": pg.a.tensor, "b": pg.b.tensor, "d": pg.d.tensor}
         # A builder that runs the offsets check takes the check's parameters in place of
         # its own tensors (it reads the copies it checks, and the index tensors).
@@ -666,21 +663,14 @@ class _Builder:
                 TABLE_THREADS, 0, 1, tuple(table_params),
             )
         )
-        null = Source("null")
         gemm_params = (
             Param("leaves", "const GsLeaf*", leaves),
             Param("maps", "const GsTensorMap*", maps_ws),
             Param("num_leaves", "int", self.value(x.leaf_count)),
-            Param("A", _ptr(cfg.a_type), self.where[pg.a.tensor]),
-            Param("B", _ptr(cfg.b_type), self.where[pg.b.tensor]),
-            Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
-            Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
-            Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
+            *self.gemm_operands(x),
             *self.split_params(x),
         )
-        # A persistent grid: one block per multiprocessor (two for memory-bound tiles),
-        # whole clusters only.
-        grid = ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
+        grid = _persistent_grid(cfg)
         # A programmatic dependent of its builder (the step just before): its prologue
         # overlaps the builder, and it waits for the builder before it reads the table.
         self.steps.append(
@@ -690,6 +680,24 @@ class _Builder:
             )
         )
 
+    def map_templates(self, i: int, maps: tuple[MapTemplate, ...], maps_ws: Source) -> Source:
+        """Launch i's tensor-map templates, uploaded encoded at the address of its maps."""
+        templates = self.workspace(
+            f"launch{i}.templates", Formula.const(len(maps) * TENSOR_MAP_BYTES), "the tensor-map templates"
+        )
+        self.steps.append(Upload(templates.ref, templates=maps, address_of=maps_ws.ref))
+        return templates
+
+    def gemm_operands(self, x: EmittedLaunch) -> list[Param]:
+        """A GEMM's operands and scales, in both kinds of launch."""
+        cfg, pg, null = x.gemm, x.launch.problems, Source("null")
+        return [
+            Param("A", _ptr(cfg.a_type), self.where[pg.a.tensor]),
+            Param("B", _ptr(cfg.b_type), self.where[pg.b.tensor]),
+            Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
+            Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
+            Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
+        ]
 
     def split_params(self, x: EmittedLaunch) -> list[Param]:
         """A split-K GEMM's arrival counters (uploaded as zeros; each launch leaves them at
@@ -732,35 +740,34 @@ class _Builder:
     def inline_launch(self, x: EmittedLaunch, file: str, maps: tuple[MapTemplate, ...]) -> None:
         """A GEMM that builds its leaf table itself: one kernel, with the builder's inputs
         after its own, and map slots for each of its blocks."""
-        i, cfg, pg = x.launch.index, x.gemm, x.launch.problems
+        i, cfg = x.launch.index, x.gemm
         leaf_maps = 2 + (cfg.consumer_warpgroups if cfg.store_tma else 0)
         maps_ws = self.workspace(
             f"launch{i}.maps",
             Formula.const(INLINE_MAX_BLOCKS * x.leaf_count * leaf_maps * TENSOR_MAP_BYTES),
             "each block's tensor maps of the leaves it computes",
         )
-        templates = self.workspace(
-            f"launch{i}.templates", Formula.const(len(maps) * TENSOR_MAP_BYTES), "the tensor-map templates"
-        )
-        self.steps.append(Upload(templates.ref, templates=maps, address_of=maps_ws.ref))
-        null = Source("null")
+        templates = self.map_templates(i, maps, maps_ws)
         params = (
             Param("maps", "GsTensorMap*", maps_ws),
             Param("templates", "const GsTensorMap*", templates),
-            Param("A", _ptr(cfg.a_type), self.where[pg.a.tensor]),
-            Param("B", _ptr(cfg.b_type), self.where[pg.b.tensor]),
-            Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
-            Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
-            Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
+            *self.gemm_operands(x),
             *self.table_operands(x),
             *self.split_params(x),
         )
-        one = Formula.const(1)
-        # Persistent as the builder's GEMM: whole clusters only.
-        grid = ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
         self.steps.append(
-            KernelLaunch("gemm", cfg.name, file, f"launch {i}", grid, cfg.threads, cfg.smem_bytes, cfg.cluster, params)
+            KernelLaunch(
+                "gemm", cfg.name, file, f"launch {i}", _persistent_grid(cfg), cfg.threads, cfg.smem_bytes,
+                cfg.cluster, params,
+            )
         )
+
+
+def _persistent_grid(cfg: GemmKernelConfig) -> tuple[Formula, Formula, Formula]:
+    """A GEMM's persistent grid: one block per multiprocessor (two for memory-bound tiles),
+    whole clusters only."""
+    one = Formula.const(1)
+    return ((Formula.var(NUM_SMS) * cfg.ctas_per_sm // cfg.cluster).max(1) * cfg.cluster, one, one)
 
 
 def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None) -> Manifest:
