@@ -33,18 +33,24 @@ __device__ __forceinline__ void tma2d(unsigned dst, const CUtensorMap* m, unsign
                ::"r"(dst), "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// A ring of `stages` full/empty mbarrier pairs after the stages' bytes; returns full0
+// (empty0 is full0 + 8 * stages). The whole block waits until they are initialised.
+__device__ __forceinline__ unsigned init_ring(unsigned char* smem, int stages, int stage_bytes) {
+  const unsigned full0 = smem_u32(smem + stages * stage_bytes);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(full0 + 8 * (stages + s), 1); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  return full0;
+}
+
 // block: warp 0 lane 0 produces, warp 1 lane 0 consumes (reads one word per box).
 __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap map, int tiles, int tile_m, int k,
                                              int box_k, int boxes, int stages, unsigned* sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int box_bytes = tile_m * box_k * 2, stage_bytes = box_bytes * boxes;
-  unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + stages * stage_bytes);
-  const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * stages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(empty0 + 8 * s, 1); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  const unsigned full0 = init_ring(smem, stages, stage_bytes), empty0 = full0 + 8 * stages;
   const int nk = k / (box_k * boxes);
   unsigned acc = 0;
   int stage = 0; unsigned phase = 0;
@@ -73,22 +79,14 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
 
 // LoRA-like: tiles of 64 rows x K; balanced: each block a contiguous run of the flattened
 // (tile, kb) space; else round-robin whole tiles. with_b: a 16-row box of B per stage.
-__global__ void __launch_bounds__(64) stream2(const __grid_constant__ CUtensorMap map, const __grid_constant__ CUtensorMap mapb,
-                                              int tiles, int k, int stages, int balanced, int with_b, unsigned* sink) {
-  extern __shared__ __align__(1024) unsigned char smem[];
+// Thread 0 produces, thread 32 consumes (one word read per stage).
+__device__ __forceinline__ void lora_ring(const CUtensorMap* mapa, const CUtensorMap* mapb, unsigned char* smem,
+                                          int tiles, int k, int stages, int balanced, int with_b, unsigned* sink) {
   const int a_bytes = 64 * 128, stage_bytes = a_bytes + 16 * 128;
-  unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + stages * stage_bytes);
-  const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * stages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(empty0 + 8 * s, 1); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  const unsigned full0 = init_ring(smem, stages, stage_bytes), empty0 = full0 + 8 * stages;
   const int nk = k / 64;
   const long long total = (long long)tiles * nk;
-  long long it0, it1; int step;
-  if (balanced) { it0 = total * blockIdx.x / gridDim.x; it1 = total * (blockIdx.x + 1) / gridDim.x; step = 1; }
-  else { it0 = 0; it1 = 0; step = 0; }
+  const long long it0 = total * blockIdx.x / gridDim.x, it1 = total * (blockIdx.x + 1) / gridDim.x;
   unsigned acc = 0;
   int stage = 0; unsigned phase = 0;
   const bool prod = threadIdx.x == 0, cons = threadIdx.x == 32;
@@ -97,52 +95,8 @@ __global__ void __launch_bounds__(64) stream2(const __grid_constant__ CUtensorMa
     if (prod) {
       mbar_wait(empty0 + 8 * stage, phase ^ 1);
       mbar_expect(full0 + 8 * stage, with_b ? stage_bytes : a_bytes);
-      tma2d(smem_u32(smem + stage * stage_bytes), &map, full0 + 8 * stage, kb * 64, t * 64);
-      if (with_b) tma2d(smem_u32(smem + stage * stage_bytes + a_bytes), &mapb, full0 + 8 * stage, kb * 64, (t * 32 / tiles) * 16);
-    } else {
-      mbar_wait(full0 + 8 * stage, phase);
-      acc += *reinterpret_cast<volatile unsigned*>(smem + stage * stage_bytes);
-      mbar_arrive(empty0 + 8 * stage);
-    }
-    if (++stage == stages) { stage = 0; phase ^= 1; }
-  };
-  if (balanced) {
-    for (long long it = it0; it < it1; it += step) body((int)(it / nk), (int)(it % nk));
-  } else {
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) for (int kb = 0; kb < nk; ++kb) body(t, kb);
-  }
-  if (cons) sink[blockIdx.x] = acc;
-}
-
-// stream2 with its maps in global memory: block b uses copy (b % copies) of A's and B's map.
-__global__ void __launch_bounds__(64) stream3(const CUtensorMap* gmaps, int copies,
-                                              int tiles, int k, int stages, int balanced, unsigned* sink) {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const CUtensorMap* mapa = gmaps + 2 * (blockIdx.x % copies);
-  const CUtensorMap* mapb = mapa + 1;
-  const int a_bytes = 64 * 128, stage_bytes = a_bytes + 16 * 128;
-  unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + stages * stage_bytes);
-  const unsigned full0 = smem_u32(bars), empty0 = full0 + 8 * stages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(empty0 + 8 * s, 1); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(mapa) : "memory");
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(mapb) : "memory");
-  }
-  __syncthreads();
-  const int nk = k / 64;
-  const long long total = (long long)tiles * nk;
-  long long it0 = total * blockIdx.x / gridDim.x, it1 = total * (blockIdx.x + 1) / gridDim.x;
-  unsigned acc = 0;
-  int stage = 0; unsigned phase = 0;
-  const bool prod = threadIdx.x == 0, cons = threadIdx.x == 32;
-  if (!prod && !cons) return;
-  auto body = [&](int t, int kb) {
-    if (prod) {
-      mbar_wait(empty0 + 8 * stage, phase ^ 1);
-      mbar_expect(full0 + 8 * stage, stage_bytes);
       tma2d(smem_u32(smem + stage * stage_bytes), mapa, full0 + 8 * stage, kb * 64, t * 64);
-      tma2d(smem_u32(smem + stage * stage_bytes + a_bytes), mapb, full0 + 8 * stage, kb * 64, (t * 32 / tiles) * 16);
+      if (with_b) tma2d(smem_u32(smem + stage * stage_bytes + a_bytes), mapb, full0 + 8 * stage, kb * 64, (t * 32 / tiles) * 16);
     } else {
       mbar_wait(full0 + 8 * stage, phase);
       acc += *reinterpret_cast<volatile unsigned*>(smem + stage * stage_bytes);
@@ -156,6 +110,25 @@ __global__ void __launch_bounds__(64) stream3(const CUtensorMap* gmaps, int copi
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) for (int kb = 0; kb < nk; ++kb) body(t, kb);
   }
   if (cons) sink[blockIdx.x] = acc;
+}
+
+// The ring with its maps in kernel parameters.
+__global__ void __launch_bounds__(64) stream2(const __grid_constant__ CUtensorMap map, const __grid_constant__ CUtensorMap mapb,
+                                              int tiles, int k, int stages, int balanced, int with_b, unsigned* sink) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  lora_ring(&map, &mapb, smem, tiles, k, stages, balanced, with_b, sink);
+}
+
+// The ring with its maps in global memory: block b uses copy (b % copies) of A's and B's map.
+__global__ void __launch_bounds__(64) stream3(const CUtensorMap* gmaps, int copies,
+                                              int tiles, int k, int stages, int balanced, unsigned* sink) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const CUtensorMap* mapa = gmaps + 2 * (blockIdx.x % copies);
+  if (threadIdx.x == 0) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(mapa) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" :: "l"(mapa + 1) : "memory");
+  }
+  lora_ring(mapa, mapa + 1, smem, tiles, k, stages, balanced, 1, sink);
 }
 
 // plain streaming read: each block reads its tile's rows with 16-byte loads
