@@ -149,7 +149,7 @@ def _check_placement(spec: Spec, schedule: Schedule):
 def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     """The launch's kernel symbol and what its configuration chose."""
     from .codegen.emit import launch_config  # the back end decides stages and epilogue
-    from .codegen.kernels import SPLIT_MAX_BLOCKS, gemm_kernel_name
+    from .codegen.kernels import gemm_kernel_name
     from .codegen.names import gemm_symbol
 
     cfg = launch_config(spec, schedule, launch)
@@ -159,8 +159,10 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
     if cfg.split_k:
+        which = ("all tiles (whole ones where they fill the blocks)" if cfg.memory_bound
+                 else "the tiles past the last whole wave, when the tile count is not a multiple of the blocks,")
         parts.append(
-            f"K blocks of all tiles dealt evenly to the blocks (up to {SPLIT_MAX_BLOCKS}) whatever the "
+            f"split K: K blocks of {which} dealt evenly to the blocks (up to {cfg.split_max_blocks}) whatever the "
             "run-time tile count; a tile that several blocks share is added up by the last of them, in block order"
         )
     if cfg.cache_hints:

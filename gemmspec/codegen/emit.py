@@ -317,10 +317,12 @@ def _k_block(sig: KernelSignature, block: tuple[int, int]) -> int:
 
 
 def gemm_config(launch: Launch) -> GemmKernelConfig:
-    """The kernel configuration a launch's signature implies; memory-bound tiles whose
-    leaves share one K split it evenly over the blocks where the kernel can (split_k)."""
+    """The kernel configuration a launch's signature implies; where the leaves share one K
+    and the kernel can, it splits K (split_k): memory-bound tiles over all blocks (with
+    their epilogue from registers), others past the last whole waves."""
     cfg = _signature_config(launch)
-    if cfg.memory_bound and _one_k(launch.problems) and cfg.split_possible(store_tma=False):
+    store_tma = False if cfg.memory_bound else None
+    if _one_k(launch.problems) and cfg.split_possible(store_tma=store_tma):
         return replace(cfg, **_DERIVED, split_k=True)
     return cfg
 
@@ -570,6 +572,7 @@ def emit_launch(
             + DSCALE_RECORD_BYTES
         ),
         split_k=cfg.split_k,
+        memory_bound=cfg.memory_bound,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(
@@ -655,14 +658,21 @@ _DERIVED = {
 
 def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **changes) -> EmittedProgram:
     """`program` with launch `index` re-emitted under its kernel configuration changed by
-    `changes` (its leaf-table builder follows; the derived fields are worked out again
-    unless `changes` sets them): kernel variants for probes and tests of kernel options."""
+    `changes` (its leaf-table builder follows; the derived fields, and split K where the
+    launch splits by default, are worked out again unless `changes` sets them): kernel
+    variants for probes and tests of kernel options."""
     x = program.launches[index]
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
     inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
     if any(changes.get(k) for k in ("gather", "scatter")):
         inline = {"inline_table": 0, "inline_static": 0}
-    cfg = replace(gemm_config(x.launch), **{**_DERIVED, **inline, **changes})
+    base = gemm_config(x.launch)
+    fields = {**_DERIVED, **inline, **changes}
+    if "split_k" not in changes and base.split_k:
+        # Split K is the default only where the variant's kernel can take it.
+        unsplit = replace(base, **{**fields, "split_k": False})
+        fields["split_k"] = unsplit.split_possible(store_tma=False if unsplit.memory_bound else None)
+    cfg = replace(base, **fields)
     launches = list(program.launches)
     launches[index] = emit_launch(spec, x.launch, cfg, x.check)
     return replace(program, launches=tuple(launches))

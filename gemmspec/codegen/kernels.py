@@ -116,11 +116,14 @@ MMA_PART_N = 128
 # the consumers (3 warpgroups: 128 * 56 + 256 * 224 <= 65536).
 PRODUCER_REGS = 56
 CONSUMER_REGS = 224
-# Split K (memory-bound tiles): the launch's K blocks are dealt evenly to at most
-# SPLIT_MAX_BLOCKS blocks (the most that get map slots when the table is built in the
-# kernel). Each block has two slots of partial sums (the tiles its run starts and ends
-# in) and one arrival counter per consumer warp (for the tile its run ends in).
-SPLIT_MAX_BLOCKS = INLINE_MAX_BLOCKS
+# Split K: the split tiles' K blocks are dealt evenly to at most the blocks of a persistent
+# grid on SPLIT_MAX_SMS multiprocessors (every Hopper part has at most 132; 160 blocks of
+# two per SM are INLINE_MAX_BLOCKS, the most that get map slots when the table is built in
+# the kernel). Each block has two slots of partial sums (the split tiles its run starts and
+# ends in) and one arrival counter per consumer warpgroup (for the tile its run ends in).
+SPLIT_MAX_SMS = 160
+# The block's split plan and run, in shared memory after the mbarriers.
+SPLIT_WORK_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,13 @@ class GemmKernelConfig:
     # leaf says where). ``copy_pow2``: those scales are powers of two.
     copy: bool = False
     copy_pow2: bool = False
-    # Split K for memory-bound tiles whose leaves share one K (the emitter's default for
-    # them): the launch's work is its tiles' K blocks in a row, and each block takes an
-    # equal run of them, so a ragged or small tile count leaves no block idle and none
-    # with a whole tile more than another. A tile shared by several blocks is added up by
-    # the last of them to finish (an arrival counter per consumer warp), in block order,
-    # so the result does not depend on which finished last. ``_splitk`` in the name.
+    # Split K for unscaled main loops whose leaves share one K (the emitter's default for
+    # them): tiles past the last whole waves (memory-bound tiles: all tiles, unless whole
+    # ones fill the blocks) are split, their K blocks in a row, each block taking an equal
+    # run of them, so a ragged or small tile count leaves no block idle and none with a
+    # whole tile more than another. A tile shared by several blocks is added up by the last
+    # of them to finish (an arrival counter per consumer warpgroup), in block order, so the
+    # result does not depend on which finished last. ``_splitk`` in the name.
     split_k: bool = False
     # The leaf table built inside the kernel (``inline_table`` > 0: the bytes of its records
     # and of the checked offsets, which the emitter lays out): every block runs the offsets
@@ -276,14 +280,14 @@ class GemmKernelConfig:
             object.__setattr__(self, "ctas_per_sm", 2 if self.memory_bound else 1)
         if self.split_k and not self.split_possible():
             raise ValueError(
-                "split K takes unscaled main loops, one CTA per tile, an epilogue from registers "
-                "(no TMA store) and no rows through index tensors or FP8 outputs"
+                "split K takes unscaled main loops, one CTA per tile, no staged 16-bit D += "
+                "and no rows through index tensors or FP8 outputs"
             )
         if self.inline_table and (self.gather or self.scatter):
             raise ValueError("a table built in the kernel takes no index tensors")
         if self.inline_table:
             object.__setattr__(self, "programmatic", False)  # no builder to wait for
-        if self.split_k and self.store_tma is None:
+        if self.split_k and self.memory_bound and self.store_tma is None:
             object.__setattr__(self, "store_tma", False)  # the last unit of a tile stores it
         self._validate()
         if self.consumer_scales is None:
@@ -465,21 +469,35 @@ class GemmKernelConfig:
 
     def split_possible(self, store_tma: bool | None = None) -> bool:
         """Split K is implemented for these (see ``split_k``); `store_tma` stands for the
-        configuration's own."""
+        configuration's own. Not with a staged 16-bit `+=`, which loads a tile's old D when
+        the tile starts, in every block that shares it."""
         store_tma = self.store_tma if store_tma is None else store_tma
-        return (not self.scaled and self.cluster == 1 and not store_tma and not self.gather
+        staged_add = bool(store_tma) and self.accumulate and ELEMENT_BYTES[self.d_type] == 2
+        return (not self.scaled and self.cluster == 1 and not staged_add and not self.gather
                 and not self.scatter and not self.fp8_out and not self.copy)
 
     @property
+    def split_bytes(self) -> int:
+        """Shared memory of the block's split plan and run (split K)."""
+        return SPLIT_WORK_BYTES if self.split_k else 0
+
+    @property
+    def split_max_blocks(self) -> int:
+        """The most blocks that take part in split K (see SPLIT_MAX_SMS)."""
+        return min(SPLIT_MAX_SMS * self.ctas_per_sm, INLINE_MAX_BLOCKS)
+
+    @property
     def split_sums_bytes(self) -> int:
-        """The partial sums of a split-K kernel: two tile-sized f32 slots per block."""
-        return SPLIT_MAX_BLOCKS * 2 * self.tile_m * self.tile_n * 4 if self.split_k else 0
+        """The partial sums of a split-K kernel: two tile-sized f32 slots per block (for
+        wider tiles: one per split tile, fewer than two per block)."""
+        return self.split_max_blocks * 2 * self.tile_m * self.tile_n * 4 if self.split_k else 0
 
     @property
     def split_counters(self) -> int:
-        """The arrival counters of a split-K kernel: one int32 per block and consumer warp,
+        """The arrival counters of a split-K kernel: one int32 per consumer warpgroup and
+        block (memory-bound tiles, two per SM) or split tile (fewer than two per block),
         zero before the first launch; the last arrival sets each back to zero."""
-        return SPLIT_MAX_BLOCKS * self.consumer_warpgroups * 4 if self.split_k else 0
+        return 2 * self.split_max_blocks * self.consumer_warpgroups if self.split_k else 0
 
     def products_possible(self) -> bool:
         """The producer can stage SA x SB products (see ``staged_products``)."""
@@ -545,7 +563,8 @@ class GemmKernelConfig:
         (and a gathered tile's row numbers)."""
         per_stage = self.stage_bytes + self.scale_bytes + 16
         inline = self.inline_bytes + INLINE_ROUNDING + self.inline_static if self.inline_table else 0
-        return (self.smem_limit - SMEM_ALIGN - staging - self.rows_bytes - self.copy_bytes - inline) // per_stage
+        fixed = SMEM_ALIGN + staging + self.rows_bytes + self.copy_bytes + self.split_bytes + inline
+        return (self.smem_limit - fixed) // per_stage
 
     @property
     def inline_bytes(self) -> int:
@@ -623,7 +642,7 @@ class GemmKernelConfig:
         add and, when A is gathered, the tile's row numbers."""
         total = (
             SMEM_ALIGN + self.stages * (self.stage_bytes + self.scale_bytes) + self.staging_bytes + 16 * self.stages
-            + 8 * self.consumer_warpgroups * self.staged_add + self.rows_bytes + self.copy_bytes
+            + 8 * self.consumer_warpgroups * self.staged_add + self.rows_bytes + self.copy_bytes + self.split_bytes
         )
         if self.inline_table:  # the table's region starts at the next 128-byte boundary
             total = SMEM_ALIGN + _ceil_div(total - SMEM_ALIGN, 128) * 128 + self.inline_bytes
@@ -881,7 +900,9 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         copy_pow2=cfg.copy_pow2,
         copy_col_pitch=COPY_COL_PITCH,
         split_k=cfg.split_k,
-        split_max_blocks=SPLIT_MAX_BLOCKS,
+        split_max_blocks=cfg.split_max_blocks,
+        split_bytes=cfg.split_bytes,
+        memory_bound=cfg.memory_bound,
         cache_hints=cfg.cache_hints,
         inline_table=bool(cfg.inline_table),
         inline_bytes=cfg.inline_bytes,

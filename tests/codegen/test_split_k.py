@@ -1,7 +1,8 @@
-"""Split K for memory-bound tiles (64 rows, at most 32 columns) whose leaves share one K:
-the default where the kernel can (the LoRA shrink), its workspaces (counters uploaded as
-zeros, partial sums), its parameters in both kinds of launch, and its SASS (an atomic
-arrival per warp, no spills)."""
+"""Split K for unscaled main loops whose leaves share one K: the default where the kernel
+can (the LoRA shrink's memory-bound tiles, over all blocks; the BF16 forward's wide tiles,
+past the last whole wave), its workspaces (counters uploaded as zeros, partial sums sized
+by the grid), its parameters in both kinds of launch, and its SASS (an atomic arrival per
+warp, no spills)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import gemmspec  # noqa: E402
 from gemmspec import bench  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 from gemmspec.codegen.host import render_host  # noqa: E402
-from gemmspec.codegen.kernels import SPLIT_MAX_BLOCKS, GemmKernelConfig, include_dir, render_gemm  # noqa: E402
+from gemmspec.codegen.kernels import GemmKernelConfig, include_dir, render_gemm  # noqa: E402
 from gemmspec.codegen.manifest import KernelLaunch, Upload, launch_manifest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,8 +37,25 @@ def test_default_for_the_lora_shrink():
     assert not whole.split_k and whole.inline_table and "_splitk" not in whole.name
 
 
-def test_not_for_compute_bound_or_k_grouped_launches():
-    for name in ("moe_fp8_forward", "moe_bf16_forward", "moe_fp8_wgrad", "lora_moe_scaled"):
+def test_default_for_wide_bf16_tiles():
+    # The wide tiles keep their staged epilogue (stored by TMA once the tile is added up)
+    # and cut the last waves into parts added up in order (reduce_parts); the memory-bound
+    # shrink deals equal runs of K blocks (reduce_split).
+    exe = gemmspec.build(ROOT / "examples" / "moe_bf16_forward.gspec")
+    cfg = exe.program.launches[0].gemm
+    assert cfg.split_k and cfg.store_tma and not cfg.memory_bound and (cfg.tile_m, cfg.tile_n) == (128, 256)
+    source = exe.program.launches[0].source
+    assert "reduce_parts(acc" in source and "reduce_split(" not in source and "SPLIT_MAX_PARTS = 8" in source
+    shrink = gemmspec.build(SHRINK).program.launches[0].source
+    assert "reduce_split(acc" in shrink and "reduce_parts(" not in shrink
+    # One block per SM of up to 160: two 128 x 256 f32 slots each (one per split tile).
+    assert cfg.split_max_blocks == 160 and cfg.split_sums_bytes == 160 * 2 * 128 * 256 * 4
+
+
+def test_not_for_scaled_staged_add_or_k_grouped_launches():
+    # Blockwise FP8 (promoting main loops), the scaled LoRA expand (a staged 16-bit +=, whose
+    # old tile every sharing block would load) and K-grouped WGRAD (leaves of several K).
+    for name in ("moe_fp8_forward", "moe_fp8_wgrad", "lora_moe_scaled"):
         exe = gemmspec.build(ROOT / "examples" / f"{name}.gspec")
         for x in exe.program.launches:
             assert not x.gemm.split_k, x.gemm.name
@@ -48,7 +66,7 @@ def test_not_for_compute_bound_or_k_grouped_launches():
     dict(a_type="e4m3", b_type="e4m3", scaled=True, sa_bm=1, sb_bn=128),  # blockwise promotion
     dict(cluster=2),
     dict(gather=True),
-    dict(tile_n=32, store_tma=True),
+    dict(d_type="bf16", accumulate=True, tile_m=128, tile_n=128, store_tma=True),  # staged 16-bit +=
 ])
 def test_refused_where_not_implemented(changes):
     args = dict(a_type="bf16", b_type="bf16", d_type="f32", tile_m=64, tile_n=16, split_k=True) | changes
@@ -64,8 +82,9 @@ def test_workspaces_and_parameters(inline):
     assert cfg.split_k and bool(cfg.inline_table) == inline
     m = launch_manifest(exe.spec, program)
     counters, sums = m.workspace("launch0.split_counters"), m.workspace("launch0.split_sums")
-    assert counters.bytes.value == 4 * SPLIT_MAX_BLOCKS * 4  # one per block and consumer warp
-    assert sums.bytes.value == SPLIT_MAX_BLOCKS * 2 * 64 * 16 * 4  # two tile slots per block
+    assert cfg.split_max_blocks == 320  # two blocks per SM of up to 160 SMs
+    assert counters.bytes.value == 4 * 2 * 320  # two per block and consumer warpgroup
+    assert sums.bytes.value == 320 * 2 * 64 * 16 * 4  # two tile slots per block
     zeros = [s for s in m.steps if isinstance(s, Upload) and s.workspace == "launch0.split_counters"]
     assert len(zeros) == 1 and {v.value for v in zeros[0].int32} == {0}
     gemm = next(s for s in m.steps if isinstance(s, KernelLaunch) and s.role == "gemm")
@@ -76,15 +95,21 @@ def test_workspaces_and_parameters(inline):
     assert "int* __restrict__ split_counters, float* __restrict__ split_sums)" in source
     # The C++ launcher zeroes the counters with one memset (not a chain of small uploads).
     host = render_host(m)
-    assert "cudaMemsetAsync" in host and f"{4 * SPLIT_MAX_BLOCKS * 4}, stream" in host
+    assert "cudaMemsetAsync" in host and f"{4 * 2 * 320}, stream" in host
 
 
-def test_sass_counts_arrivals_without_spills():
-    cfg = GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, split_k=True)
+@pytest.mark.parametrize("tile", [(64, 16), (128, 256)])
+def test_sass_counts_arrivals_without_spills(tile):
+    # The wide tile adds its parts beside 128 accumulators per thread.
+    cfg = GemmKernelConfig("bf16", "bf16", "bf16", tile_m=tile[0], tile_n=tile[1], split_k=True)
     cubin, log = compile_cubin(render_gemm(cfg), [str(include_dir())])
     sass = disassemble(cubin)
     assert_spill_free(log, sass)
-    assert "ATOMG.E.ADD" in sass and "HGMMA.64x16x16.F32.BF16" in sass
+    assert f"HGMMA.64x{tile[1]}x16.F32.BF16" in sass
+    if cfg.memory_bound:
+        assert "ATOMG.E.ADD" in sass  # the arrival count
+    else:  # the parts' counter: an acquire load before the slot is read, a release store after
+        assert "LDG.E.STRONG.GPU" in sass and "STG.E.STRONG.GPU" in sass
     plain = disassemble(compile_cubin(render_gemm(GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16)),
                                       [str(include_dir())])[0])
     assert "ATOMG" not in plain

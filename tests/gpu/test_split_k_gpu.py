@@ -1,10 +1,14 @@
-"""On a Hopper GPU: split K (memory-bound tiles of at most 32 columns whose leaves share one
-K, the LoRA shrink's: every block takes an equal run of the launch's K blocks) matches the
-float64 reference on nested ragged leaves with 0, 1, 127 and 129 rows, with the table
-built in the kernel and by a builder; with K of one block (every tile one step), an f32
-+=, a fused epilogue, token counts from a handful of tiles (more blocks than steps) to
-hundreds; and repeated calls give the same bits (shared tiles are added in block order;
-the arrival counters are back at zero after every launch)."""
+"""On a Hopper GPU: split K matches the float64 reference. Memory-bound tiles of at most
+32 columns whose leaves share one K (the LoRA shrink's: every block takes an equal run of
+the launch's K blocks): nested ragged leaves with 0, 1, 127 and 129 rows, with the table
+built in the kernel and by a builder; K of one block (every tile one step), an f32 +=, a
+fused epilogue, token counts from a handful of tiles (more blocks than steps) to hundreds.
+Wide BF16 tiles (128 x 256, staged epilogue), which cut the last full wave and the tiles
+after it into parts added up in order where that pays: fewer tiles than blocks (two and
+eight parts), a wave of whole tiles before three parts each, short K and a multiple of the
+blocks (nothing split), K of one block, an f32 +=, the table built in the kernel and by a builder. Repeated calls give
+the same bits (shared tiles are added in block order; the arrival counters are back at
+zero after every launch)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,22 @@ def shrink(k: int, loras: int = 2, experts: int = 5, op: str = "=", pre: str = "
 def report_ok(report) -> None:
     print(report.describe())
     assert report.ok, report.describe()
+
+
+def same_bits_on_every_call(run, y, as_int):
+    """Call `run` four times, `y` poisoned before the last three: every call writes the
+    same bits (shared tiles are added in a fixed order, the counters are back at zero).
+    Returns the first call's `y`."""
+    import torch
+
+    run.enqueue()
+    first = y.clone()
+    for _ in range(3):
+        y.fill_(float("nan"))
+        run.enqueue()
+        torch.cuda.synchronize()
+        assert torch.equal(y.view(as_int), first.view(as_int))
+    return first
 
 
 def build_split(text: str, inline: bool = True):
@@ -92,13 +112,87 @@ def test_split_k_is_deterministic():
     run = exe.prepare(torch.cuda.current_stream(), x=x, wa=wa, y=y,
                       lora_offsets=torch.tensor(lo, dtype=torch.int32, device="cuda"),
                       expert_offsets=torch.tensor(inner, dtype=torch.int32, device="cuda"))
-    run.enqueue()
-    first = y.clone()
-    for _ in range(3):
-        y.fill_(float("nan"))
-        run.enqueue()
-        torch.cuda.synchronize()
-        assert torch.equal(y.view(torch.int32), first.view(torch.int32))
+    first = same_bits_on_every_call(run, y, torch.int32)
     ref = x.double() @ wa.reshape(32, 16, 4096)[0].double().t()  # rows of leaf (0, 0)
     rows = slice(inner[0][0], inner[0][1])
     assert torch.allclose(first[rows].double(), ref[rows], rtol=1e-3, atol=1e-2)
+
+
+def grouped(n: int, k: int, op: str = "=", out: str = "bf16") -> str:
+    """A BF16 M-grouped GEMM of 8 ragged experts (the forward's 128 x 256 tiles)."""
+    return f"""
+gemm wide_split {{
+  dim T
+  dim N = {n}, K = {k}
+  group expert[E = 8] = ragged(T, offsets = expert_offsets)
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [E, N, K]
+  tensor y : {out} [T, N]
+  y[t, n] {op} sum[k] x[t, k] * w[expert(t), n, k]
+}}
+"""
+
+
+def build_wide(text: str, inline: bool = True):
+    exe = build_split(text, inline)
+    cfg = exe.program.launches[0].gemm
+    assert not cfg.memory_bound and (cfg.tile_m, cfg.tile_n) == (128, 256), cfg.name
+    return exe
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["table in the kernel", "builder"])
+def test_wide_tiles_ragged_edges(inline):
+    # 65 tiles, fewer than the blocks on 132 SMs, K = 4096: each tile in two parts.
+    lengths = {"expert": [0, 1, 127, 129, 300, 2000, 5155, 64]}
+    report_ok(run_random(build_wide(grouped(256, 4096), inline), lengths=lengths, seed=11, repeats=0))
+
+
+@pytest.mark.parametrize("n,t,k", [(512, 3000, 4096), (768, 2, 4096), (1024, 20000, 576)])
+def test_wide_tiles_counts(n, t, k):
+    # About 60 tiles in two parts each; at most 6 tiles of one or two rows in eight parts;
+    # about 650 short tiles, all whole (parts would cost more than the last wave).
+    report_ok(run_random(build_wide(grouped(n, k)), dims={"T": t}, seed=n + t, repeats=0))
+
+
+def test_wide_tiles_whole_waves_then_parts():
+    # 8 x 9 row tiles x 4 column tiles = 288 on 132 SMs, K = 7168: a wave of whole tiles,
+    # then the last full wave and the 24 after it in three parts each.
+    exe = build_wide(grouped(1024, 7168))
+    report_ok(run_random(exe, lengths={"expert": [1056] * 8}, seed=15, repeats=0))
+
+
+def test_wide_tiles_multiple_of_the_blocks():
+    # 8 x 33 row tiles x 4 column tiles = 1056 = 8 x 132: all whole on an H200 (K of two blocks).
+    report_ok(run_random(build_wide(grouped(1024, 128)), lengths={"expert": [4224] * 8}, seed=12, repeats=0))
+
+
+def test_wide_tiles_one_k_block():
+    report_ok(run_random(build_wide(grouped(1024, 64)), dims={"T": 9000}, seed=13, repeats=0))
+
+
+def test_wide_tiles_accumulate_f32():
+    # The tile's last part adds it up, then adds it to D (from registers: a 128 x 256 f32
+    # staging would leave too shallow a ring).
+    exe = build_wide(grouped(512, 4096, op="+=", out="f32"))
+    report_ok(run_random(exe, dims={"T": 3000}, seed=14, repeats=0))
+
+
+def test_wide_tiles_are_deterministic():
+    torch = pytest.importorskip("torch")
+    exe = build_wide(grouped(512, 4096))  # about 60 tiles, two parts each
+    g = torch.Generator(device="cpu").manual_seed(4)
+    counts = torch.randint(0, 800, (8,), generator=g).tolist()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    t = offsets[-1]
+    x = torch.randn((t, 4096), device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((8, 512, 4096), device="cuda", dtype=torch.bfloat16)
+    y = torch.empty((t, 512), device="cuda", dtype=torch.bfloat16)
+    run = exe.prepare(torch.cuda.current_stream(), x=x, w=w, y=y,
+                      expert_offsets=torch.tensor(offsets, dtype=torch.int32, device="cuda"))
+    first = same_bits_on_every_call(run, y, torch.int16)
+    e = max(range(8), key=lambda i: counts[i])
+    rows = slice(offsets[e], offsets[e + 1])
+    ref = x[rows].double() @ w[e].double().t()
+    assert torch.allclose(first[rows].double(), ref, rtol=2e-2, atol=2e-1)

@@ -301,6 +301,29 @@ __device__ __forceinline__ void gs_named_barrier(unsigned id, unsigned threads) 
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// A global counter read with acquire and written with release semantics at GPU scope (one
+// block hands data in global memory to another).
+__device__ __forceinline__ int gs_load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void gs_store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// A named barrier that also returns, to every thread, whether any thread's `pred` held.
+__device__ __forceinline__ bool gs_named_barrier_or(unsigned id, unsigned threads, bool pred) {
+  unsigned any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<unsigned>(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return any != 0;
+}
+
 // ---------------------------------------------------------------------------
 // Tensor maps patched on the device. The writer edits a copy in shared memory, stores
 // it to global memory and releases; the kernel that uses it acquires before its first
