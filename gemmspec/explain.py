@@ -158,12 +158,17 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
         parts.append("CTA pairs along M multicasting B" if cfg.multicast_b else "CTA pairs multicasting A")
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
-    if cfg.split_k:
-        which = ("all tiles (whole ones where they fill the blocks)" if cfg.memory_bound
-                 else "the tiles past the last whole wave, when the tile count is not a multiple of the blocks,")
+    if cfg.split_k and cfg.memory_bound:
         parts.append(
-            f"split K: K blocks of {which} dealt evenly to the blocks (up to {cfg.split_max_blocks}) whatever the "
-            "run-time tile count; a tile that several blocks share is added up by the last of them, in block order"
+            f"split K: K blocks of all tiles (whole ones where they fill the blocks) dealt evenly to the blocks "
+            f"(up to {cfg.split_max_blocks}) whatever the run-time tile count; a tile that several blocks share is "
+            "added up by the last of them, in block order"
+        )
+    elif cfg.split_k:
+        parts.append(
+            "split K where it pays at run time: a short last wave (the last full wave and the tiles after it) or "
+            "fewer tiles than blocks cut into 2-8 parts of K, run part by part after the whole tiles, each tile's "
+            "parts added in order"
         )
     if cfg.cache_hints:
         parts.append("TMA loads with L2 eviction hints (A evict-first, B evict-last)")

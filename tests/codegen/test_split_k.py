@@ -1,6 +1,6 @@
 """Split K for unscaled main loops whose leaves share one K: the default where the kernel
 can (the LoRA shrink's memory-bound tiles, over all blocks; the BF16 forward's wide tiles,
-past the last whole wave), its workspaces (counters uploaded as zeros, partial sums sized
+a short last wave in parts of K where that pays), its workspaces (counters uploaded as zeros, partial sums sized
 by the grid), its parameters in both kinds of launch, and its SASS (an atomic arrival per
 warp, no spills)."""
 
@@ -50,6 +50,9 @@ def test_default_for_wide_bf16_tiles():
     assert "reduce_split(acc" in shrink and "reduce_parts(" not in shrink
     # One block per SM of up to 160: two 128 x 256 f32 slots each (one per split tile).
     assert cfg.split_max_blocks == 160 and cfg.split_sums_bytes == 160 * 2 * 128 * 256 * 4
+    # explain says which scheme each takes.
+    assert "split K where it pays at run time" in exe.explain()
+    assert "K blocks of all tiles (whole ones where they fill the blocks) dealt evenly" in gemmspec.build(SHRINK).explain()
 
 
 def test_not_for_scaled_staged_add_or_k_grouped_launches():
