@@ -321,8 +321,7 @@ def gemm_config(launch: Launch) -> GemmKernelConfig:
     and the kernel can, it splits K (split_k): memory-bound tiles over all blocks (with
     their epilogue from registers), others past the last whole waves."""
     cfg = _signature_config(launch)
-    store_tma = False if cfg.memory_bound else None
-    if _one_k(launch.problems) and cfg.split_possible(store_tma=store_tma):
+    if _one_k(launch.problems) and cfg.split_by_default():
         return replace(cfg, **_DERIVED, split_k=True)
     return cfg
 
@@ -671,7 +670,7 @@ def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **ch
     if "split_k" not in changes and base.split_k:
         # Split K is the default only where the variant's kernel can take it.
         unsplit = replace(base, **{**fields, "split_k": False})
-        fields["split_k"] = unsplit.split_possible(store_tma=False if unsplit.memory_bound else None)
+        fields["split_k"] = unsplit.split_by_default()
     cfg = replace(base, **fields)
     launches = list(program.launches)
     launches[index] = emit_launch(spec, x.launch, cfg, x.check)

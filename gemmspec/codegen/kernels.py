@@ -472,9 +472,13 @@ class GemmKernelConfig:
         configuration's own. Not with a staged 16-bit `+=`, which loads a tile's old D when
         the tile starts, in every block that shares it."""
         store_tma = self.store_tma if store_tma is None else store_tma
-        staged_add = bool(store_tma) and self.accumulate and ELEMENT_BYTES[self.d_type] == 2
-        return (not self.scaled and self.cluster == 1 and not staged_add and not self.gather
+        return (not self.scaled and self.cluster == 1 and not self._adds_staged(store_tma) and not self.gather
                 and not self.scatter and not self.fp8_out and not self.copy)
+
+    def split_by_default(self) -> bool:
+        """Split K as the emitter's default takes it: memory-bound tiles with their epilogue
+        from registers, wider ones with their own (the leaves must also share one K)."""
+        return self.split_possible(store_tma=False if self.memory_bound else None)
 
     @property
     def split_bytes(self) -> int:
@@ -547,7 +551,10 @@ class GemmKernelConfig:
     def staged_add(self) -> bool:
         """A 16-bit D += through the staging: the old tile loaded by TMA, added to in f32 and
         stored back (an f32 D += reduce-adds in the store instead)."""
-        return bool(self.store_tma) and self.accumulate and ELEMENT_BYTES[self.d_type] == 2
+        return self._adds_staged(self.store_tma)
+
+    def _adds_staged(self, store_tma: bool | None) -> bool:
+        return bool(store_tma) and self.accumulate and ELEMENT_BYTES[self.d_type] == 2
 
     @property
     def staging_bytes(self) -> int:
