@@ -42,6 +42,9 @@ from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 # store_tma None: the default rule).
 VARIANTS = {
     "as compiled": {},
+    "whole tiles, round robin (no split K)": {"split_k": False},
+    "one CTA per tile": {"cluster": 1, "multicast_b": False},
+    "one CTA per tile, whole tiles (no split K)": {"cluster": 1, "multicast_b": False, "split_k": False},
     "one-block K loop, stage in a register (no rounds)": {"ring_rounds": False},
     "192 wide, descriptors rebuilt per wgmma": {"tile_n": 192, "lean_registers": True},
     "192 wide, scales loaded in their own K block": {"tile_n": 192, "prefetch_scales": False},

@@ -249,11 +249,11 @@ class GemmKernelConfig:
     # leaf says where). ``copy_pow2``: those scales are powers of two.
     copy: bool = False
     copy_pow2: bool = False
-    # Split K for unscaled main loops whose leaves share one K (the emitter's default for
-    # them): tiles past the last whole waves (memory-bound tiles: all tiles, unless whole
-    # ones fill the blocks) are split, their K blocks in a row, each block taking an equal
-    # run of them, so a ragged or small tile count leaves no block idle and none with a
-    # whole tile more than another. A tile shared by several blocks is added up by the last
+    # Split K for main loops whose leaves share one K (unscaled, or blockwise scales the
+    # producer stages; the emitter's default for them): tiles past the last whole waves
+    # (memory-bound tiles: all tiles, unless whole ones fill the blocks) are split, their K
+    # blocks in a row, each block taking an equal run of them, so a ragged or small tile
+    # count leaves no block idle and none with a whole tile more than another. A tile shared by several blocks is added up by the last
     # of them to finish (an arrival counter per consumer warpgroup), in block order, so the
     # result does not depend on which finished last. ``_splitk`` in the name.
     split_k: bool = False
@@ -280,8 +280,9 @@ class GemmKernelConfig:
             object.__setattr__(self, "ctas_per_sm", 2 if self.memory_bound else 1)
         if self.split_k and not self.split_possible():
             raise ValueError(
-                "split K takes unscaled main loops, one CTA per tile, no staged 16-bit D += "
-                "and no rows through index tensors or FP8 outputs"
+                "split K takes unscaled main loops or blockwise scales the producer stages, one CTA "
+                "per memory-bound tile, no staged 16-bit D += and no rows through index tensors or "
+                "FP8 outputs"
             )
         if self.inline_table and (self.gather or self.scatter):
             raise ValueError("a table built in the kernel takes no index tensors")
@@ -472,8 +473,11 @@ class GemmKernelConfig:
         configuration's own. Not with a staged 16-bit `+=`, which loads a tile's old D when
         the tile starts, in every block that shares it."""
         store_tma = self.store_tma if store_tma is None else store_tma
-        return (not self.scaled and self.cluster == 1 and not self._adds_staged(store_tma) and not self.gather
-                and not self.scatter and not self.fp8_out and not self.copy)
+        # Blockwise scales staged by the producer follow the run's K blocks; the consumers'
+        # own scale loads start at K block 0. A CTA pair splits its unit's tiles alike.
+        main_loop = not self.scaled or (self.blockwise and self.consumer_scales is not True)
+        return (main_loop and (self.cluster == 1 or not self.memory_bound) and not self._adds_staged(store_tma)
+                and not self.gather and not self.scatter and not self.fp8_out and not self.copy)
 
     def split_by_default(self) -> bool:
         """Split K as the emitter's default takes it: memory-bound tiles with their epilogue

@@ -135,9 +135,12 @@ def test_in_sass_the_wait_is_all_that_changes(name):
                "BSSY", "BSYNC"}
     if launch.gemm.split_k:
         # The split work (the table's reads and integer arithmetic) moves around the
-        # prologue's wait: no store, barrier, tensor-core or float instruction changes.
-        work = re.compile(r"(ST|ATOM|RED|HGMMA|WARPGROUP|BAR|SYNCS|UTMA|UBLKCP|MEMBAR|F[A-Z0-9]*\.?)")
+        # prologue's wait: no shared or atomic store, barrier, tensor-core or float
+        # instruction changes. (ptxas may duplicate or merge one of the register
+        # epilogue's scalar global stores at a leaf's edge: STG, outside the main loop.)
+        work = re.compile(r"(STS|STL|ATOM|RED|[HQ]GMMA|WARPGROUP|BAR|SYNCS|UTMA|UBLKCP|MEMBAR|F[A-Z0-9]*\.?)")
         assert not [op for op in {*added, *removed} if work.match(op)], (added, removed)
+        assert sum(n for op, n in (added + removed).items() if op.startswith("STG")) <= 2, (added, removed)
         assert sum(added.values()) <= 16 and sum(removed.values()) <= 16, (added, removed)
     else:
         assert set(added) <= integer and set(removed) <= integer, (added, removed)

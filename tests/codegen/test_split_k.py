@@ -1,6 +1,6 @@
-"""Split K for unscaled main loops whose leaves share one K: the default where the kernel
-can (the LoRA shrink's memory-bound tiles, over all blocks; the BF16 forward's wide tiles,
-a short last wave in parts of K where that pays), its workspaces (counters uploaded as zeros, partial sums sized
+"""Split K for main loops whose leaves share one K: the default where the kernel can (the
+LoRA shrink's memory-bound tiles, over all blocks; the BF16 and blockwise FP8 forwards'
+wide tiles, a short last wave in parts of K where that pays, CTA pairs included), its workspaces (counters uploaded as zeros, partial sums sized
 by the grid), its parameters in both kinds of launch, and its SASS (an atomic arrival per
 warp, no spills)."""
 
@@ -55,10 +55,25 @@ def test_default_for_wide_bf16_tiles():
     assert "K blocks of all tiles (whole ones where they fill the blocks) dealt evenly" in gemmspec.build(SHRINK).explain()
 
 
-def test_not_for_scaled_staged_add_or_k_grouped_launches():
-    # Blockwise FP8 (promoting main loops), the scaled LoRA expand (a staged 16-bit +=, whose
-    # old tile every sharing block would load) and K-grouped WGRAD (leaves of several K).
-    for name in ("moe_fp8_forward", "moe_fp8_wgrad", "lora_moe_scaled"):
+def test_default_for_blockwise_fp8_tiles():
+    # The FP8 forward's 128 x 192 tiles in CTA pairs along M: the producer stages the scale
+    # products from the part's first K block, each CTA of a pair adds its own tile's parts.
+    exe = gemmspec.build(ROOT / "examples" / "moe_fp8_forward.gspec")
+    cfg = exe.program.launches[0].gemm
+    assert cfg.split_k and cfg.blockwise and cfg.staged_products and cfg.cluster == 2
+    source = exe.program.launches[0].source
+    assert "reduce_parts(acc, split, split_tile, rank, part" in source
+    assert "product_factors(ps, kb_begin)" in source and "mainloop_scaled<8>(acc, count," in source
+    assert "SPLIT_MAX_BLOCKS / CLUSTER" in source
+    # Consumers that load their own scales start at K block 0: no split for them.
+    own = with_kernel_config(exe.spec, exe.program, consumer_scales=True).launches[0].gemm
+    assert not own.split_k
+
+
+def test_not_for_staged_add_or_k_grouped_launches():
+    # The scaled LoRA expand (a staged 16-bit +=, whose old tile every sharing block would
+    # load) and K-grouped WGRAD (leaves of several K).
+    for name in ("moe_fp8_wgrad", "lora_moe_scaled"):
         exe = gemmspec.build(ROOT / "examples" / f"{name}.gspec")
         for x in exe.program.launches:
             assert not x.gemm.split_k, x.gemm.name
@@ -66,8 +81,9 @@ def test_not_for_scaled_staged_add_or_k_grouped_launches():
 
 
 @pytest.mark.parametrize("changes", [
-    dict(a_type="e4m3", b_type="e4m3", scaled=True, sa_bm=1, sb_bn=128),  # blockwise promotion
-    dict(cluster=2),
+    dict(a_type="e4m3", b_type="e4m3", scaled=True, sa_bm=1, sb_bn=128, consumer_scales=True),  # own scale loads
+    dict(a_type="e4m3", b_type="e4m3", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0),  # per-channel
+    dict(cluster=2),  # a memory-bound pair
     dict(gather=True),
     dict(d_type="bf16", accumulate=True, tile_m=128, tile_n=128, store_tma=True),  # staged 16-bit +=
 ])
@@ -116,6 +132,17 @@ def test_sass_counts_arrivals_without_spills(tile):
     plain = disassemble(compile_cubin(render_gemm(GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16)),
                                       [str(include_dir())])[0])
     assert "ATOMG" not in plain
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_sass_fp8_parts_without_spills(cluster):
+    cfg = GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192, cluster=cluster,
+                           multicast_b=cluster == 2, split_k=True)
+    cubin, log = compile_cubin(render_gemm(cfg), [str(include_dir())])
+    sass = disassemble(cubin)
+    assert_spill_free(log, sass)
+    assert "QGMMA.64x192x32.F32.E4M3.E4M3" in sass
+    assert "LDG.E.STRONG.GPU" in sass and "STG.E.STRONG.GPU" in sass
 
 
 def test_refused_for_leaves_of_several_k():
