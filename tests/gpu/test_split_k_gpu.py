@@ -264,3 +264,33 @@ def test_fp8_tiles_are_deterministic():
     for _ in range(3):
         run.enqueue()
         assert np.array_equal(copy_to_host(call.args["y"], shape).view(np.uint8), first)
+
+
+def test_fp8_tiles_swiglu():
+    # 30 tiles of one CTA each (a SwiGLU takes no pairs), K = 7168: four parts each; the
+    # activation runs on the added-up tile.
+    text = grouped_fp8(1024, 7168).replace("tensor y : bf16 [T, N]", "tensor y : bf16 [T, F]").replace(
+        "dim N = 1024", "dim N = 1024, F = 512").replace(
+        "y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]",
+        "y[t, j] = silu(sum[k] x[t, k] * w[expert(t), 2*j, k]) * sum[k] x[t, k] * w[expert(t), 2*j + 1, k]")
+    exe = build_split(text)
+    cfg = exe.program.launches[0].gemm
+    assert cfg.swiglu and cfg.scaled and cfg.split_k and cfg.cluster == 1, cfg.name
+    report_ok(run_random(exe, lengths={"expert": [0, 1, 127, 129, 0, 0, 0, 64]}, seed=24, repeats=0))
+
+
+def test_fp8_tiles_masked_rows():
+    # 10 row tiles x 6 column tiles of masked experts (counts at run time), K = 7168.
+    text = """
+gemm masked_split {
+  dim M = 256, N = 1024, K = 7168
+  group expert[E = 8] = masked(M, counts = expert_counts)
+  tensor x : e4m3 [E, M, K] scale f32 [1, 1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [E, M, N]
+  y[e, m, n] = sum[k] x[e, m, k] * w[e, n, k]
+}
+"""
+    exe = build_split(text)
+    assert exe.program.launches[0].gemm.scaled, exe.program.launches[0].gemm.name
+    report_ok(run_random(exe, lengths={"expert": [0, 1, 127, 129, 256, 64, 3, 200]}, seed=25, repeats=0))
