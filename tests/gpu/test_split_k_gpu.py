@@ -280,17 +280,13 @@ def test_fp8_tiles_swiglu():
 
 
 def test_fp8_tiles_masked_rows():
-    # 10 row tiles x 6 column tiles of masked experts (counts at run time), K = 7168.
-    text = """
-gemm masked_split {
-  dim M = 256, N = 1024, K = 7168
-  group expert[E = 8] = masked(M, counts = expert_counts)
-  tensor x : e4m3 [E, M, K] scale f32 [1, 1, 128]
-  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
-  tensor y : bf16 [E, M, N]
-  y[e, m, n] = sum[k] x[e, m, k] * w[e, n, k]
-}
-"""
+    # The masked decode example at N = 1024: 10 row tiles x 6 column tiles of masked experts
+    # (counts at run time), K = 7168.
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "moe_masked_decode.gspec"
+    text = example.read_text().replace("N = 4096", "N = 1024")
+    assert "N = 1024" in text
     exe = build_split(text)
     assert exe.program.launches[0].gemm.scaled, exe.program.launches[0].gemm.name
     report_ok(run_random(exe, lengths={"expert": [0, 1, 127, 129, 256, 64, 3, 200]}, seed=25, repeats=0))
