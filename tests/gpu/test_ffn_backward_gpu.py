@@ -10,17 +10,20 @@
    d route_w against float64 autograd of the same formula.
 
 The example's own derived backward (its DGRAD before route_w, WGRAD, row passes) runs in
-tests/gpu/test_scatter_backward_gpu.py. Skipped elsewhere, with a reason; the same
-bookkeeping runs on the CPU in tests/torch/test_ffn_backward_gpu_cases.py."""
+tests/gpu/test_scatter_backward_gpu.py. The GPU tests are skipped elsewhere, with a
+reason; the same bookkeeping runs on the CPU in tests/torch/test_ffn_backward_gpu_cases.py,
+and one test here (not marked gpu) checks what the GPU tests build, so that selecting
+`-m "not gpu"` still runs something in this file."""
 
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
+import gemmspec  # noqa: E402
 import gemmspec.torch as gt  # noqa: E402
+from gemmspec.backward import derive_backward  # noqa: E402
 
 DEVICE = "cuda"
 COUNTS = [0, 1, 127, 129]
@@ -69,6 +72,17 @@ def _rel(got, want) -> float:
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
+def test_the_specs_build_with_the_row_passes_and_derive_the_weight_gradient():
+    rows = gemmspec.build(ROWS)
+    assert [(p.kind, p.target) for p in rows.schedule.postpasses] == [("rowdot", "drw"), ("rowscale", "dh")]
+    bw = derive_backward(gemmspec.build(DOWN).spec)
+    assert [(d.kind, d.wrt, d.grad) for d in bw.statements] == [
+        ("dgrad", "h", "dh"), ("wgrad", "w_down", "dw_down"), ("rowdot", "route_w", "droute_w"),
+    ]
+    assert bw.not_derived == () and bw.skipped == ()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [0, 1, 127, 129])
 def test_the_row_passes_match_float64_and_repeat_bit_for_bit(rows):
     o = gt.op(ROWS)
@@ -96,6 +110,7 @@ def test_the_row_passes_match_float64_and_repeat_bit_for_bit(rows):
     assert _rel(first["dh"], inputs["rw"].double()[:, None] * g) < 4e-3  # rounded once to bf16
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("counts", [COUNTS * 2, [129, 127, 1, 0, 0, 1, 127, 129]], ids=["up", "down"])
 def test_an_autograd_step_of_the_down_projection_matches_float64(counts):
     fn = gt.function(DOWN)
