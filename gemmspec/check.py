@@ -901,7 +901,7 @@ class _Checker:
                     f"{op} reads tensors passed in or written by statements, but '{x.name}' is {what}",
                     ref.pos,
                 )
-            if x.rank != 2 or x.layout.contiguous_axis() != 1:
+            if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
                 raise self.error(
                     f"{op} reads 2-D tensors whose rows are contiguous (the last dim), but '{x.name}' "
                     f"is [{', '.join(x.dims)}] layout {x.layout}",
@@ -931,10 +931,13 @@ class _Checker:
                        if other.dtype in FP8_TYPES else ""),
                     ref.pos,
                 )
-            if target.dtype != "f32" or target.scale is not None or target.dims != source.dims[:1]:
+            if (
+                target.dtype != "f32" or target.scale is not None or target.dims != source.dims[:1]
+                or target.layout.contiguous_axis() != 0
+            ):
                 raise self.error(
-                    f"rowdot writes one f32 per row: '{name}' must be an unscaled f32 [{source.dims[0]}], "
-                    f"but it is {target.dtype} [{', '.join(target.dims)}]",
+                    f"rowdot writes one f32 per row: '{name}' must be an unscaled, contiguous f32 "
+                    f"[{source.dims[0]}], but it is {target.dtype} [{', '.join(target.dims)}] layout {target.layout}",
                     t.name.pos,
                     f"declare `tensor {name} : f32 [{source.dims[0]}] = rowdot(...)`",
                 )
@@ -945,17 +948,20 @@ class _Checker:
         w = self.tensors[value.text]
         rows = source.dims[0]
         if w.dtype != "f32" or w.dims != (rows,) or w.scale is not None or w.derived is not None or (
-            w.row_pass is not None or w.copy_of is not None
+            w.row_pass is not None or w.copy_of is not None or w.layout.contiguous_axis() != 0
         ):
             raise self.error(
-                f"'{value.text}' is the weight of the rows of '{source.name}', a plain f32 tensor [{rows}], "
-                f"but it is {w.dtype} [{', '.join(w.dims)}]" + (" derived or scaled" if w.dtype == "f32" and w.dims == (rows,) else ""),
+                f"'{value.text}' is the weight of the rows of '{source.name}', a plain, contiguous f32 "
+                f"tensor [{rows}], but it is {w.dtype} [{', '.join(w.dims)}] layout {w.layout}"
+                + (" with a scale" if w.scale is not None else "")
+                + (", written by a pass or an epilogue" if w.derived or w.row_pass or w.copy_of else ""),
                 value.pos,
                 f"declare `tensor {value.text} : f32 [{rows}]`",
             )
         if (
             target.dtype not in QUANTIZE_SOURCE_TYPES or target.scale is not None
-            or target.dims != source.dims or target.layout.contiguous_axis() != 1
+            or target.dims != source.dims or target.layout.kind != "strided"
+            or target.layout.contiguous_axis() != 1
         ):
             raise self.error(
                 f"rowscale keeps the shape of '{source.name}': '{name}' must be an unscaled bf16, f16 "
