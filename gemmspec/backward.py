@@ -34,11 +34,22 @@ A statement whose output rows are scattered through an index and/or weighted per
     WGRAD  dB[n, k] = sum[m in G(e)] dDw_q[m, n] * A[m, k],
            dDw_q = requantize(dD, rows = idx, weight = w)      (w[m] * dD[idx[m], n], 128x1 blocks)
 
-The gradient of the row weight w is not derived (it needs the product before the weight,
-which the forward does not keep): `Backward.not_derived` lists it, `text()` prints it, and
-gemmspec.torch.function refuses a call whose w requires grad. A 16-bit statement of this
-form is skipped (no 16-bit pre-pass gathers and weights dD's rows), as are gathered A rows
-(their gradient would scatter-add).
+With a row weight, the DGRAD stops before it, G[m, k] = sum[n] dD[idx[m], n] * B[n, k],
+and two row passes after the statements (gemmspec.spec.RowPass) make both gradients that
+need G:
+
+    dA = rowscale(G, weight = w)     (dA[m, k] = w[m] * G[m, k])
+    dw = rowdot(G, A)                (dw[m] = sum[k] G[m, k] * A[m, k]
+                                      = sum[n] dD[idx[m], n] * (A B^T)[m, n])
+
+the second reading A as the forward has it (FP8 with its 1x128 scales; a forward output
+such as an FFN's intermediate is kept by gemmspec.torch.function for it). The rowscale
+rounds dA a second time (G is stored in dA's 16-bit type first). Where the row passes
+cannot read A (not 2-D with contiguous rows and [1, 128] scales) the weight stays in the
+DGRAD's epilogue and its gradient is not derived: `Backward.not_derived` lists it,
+`text()` prints it, and gemmspec.torch.function refuses a call whose w requires grad. A
+16-bit statement of this form is skipped (no 16-bit pre-pass gathers and weights dD's
+rows), as are gathered A rows (their gradient would scatter-add).
 
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
 and runs it through the whole front half, so the derived statements are checked,
@@ -69,7 +80,7 @@ class Derived:
     """One derived statement: the gradient of `wrt` for forward statement `forward`."""
 
     forward: int
-    kind: str  # "dgrad" or "wgrad"
+    kind: str  # "dgrad", "wgrad" or "rowdot" (a row weight's gradient, a row pass)
     wrt: str  # the forward input it is the gradient of
     grad: str  # the backward output holding it
     text: str
@@ -96,7 +107,8 @@ class Backward:
     # (forward copy, why the WGRAD requantizes its source rather than reading it)
     copies_unused: tuple[tuple[str, str], ...] = ()
     # (forward input, why its gradient is not derived) for inputs of derived statements
-    # other than the two factors: a row weight (the index tensors have none).
+    # other than the two factors: a row weight the row passes cannot derive (the index
+    # tensors have none).
     not_derived: tuple[tuple[str, str], ...] = ()
 
     def text(self) -> str:
@@ -191,6 +203,16 @@ def _decl(t: Tensor, name: str | None = None, layout: str | None = None, scale_a
             s += f" per {sc.anchor}"
         s += f" as {scale_as or sc.name}"
     return s
+
+
+def _row_dot_reads(a: Tensor) -> bool:
+    """Whether the row passes read `a` as the DGRAD's A (rowdot's second factor): 2-D,
+    rows contiguous, FP8 with [1, 128] scales or unscaled 16-bit."""
+    if a.rank != 2 or a.layout.contiguous_axis() != 1 or a.derived is not None or a.copy_of is not None:
+        return False
+    if a.dtype in FP8_TYPES:
+        return a.scale is not None and a.scale.block == (1, 128)
+    return a.scale is None and a.dtype in ("bf16", "f16", "f32")
 
 
 def _eligible(spec: Spec, g: Gemm) -> str | None:
@@ -337,10 +359,16 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         weight = row.access.tensor if row else None
         # The row weight multiplies dA's rows (DGRAD epilogue) and dD's rows (WGRAD operand).
         w_factor = ""
+        w_grad = None  # (the DGRAD before the weight, the weight's gradient) where derived
         if weight is not None:
             w_text = next(inner for name, inner in _ref_list(g.text) if name == weight)
             w_factor = f"{weight}[{w_text}] * "
             decls[weight] = _decl(spec.tensor(weight))
+            if _row_dot_reads(ta):
+                # The DGRAD before the weight, G: the weight's gradient is rowdot(G, A), and
+                # dA = rowscale(G, weight = w), both row passes after the statements.
+                w_factor = ""
+                w_grad = (names.fresh(f"d{ta.name}_pre"), names.fresh(f"d{weight}", f"grad_{weight}"))
         if g.scatter:
             decls[g.scatter] = _decl(spec.tensor(g.scatter))
 
@@ -360,8 +388,18 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 transposed.append((tb.name, b_name))
         else:
             decls[tb.name] = _decl(tb)
-        text = f"{da}[{', '.join(a_idx)}] = {w_factor}sum[{g.n.var}] {dd_ref} * {b_name}[{', '.join(b_idx)}]"
-        body.append(f"  {text}")
+        product = f"sum[{g.n.var}] {dd_ref} * {b_name}[{', '.join(b_idx)}]"
+        if w_grad is None:
+            text = f"{da}[{', '.join(a_idx)}] = {w_factor}{product}"
+            body.append(f"  {text}")
+        else:
+            pre, dw = w_grad
+            decls[pre] = f"  tensor {pre} : {grad_type} [{', '.join(ta.dims)}]"
+            decls[da] = f"  tensor {da} : {grad_type} [{', '.join(ta.dims)}] = rowscale({pre}, weight = {weight})"
+            decls[dw] = f"  tensor {dw} : f32 [{spec.tensor(weight).dims[0]}] = rowdot({pre}, {ta.name})"
+            decls.setdefault(ta.name, _decl(ta))
+            body.append(f"  {pre}[{', '.join(a_idx)}] = {product}")
+            text = f"{pre}[{', '.join(a_idx)}] = {product}; {da} = rowscale({pre}, weight = {weight})"
         derived.append(Derived(g.index, "dgrad", ta.name, da, text))
 
         # WGRAD: dB = sum over D's rows of dD * A, K-grouped when B is indexed by G(m).
@@ -422,7 +460,11 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_idx)}]"
         body.append(f"  {text}")
         derived.append(Derived(g.index, "wgrad", tb.name, db, text))
-        if weight is not None:
+        if w_grad is not None:
+            pre, dw = w_grad
+            text = f"{dw} = rowdot({pre}, {ta.name}): {dw}[{g.m.var}] = sum[{g.k.var}] {pre}[{', '.join(a_idx)}] * {ta.name}[{', '.join(a_idx)}]"
+            derived.append(Derived(g.index, "rowdot", weight, dw, text))
+        elif weight is not None:
             not_derived.setdefault(weight, (
                 f"the row weight of statement #{g.index}; its gradient, row by row the dot "
                 f"product of {dd}'s row with the product before the weight, needs that product, "

@@ -34,6 +34,7 @@ from .spec import (
     MAX_RANK,
     MAX_SCALE_BLOCK,
     MAX_WITHIN_DEPTH,
+    ROW_PASS_OPS,
     SIXTEEN_BIT_TYPES,
     SWIGLU_OUTPUT_TYPES,
     Access,
@@ -47,6 +48,7 @@ from .spec import (
     Layout,
     LeafAxis,
     RoleDim,
+    RowPass,
     Scale,
     Spec,
     Tensor,
@@ -183,6 +185,7 @@ class _Checker:
             )
         gemms = tuple(self.check_statement(i, s) for i, s in enumerate(self.ast.statements))
         gemms = self.check_copies(gemms)
+        self.check_row_pass_targets(gemms)
         self.check_written_once(gemms)
         self.check_pow2_scales(gemms)
         self.check_outputs_do_not_alias(gemms)
@@ -432,8 +435,14 @@ class _Checker:
         scale = self.scale(t) if t.scale else None
         derived = None
         copy_of = None
+        row_pass = None
         if t.derived and t.derived.op.text == COPY_OP:
             copy_of = t.derived.source.text  # a second output of a statement, not a pre-pass
+        elif t.derived and t.derived.op.text in ROW_PASS_OPS:
+            # An output written after the statements, not a pre-pass (check_row_pass).
+            keys = {k.text: v.text for k, v in t.derived.keywords}
+            other = t.derived.options[0].text if t.derived.options else None
+            row_pass = RowPass(t.derived.op.text, t.derived.source.text, other, keys.get(REQUANTIZE_WEIGHT))
         elif t.derived:
             pow2 = any(o.text == QUANTIZE_POW2 for o in t.derived.options)  # checked in check_derivation
             keys = {k.text: v.text for k, v in t.derived.keywords}  # checked in check_derivation
@@ -442,7 +451,8 @@ class _Checker:
                 index=keys.get(REQUANTIZE_ROWS), weight=keys.get(REQUANTIZE_WEIGHT),
             )
         self.tensors[t.name.text] = Tensor(
-            t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line, copy_of
+            t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line, copy_of,
+            row_pass,
         )
         self.tensor_ast[t.name.text] = t
 
@@ -781,6 +791,9 @@ class _Checker:
         op, src = t.derived.op, t.derived.source
         if src.text not in self.tensors:
             raise self.error(f"unknown tensor '{src.text}'", src.pos)
+        if op.text in ROW_PASS_OPS:
+            self.check_row_pass(t)
+            return
         self.check_derivation_options(op, t.derived.options)
         self.check_derivation_keywords(t)
         if op.text == COPY_OP:
@@ -839,6 +852,135 @@ class _Checker:
                         f"requantize cannot refine blocks along {source.dims[d]} from {b_src} "
                         f"to {b_dst}",
                         op.pos,
+                    )
+
+    def check_row_pass(self, t: ast.TensorDecl) -> None:
+        """`T = rowdot(A, B)`: A a 2-D unscaled bf16/f16/f32 [R, C], B of A's shape, unscaled
+        16-bit/f32 or FP8 with [1, 128] scales, T an unscaled f32 [R]. `T = rowscale(A,
+        weight = W)`: A as for rowdot, W a plain f32 [R], T an unscaled 16-bit/f32 [R, C].
+        Each row is contiguous (its last dim); the operands are passed in or written by
+        statements (a row pass runs after all of them), not derived by another pass."""
+        d = t.derived
+        op, name = d.op.text, t.name.text
+        target = self.tensors[name]
+        usage = (
+            f"rowdot({d.source.text}, B) takes the second factor as its second argument"
+            if op == "rowdot" else f"rowscale({d.source.text}, weight = W)"
+        )
+        if op == "rowdot":
+            if len(d.options) != 1 or d.keywords:
+                pos = d.keywords[0][0].pos if d.keywords else d.options[1].pos if d.options else d.op.pos
+                raise self.error(
+                    f"rowdot(...) takes two tensors, the two factors of the row-wise product: "
+                    f"`{name} = rowdot(A, B)` ({name}[r] = sum over c of A[r, c] * B[r, c])",
+                    pos,
+                )
+        else:
+            if d.options:
+                raise self.error(f"rowscale(...) takes no options, but '{d.options[0].text}' is given", d.options[0].pos, usage)
+            keys = [k for k, _ in d.keywords]
+            bad = next((k for k in keys if k.text != REQUANTIZE_WEIGHT), None)
+            if bad is not None or len(keys) != 1:
+                raise self.error(
+                    f"rowscale(...) takes exactly one option, `{REQUANTIZE_WEIGHT} = W` (row r multiplied by W[r])",
+                    bad.pos if bad is not None else keys[1].pos if keys else d.op.pos,
+                )
+        source = self.tensors[d.source.text]
+        operands = [(d.source, source)]
+        if op == "rowdot":
+            other = d.options[0]
+            if other.text not in self.tensors:
+                raise self.error(f"unknown tensor '{other.text}'", other.pos)
+            operands.append((other, self.tensors[other.text]))
+        for ref, x in operands:
+            if x.name == name:
+                raise self.error(f"'{name}' is computed from itself", ref.pos)
+            if x.derived is not None or x.row_pass is not None or x.copy_of is not None:
+                what = "a copy" if x.copy_of is not None else "derived by another pass"
+                raise self.error(
+                    f"{op} reads tensors passed in or written by statements, but '{x.name}' is {what}",
+                    ref.pos,
+                )
+            if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
+                raise self.error(
+                    f"{op} reads 2-D tensors whose rows are contiguous (the last dim), but '{x.name}' "
+                    f"is [{', '.join(x.dims)}] layout {x.layout}",
+                    ref.pos,
+                )
+        if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
+            what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
+            raise self.error(
+                f"{op} reads an unscaled bf16, f16 or f32 tensor first, but '{source.name}' is {what}",
+                d.source.pos,
+            )
+        if op == "rowdot":
+            ref, other = operands[1]
+            if other.dims != source.dims:
+                raise self.error(
+                    f"rowdot multiplies tensors of one shape, but '{other.name}' is "
+                    f"[{', '.join(other.dims)}] and '{source.name}' [{', '.join(source.dims)}]",
+                    ref.pos,
+                )
+            fp8 = other.dtype in FP8_TYPES and other.scale is not None and other.scale.block == (1, KERNEL_K_BLOCK)
+            plain = other.dtype in QUANTIZE_SOURCE_TYPES and other.scale is None
+            if not (fp8 or plain):
+                raise self.error(
+                    f"rowdot's second factor is an unscaled bf16, f16 or f32 tensor or an FP8 one with "
+                    f"[1, {KERNEL_K_BLOCK}] scales, but '{other.name}' is {other.dtype}"
+                    + (f" scaled in blocks {other.scale.block_text}" if other.scale is not None else " with no scale"
+                       if other.dtype in FP8_TYPES else ""),
+                    ref.pos,
+                )
+            if (
+                target.dtype != "f32" or target.scale is not None or target.dims != source.dims[:1]
+                or target.layout.contiguous_axis() != 0
+            ):
+                raise self.error(
+                    f"rowdot writes one f32 per row: '{name}' must be an unscaled, contiguous f32 "
+                    f"[{source.dims[0]}], but it is {target.dtype} [{', '.join(target.dims)}] layout {target.layout}",
+                    t.name.pos,
+                    f"declare `tensor {name} : f32 [{source.dims[0]}] = rowdot(...)`",
+                )
+            return
+        key, value = d.keywords[0]
+        if value.text not in self.tensors:
+            raise self.error(f"unknown tensor '{value.text}'", value.pos)
+        w = self.tensors[value.text]
+        rows = source.dims[0]
+        if w.dtype != "f32" or w.dims != (rows,) or w.scale is not None or w.derived is not None or (
+            w.row_pass is not None or w.copy_of is not None or w.layout.contiguous_axis() != 0
+        ):
+            raise self.error(
+                f"'{value.text}' is the weight of the rows of '{source.name}', a plain, contiguous f32 "
+                f"tensor [{rows}], but it is {w.dtype} [{', '.join(w.dims)}] layout {w.layout}"
+                + (" with a scale" if w.scale is not None else "")
+                + (", written by a pass or an epilogue" if w.derived or w.row_pass or w.copy_of else ""),
+                value.pos,
+                f"declare `tensor {value.text} : f32 [{rows}]`",
+            )
+        if (
+            target.dtype not in QUANTIZE_SOURCE_TYPES or target.scale is not None
+            or target.dims != source.dims or target.layout.kind != "strided"
+            or target.layout.contiguous_axis() != 1
+        ):
+            raise self.error(
+                f"rowscale keeps the shape of '{source.name}': '{name}' must be an unscaled bf16, f16 "
+                f"or f32 [{', '.join(source.dims)}] with contiguous rows, but it is {target.dtype} "
+                f"[{', '.join(target.dims)}]" + (" with a scale" if target.scale is not None else ""),
+                t.name.pos,
+            )
+
+    def check_row_pass_targets(self, gemms: tuple[Gemm, ...]) -> None:
+        """A row pass's target is written after every statement: no statement reads or
+        writes it."""
+        for g in gemms:
+            for x in (*g.reads, *g.writes):
+                t = self.tensors[x]
+                if t.row_pass is not None:
+                    raise self.error(
+                        f"'{x}' = {t.row_pass} is written by a row pass after every statement; "
+                        f"the statement on line {g.line} cannot {'write' if x in g.writes else 'read'} it",
+                        self.tensor_ast[x].name.pos,
                     )
 
     def check_copy_declaration(self, t: ast.TensorDecl) -> None:

@@ -123,6 +123,19 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
             for p in schedule.prepasses
         ],
     }
+    if schedule.postpasses:  # only where there are some: other documents stay as they were
+        doc["postpasses"] = [
+            {
+                "kind": p.kind,
+                "source": p.source,
+                "target": p.target,
+                "other": p.other,
+                "other_scale": p.other_scale,
+                "weight": p.weight,
+                "description": p.describe(),
+            }
+            for p in schedule.postpasses
+        ]
     placement = _check_placement(spec, schedule)
     if placement is not None:
         doc["offsets_check"] = {"fused": placement.fused, "where": placement.reason}
@@ -132,6 +145,8 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
             launch["symbols"] = {"leaf_table": None if x.gemm.inline_table else x.table_kernel, "gemm": x.gemm.name}
         for prepass, p in zip(doc["prepasses"], program.prepasses):
             prepass["symbol"] = p.kernel
+        for postpass, p in zip(doc.get("postpasses", ()), program.postpasses):
+            postpass["symbol"] = p.kernel
     return doc
 
 
@@ -227,6 +242,10 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
         body = str(launch).splitlines()
         body[1] = f"  kernel {_kernel_line(spec, schedule, launch)}"
         lines += ["  " + ln for ln in body]
+    if schedule.postpasses:
+        lines.append("row passes (after the launches):")
+        for i, p in enumerate(schedule.postpasses):
+            lines.append(f"  [{i}] {p.describe()}")
     placement = _check_placement(spec, schedule)
     if placement is not None:
         lines.append(f"offsets check (on the device): {placement}")

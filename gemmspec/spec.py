@@ -207,6 +207,34 @@ class Derivation:
         return f"{self.op}({', '.join(args)})"
 
 
+# Row passes: run after every statement, on whole rows of 2-D tensors that statements
+# write or the caller passes; their targets are outputs of the call (see RowPass).
+ROW_PASS_OPS = ("rowdot", "rowscale")
+
+
+@dataclass(frozen=True)
+class RowPass:
+    """`= rowdot(A, B)`: target[r] = sum over c of A[r, c] * B[r, c] (B FP8 with [1, 128]
+    scales, dequantized, or unscaled), an f32 [R] output accumulated in float32.
+    `= rowscale(A, weight = W)`: target[r, c] = W[r] * A[r, c], rounded once to the
+    target's 16-bit type. Both run after every launch (so they may read what statements
+    write) and write a tensor of the call's outputs, not an operand of a statement."""
+
+    op: str  # "rowdot" or "rowscale"
+    source: str
+    other: str | None = None  # rowdot: the second factor
+    weight: str | None = None  # rowscale: the f32 weight of each row
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.source, self.other, self.weight) if n is not None)
+
+    def __str__(self) -> str:
+        if self.op == "rowdot":
+            return f"rowdot({self.source}, {self.other})"
+        return f"rowscale({self.source}, weight = {self.weight})"
+
+
 @dataclass(frozen=True)
 class Tensor:
     name: str
@@ -220,6 +248,9 @@ class Tensor:
     # SOURCE, quantized in the same epilogue with this tensor's layout and scale blocks
     # (no pre-pass: `derived` is None).
     copy_of: str | None = None
+    # `= rowdot(...)` or `= rowscale(...)`: an output written by a row pass after the
+    # statements (no pre-pass: `derived` is None, and the caller passes it, as any output).
+    row_pass: RowPass | None = None
 
     @property
     def rank(self) -> int:
@@ -233,6 +264,8 @@ class Tensor:
             s += f" = {self.derived}"
         if self.copy_of:
             s += f" = copy({self.copy_of})"
+        if self.row_pass:
+            s += f" = {self.row_pass}"
         return s
 
 
@@ -465,6 +498,19 @@ class Spec:
     @property
     def runtime_dims(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.dims if d.is_runtime)
+
+    @property
+    def row_passes(self) -> tuple[Tensor, ...]:
+        """The tensors row passes write (`= rowdot(...)`, `= rowscale(...)`), in
+        declaration order: outputs of a call, written after every statement."""
+        return tuple(t for t in self.tensors if t.row_pass is not None)
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        """Every tensor a call writes, once each: the statements' outputs (an FP8
+        output's copy after it), then the row passes' targets."""
+        names = [w for g in self.gemms for w in g.writes] + [t.name for t in self.row_passes]
+        return tuple(dict.fromkeys(names))
 
     def per_channel(self, g: Gemm) -> bool:
         """Whether statement `g`'s FP8 scales span its whole (compile-time) K: one scale

@@ -135,14 +135,11 @@ class GemmOp:
         self.name = opname
         spec = exe.spec
         written = []
-        for g in spec.gemms:
-            for w in g.writes:  # the output, then an FP8 output's copy
-                if w in written:
-                    continue
-                written.append(w)
-                scale = spec.tensor(w).scale
-                if scale is not None:  # an FP8 output: its scales are written with it
-                    written.append(scale.name)
+        for w in spec.written:  # outputs, an FP8 output's copy, row passes' targets
+            written.append(w)
+            scale = spec.tensor(w).scale
+            if scale is not None:  # an FP8 output: its scales are written with it
+                written.append(scale.name)
         self.outputs = tuple(written)
         self.inputs = tuple(n for n in exe.argument_names() if n not in written)
         self.shapes = tuple(self._output_shape(name) for name in self.outputs)
@@ -569,8 +566,10 @@ class Quantization:
 class BackwardFeed:
     """What a forward call of a `GemmFunction` keeps for its backward, and how it feeds
     the backward op: the forward inputs the backward spec reads (or the caller
-    transposes), and the forward's copies (`T = copy(A)`) that its WGRADs read in place
-    of requantize(A); A itself is then kept only if the backward reads it elsewhere."""
+    transposes), the forward's copies (`T = copy(A)`) that its WGRADs read in place
+    of requantize(A) (A itself is then kept only if the backward reads it elsewhere), and
+    the forward outputs the backward reads as they are (an FP8 output the row pass of a
+    row weight's gradient reads, with its scales)."""
 
     def __init__(self, forward_op: GemmOp, backward_op: GemmOp, backward) -> None:
         fspec, bspec = forward_op.exe.spec, backward_op.exe.spec
@@ -582,7 +581,9 @@ class BackwardFeed:
             self.copy_inputs[bspec.tensor(name).scale.name] = fspec.tensor(copy).scale.name
         transposed = {src for src, _ in backward.transposed}
         self.kept_inputs = frozenset(n for n in forward_op.inputs if n in backward_op.inputs or n in transposed)
-        self.kept_outputs = tuple(dict.fromkeys(self.copy_inputs.values()))
+        self.copy_outputs = frozenset(self.copy_inputs.values())
+        read = [n for n in forward_op.outputs if n in backward_op.inputs]
+        self.kept_outputs = tuple(dict.fromkeys([*self.copy_inputs.values(), *read]))
 
     def kept(self, inputs: dict[str, torch.Tensor], outputs: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         """What a forward call with these (quantized) inputs and outputs keeps, by name."""
@@ -704,7 +705,7 @@ class _Autograd(torch.autograd.Function):
         ctx.arg_dtypes = {n: a.dtype for n, a in values.items()}
         ctx.save_for_backward(*kept.values())
         # A copy (and its scales) is an FP8 form of another output: no gradient of its own.
-        ctx.mark_non_differentiable(*(o for n, o in zip(fn.forward_op.outputs, outs) if n in fn.feed.kept_outputs))
+        ctx.mark_non_differentiable(*(o for n, o in zip(fn.forward_op.outputs, outs) if n in fn.feed.copy_outputs))
         return outs
 
     @staticmethod

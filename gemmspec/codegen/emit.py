@@ -19,6 +19,7 @@ from ..lower.schedule import (
     Extent,
     KernelSignature,
     Launch,
+    PostPass,
     PrePass,
     ProblemGenerator,
     Schedule,
@@ -34,6 +35,7 @@ from .kernels import (
     GemmKernelConfig,
     QuantizeKernelConfig,
     RequantKernelConfig,
+    RowPassKernelConfig,
     TransposeKernelConfig,
     gemm_kernel_name,
     map_specs,
@@ -41,9 +43,10 @@ from .kernels import (
     render_gemm,
     render_quantize,
     render_requant,
+    render_row_pass,
     render_transpose,
 )
-from .names import gemm_symbol, prepass_symbol, table_symbol
+from .names import gemm_symbol, postpass_symbol, prepass_symbol, table_symbol
 from .validate import THREADS as CHECK_THREADS
 from .validate import CheckPlacement, ValidationKernel, check_placement, validation_kernel
 
@@ -137,11 +140,23 @@ class EmittedPrePass:
 
 
 @dataclass(frozen=True)
+class EmittedPostPass:
+    postpass: PostPass
+    config: RowPassKernelConfig
+    source: str
+
+    @property
+    def kernel(self) -> str:
+        return self.config.name
+
+
+@dataclass(frozen=True)
 class EmittedProgram:
     spec: str
     prepasses: tuple[EmittedPrePass, ...]
     launches: tuple[EmittedLaunch, ...]
     check: EmittedCheck | None = None
+    postpasses: tuple[EmittedPostPass, ...] = ()
 
     def sources(self) -> dict[str, str]:
         """File name -> CUDA source."""
@@ -150,6 +165,7 @@ class EmittedProgram:
             out[f"{self.spec}_check.cu"] = self.check.kernel.source
         out.update({f"{self.spec}_prepass{i}.cu": p.source for i, p in enumerate(self.prepasses)})
         out.update({f"{self.spec}_launch{x.launch.index}.cu": x.source for x in self.launches})
+        out.update({f"{self.spec}_postpass{i}.cu": p.source for i, p in enumerate(self.postpasses)})
         return out
 
 
@@ -640,6 +656,20 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
     return EmittedPrePass(p, cfg, HEADER + render_requant(cfg))
 
 
+def emit_postpass(spec: Spec, p: PostPass, index: int = 0) -> EmittedPostPass:
+    """A row pass's kernel (the checker admits what it computes: check_row_pass)."""
+    src, dst = spec.tensor(p.source), spec.tensor(p.target)
+    if src.rank != 2 or src.layout.contiguous_axis() != 1:
+        raise EmitError(f"{p.kind} {p.source} -> {p.target}: the pass reads 2-D tensors with contiguous rows")
+    if p.kind == "rowdot":
+        other = spec.tensor(p.other)
+        cfg = RowPassKernelConfig("rowdot", src.dtype, other.dtype, other.scale is not None, "f32")
+    else:
+        cfg = RowPassKernelConfig("rowscale", src.dtype, src.dtype, False, dst.dtype)
+    cfg = replace(cfg, name=postpass_symbol(spec.name, index, cfg.name))
+    return EmittedPostPass(p, cfg, HEADER + render_row_pass(cfg))
+
+
 # Configuration fields that follow from the others unless a variant sets them itself.
 _DERIVED = {
     "name": "",
@@ -693,7 +723,10 @@ def emit_check(spec: Spec, schedule: Schedule, fuse: bool = True) -> EmittedChec
 def _alone(schedule: Schedule, check: EmittedCheck | None) -> bool:
     """One launch and nothing before it: no other kernel reads its table or the checked
     offsets, so its GEMM may build the table itself (one kernel per call)."""
-    return len(schedule.launches) == 1 and not schedule.prepasses and (check is None or check.fused)
+    return (
+        len(schedule.launches) == 1 and not schedule.prepasses and not schedule.postpasses
+        and (check is None or check.fused)
+    )
 
 
 def _launch_gemm_config(launch: Launch, inline: bool, check: ValidationKernel | None) -> GemmKernelConfig:
@@ -727,4 +760,5 @@ def emit(spec: Spec, schedule: Schedule, *, fuse_check: bool = True, inline_tabl
             emit_launch(spec, x, check=fused if x.index == 0 else None, inline=alone) for x in schedule.launches
         ),
         check,
+        tuple(emit_postpass(spec, p, i) for i, p in enumerate(schedule.postpasses)),
     )

@@ -838,6 +838,36 @@ class GatherRowsKernelConfig:
 
 
 @dataclass(frozen=True)
+class RowPassKernelConfig:
+    """A row pass after the launches (`rowdot`, `rowscale`): one warp per row of an
+    [R, C] tensor with contiguous rows. rowdot reads `other_type` beside `in_type`
+    (FP8 with [1, 128] scales when `scaled`) and writes one f32 per row; rowscale writes
+    `out_type`."""
+
+    kind: str = "rowdot"
+    in_type: str = "bf16"
+    other_type: str = "e4m3"
+    scaled: bool = True
+    out_type: str = "f32"
+    threads: int = 256
+    name: str = ""
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.threads // 32
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("rowdot", "rowscale") or self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError("a row pass is rowdot or rowscale, in whole warps")
+        if not self.name:
+            tail = (
+                f"{self.in_type}_{self.other_type}{'_scaled' if self.scaled else ''}"
+                if self.kind == "rowdot" else f"{self.in_type}_{self.out_type}"
+            )
+            object.__setattr__(self, "name", f"gs_sm90a_{self.kind}_{tail}_w{self.threads}")
+
+
+@dataclass(frozen=True)
 class TransposeKernelConfig:
     """Batched byte transpose [Bt, K, N] -> [Bt, N, K] for FP8 operands."""
 
@@ -965,6 +995,15 @@ def render_gather_rows(cfg: GatherRowsKernelConfig | None = None) -> str:
     return ENV.get_template("gather_rows.cu.jinja").render(
         name=cfg.name, eb=cfg.elem_bytes, scaled=cfg.scaled, threads=cfg.threads,
         rows_per_cta=cfg.rows_per_cta, unroll=cfg.unroll, block_c=128,
+    )
+
+
+def render_row_pass(cfg: RowPassKernelConfig | None = None) -> str:
+    cfg = cfg or RowPassKernelConfig()
+    return ENV.get_template("rows.cu.jinja").render(
+        pass_kind=cfg.kind, name=cfg.name, in_type=cfg.in_type, other_type=cfg.other_type,
+        scaled=cfg.scaled, out_type=cfg.out_type, threads=cfg.threads,
+        rows_per_cta=cfg.rows_per_cta, block_c=128,
     )
 
 

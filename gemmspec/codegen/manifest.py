@@ -27,6 +27,7 @@ from .emit import (
     TABLE_THREADS,
     EmittedCheck,
     EmittedLaunch,
+    EmittedPostPass,
     EmittedPrePass,
     EmittedProgram,
     table_record_bytes,
@@ -140,10 +141,12 @@ class Upload:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    role: str  # "check", "transpose", "requantize", "quantize", "gather", "leaf_table" or "gemm"
+    # "check", "transpose", "requantize", "quantize", "gather", "leaf_table", "gemm",
+    # "rowdot" or "rowscale"
+    role: str
     symbol: str
     file: str
-    owner: str  # "check", "prepass <i>" or "launch <i>"
+    owner: str  # "check", "prepass <i>", "launch <i>" or "postpass <i>"
     grid: tuple[Formula, Formula, Formula]
     block: int
     dynamic_smem: int
@@ -311,7 +314,7 @@ def spec_arguments(spec: Spec) -> tuple[Argument, ...]:
     """Every run-time tensor of a call, in the order the Python API lists them: each
     tensor no pass derives (then its scale), then each group's offsets or counts. An
     i32 tensor is an index tensor (role "index": rows read or written through it)."""
-    written = {w for g in spec.gemms for w in g.writes}  # an FP8 output's copy too
+    written = set(spec.written)  # an FP8 output's copy and row passes' targets too
     out: list[Argument] = []
     for t in spec.tensors:
         if t.derived is not None:
@@ -620,6 +623,48 @@ class _Builder:
         self.steps.append(Upload(name, int32=values))
         return src, Formula.const(len(values) - 1)
 
+    # ---- row passes after the launches ---------------------------------------------------
+    def postpass(self, index: int, e: EmittedPostPass) -> None:
+        p, cfg = e.postpass, e.config
+        src, dst = self.spec.tensor(p.source), self.spec.tensor(p.target)
+        file = f"{self.stem}_postpass{index}.cu"
+        rows, cols = self.dim(src.dims[0]), self.dim(src.dims[1])
+        lda = Param("lda", "long long", self.value(_layout_formula(self.spec, src.layout.strides[0])))
+        if p.kind == "rowdot":
+            other = self.spec.tensor(p.other)
+            params = (
+                Param("A", _ptr(src.dtype), self.where[src.name]),
+                lda,
+                Param("B", _ptr(other.dtype), self.where[other.name]),
+                Param("ldb", "long long", self.value(_layout_formula(self.spec, other.layout.strides[0]))),
+            )
+            if other.scale is not None:
+                st = other.scale.layout.strides
+                params += (
+                    Param("SB", "const float*", self.where[other.scale.name]),
+                    Param("sb_r", "long long", self.value(_layout_formula(self.spec, st[0]))),
+                    Param("sb_c", "long long", self.value(_layout_formula(self.spec, st[1]))),
+                )
+            params += (
+                Param("R", "int", self.value(rows)),
+                Param("C", "int", self.value(cols)),
+                Param("Y", "float*", self.where[dst.name]),
+            )
+        else:
+            params = (
+                Param("A", _ptr(src.dtype), self.where[src.name]),
+                lda,
+                Param("W", "const float*", self.where[p.weight]),
+                Param("R", "int", self.value(rows)),
+                Param("C", "int", self.value(cols)),
+                Param("Y", _ptr(dst.dtype, const=False), self.where[dst.name]),
+                Param("ldy", "long long", self.value(_layout_formula(self.spec, dst.layout.strides[0]))),
+            )
+        grid = (rows.ceil_div(cfg.rows_per_cta), Formula.const(1), Formula.const(1))
+        self.steps.append(
+            KernelLaunch(p.kind, e.kernel, file, f"postpass {index}", grid, cfg.threads, 0, 1, params)
+        )
+
     # ---- launches ----------------------------------------------------------------------
     def launch(self, x: EmittedLaunch) -> None:
         i, cfg, pg = x.launch.index, x.gemm, x.launch.problems
@@ -788,6 +833,8 @@ def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None
         b.prepass(i, p)
     for x in program.launches:
         b.launch(x)
+    for i, p in enumerate(program.postpasses):
+        b.postpass(i, p)
     return Manifest(
         spec.name, spec.path, b.stem, spec.runtime_dims, spec_arguments(spec),
         tuple(b.workspaces), tuple(b.steps), check,

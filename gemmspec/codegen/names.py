@@ -61,6 +61,10 @@ def prepass_symbol(spec_name: str, index: int, procedural: str) -> str:
     return f"gs_{spec_name}_p{index}_{_tail(procedural)}"
 
 
+def postpass_symbol(spec_name: str, index: int, procedural: str) -> str:
+    return f"gs_{spec_name}_q{index}_{_tail(procedural)}"
+
+
 def host_prefix(spec_name: str) -> str:
     """Prefix of the host API: `<prefix>_args`, `<prefix>_run`, `<prefix>_workspace_bytes`."""
     return f"gemmspec_{spec_name}"

@@ -21,6 +21,7 @@ from .schedule import (
     KernelSignature,
     Launch,
     OperandMap,
+    PostPass,
     PrePass,
     ProblemGenerator,
     ScaleMap,
@@ -315,4 +316,15 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
                 f"pre-pass: {t.name} = {t.derived} before launch"
                 f"{'es' if len(readers) > 1 else ''} {', '.join(map(str, readers))}"
             )
-    return Schedule(spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches)
+    postpasses = []
+    for t in spec.row_passes:
+        rp = t.row_pass
+        other = spec.tensor(rp.other) if rp.other else None
+        postpasses.append(PostPass(
+            rp.op, rp.source, t.name, rp.other,
+            other.scale.name if other is not None and other.scale else None, rp.weight,
+        ))
+        reasons.append(f"row pass: {t.name} = {rp} after every launch")
+    return Schedule(
+        spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches, tuple(postpasses)
+    )

@@ -459,12 +459,47 @@ class PrePass:
 
 
 @dataclass(frozen=True)
+class PostPass:
+    """A row pass after every launch, on rows of 2-D tensors the caller passes or the
+    statements write; its target is an output of the call.
+
+    kind "rowdot": target[r] = sum over c of source[r, c] * other[r, c] (other FP8 with
+    [1, 128] scales `other_scale`, dequantized, or unscaled), float32 accumulation in a
+    fixed order (deterministic). kind "rowscale": target[r, c] = weight[r] * source[r, c],
+    rounded once to the target's type.
+    """
+
+    kind: str
+    source: str
+    target: str
+    other: str | None = None
+    other_scale: str | None = None
+    weight: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "rowdot":
+            scaled = f" (dequantized with {self.other_scale})" if self.other_scale else ""
+            return (
+                f"rowdot {self.source} . {self.other}{scaled} -> {self.target}: one float32 dot "
+                "product per row, summed in a fixed order, after every launch"
+            )
+        return (
+            f"rowscale {self.source} -> {self.target}: row r times {self.weight}[r], "
+            "after every launch"
+        )
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+@dataclass(frozen=True)
 class Schedule:
     spec: str
     decision: str  # "flatten" or "split"
     reasons: tuple[str, ...]
     prepasses: tuple[PrePass, ...]
     launches: tuple[Launch, ...]
+    postpasses: tuple[PostPass, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"schedule {self.spec}: {self.decision}"]
@@ -472,4 +507,6 @@ class Schedule:
         for i, p in enumerate(self.prepasses):
             lines.append(f"prepass {i}: {p}")
         lines += [str(launch) for launch in self.launches]
+        for i, p in enumerate(self.postpasses):
+            lines.append(f"postpass {i}: {p}")
         return "\n".join(lines)

@@ -380,8 +380,8 @@ class TensorData:
 
 
 def random_inputs(spec: Spec, rt: Runtime, rng: np.random.Generator) -> dict[str, TensorData]:
-    """Random data for every tensor that no statement writes and no pass derives."""
-    written = {w for g in spec.gemms for w in g.writes}
+    """Random data for every tensor that no statement or row pass writes and no pass derives."""
+    written = set(spec.written)
     # FP8 operands at half their range overflow an f16 output (max 65504) by orders of
     # magnitude; their scales are drawn smaller so the products stay in its range.
     feeds_f16 = {
@@ -480,3 +480,23 @@ def real_values(spec: Spec, rt: Runtime, t: Tensor, d: TensorData) -> np.ndarray
     if d.scale_grid is None:
         return d.values
     return d.values * expand_scales(spec, rt, t, d.scale_grid)
+
+
+def row_pass_values(spec: Spec, rt: Runtime, t: Tensor, data: dict[str, TensorData]) -> np.ndarray:
+    """The target of a row pass (float64): rowdot(A, B)[r] = sum over c of A[r, c] * B[r, c]
+    (B dequantized with its [1, 128] scales), rowscale(A, weight = W)[r, c] = W[r] * A[r, c].
+    An unscaled operand is read as stored, rounded to its type (a statement's bf16 output
+    holds its result rounded); the kernels sum in float32 (rowdot) and round the product
+    once (rowscale)."""
+    rp = t.row_pass
+
+    def read(name: str) -> np.ndarray:
+        x = spec.tensor(name)
+        values = real_values(spec, rt, x, data[name])
+        return values if x.scale is not None else quantize(values, x.dtype)
+
+    a = read(rp.source)
+    if rp.op == "rowdot":
+        return (a * read(rp.other)).sum(axis=1)
+    w = np.asarray(data[rp.weight].values, dtype=np.float64)
+    return w[:, None] * a

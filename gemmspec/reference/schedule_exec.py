@@ -20,6 +20,7 @@ from ..lower.schedule import (
     IndexMap,
     Launch,
     OperandMap,
+    PostPass,
     PrePass,
     ProblemGenerator,
     ScaleMap,
@@ -38,6 +39,7 @@ from .data import (
     real_values,
     requantize_rows_values,
     requantize_values,
+    row_pass_values,
     scale_offsets,
     segments,
 )
@@ -232,6 +234,21 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
     flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
 
 
+def run_postpass(spec: Spec, rt: Runtime, p: PostPass, flat: dict[str, np.ndarray]) -> None:
+    """A row pass on the flat buffers, after every launch: its operands read through their
+    layouts, its target written through its own."""
+    data = {}
+    for name in (p.source, p.other, p.weight):
+        if name is None:
+            continue
+        t = spec.tensor(name)
+        values = flat[name][element_offsets(spec, rt, t)]
+        grid = flat[t.scale.name][scale_offsets(spec, rt, t)] if t.scale is not None else None
+        data[name] = TensorData(values, grid)
+    dst = spec.tensor(p.target)
+    flat[dst.name][element_offsets(spec, rt, dst)] = row_pass_values(spec, rt, dst, data)
+
+
 def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run pre-passes and launches on flat buffers; return each output's logical values."""
     flat: dict[str, np.ndarray] = {}
@@ -252,6 +269,8 @@ def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, 
         run_prepass(spec, rt, p, flat)
     for launch in schedule.launches:
         run_launch(spec, rt, launch, flat)
+    for p in schedule.postpasses:
+        run_postpass(spec, rt, p, flat)
     out = {}
     for name in init:
         if name not in fp8:

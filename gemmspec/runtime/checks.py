@@ -131,9 +131,8 @@ def _written(spec: Spec) -> list[tuple[str, Tensor, bool]]:
     derived tensors a pre-pass writes, and the scales a (re)quantize pass writes."""
     read = {t for g in spec.gemms for t in (g.loaded_a.tensor, g.b.tensor)}
     out: dict[str, tuple[str, Tensor, bool]] = {}
-    for g in spec.gemms:
-        for w in g.writes:  # an FP8 output's copy is written with it
-            out.setdefault(w, (f"output '{w}'", spec.tensor(w), False))
+    for w in spec.written:  # an FP8 output's copy and row passes' targets too
+        out.setdefault(w, (f"output '{w}'", spec.tensor(w), False))
     for t in spec.tensors:
         if t.derived is not None and t.name in read:
             out.setdefault(t.name, (f"'{t.name}', which a pre-pass writes,", t, False))

@@ -542,12 +542,11 @@ class Executable:
         for g in self.spec.groups:
             if g.tensor:
                 roles[g.tensor] = "counts" if g.kind == "masked" else "offsets"
-        for g in self.spec.gemms:
-            for w in g.writes:  # the output, and an FP8 output's copy
-                roles[w] = "output"  # even when a later statement reads it
-                scale = self.spec.tensor(w).scale
-                if scale is not None:  # an FP8 output's scales are written with it
-                    roles[scale.name] = "output"
+        for w in self.spec.written:  # outputs, an FP8 output's copy, row passes' targets
+            roles[w] = "output"  # even when a later statement reads it
+            scale = self.spec.tensor(w).scale
+            if scale is not None:  # an FP8 output's scales are written with it
+                roles[scale.name] = "output"
         return roles
 
     def _check_outputs(self, arrays: dict[str, DeviceArray]) -> None:
@@ -663,7 +662,8 @@ class Executable:
             if g.accumulate and self._dim_size(g.k.dim, dims) == 0:
                 continue
             return False
-        return True
+        # A row pass writes its target (a dot product over no columns is 0).
+        return all(0 in self._shape(t, dims) for t in self.spec.row_passes)
 
     def __call__(self, stream: object = None, *, check: bool | None = None, **tensors: object) -> None:
         """Run the whole schedule on `stream` (default: the caller's current stream).

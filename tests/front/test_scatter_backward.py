@@ -1,8 +1,9 @@
 """The derived backward of a statement that scatters its output rows through an index
 and/or weights them per row (`y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w[...]`): the
-DGRAD reads dy's rows through the index with the same row weight in its epilogue, the
-WGRAD reads `requantize(dy, rows = dst, weight = route_w)`; the row weight's gradient is
-reported as not derived; a BF16 statement of that form is skipped with its reason."""
+DGRAD reads dy's rows through the index (before the row weight: G), the WGRAD reads
+`requantize(dy, rows = dst, weight = route_w)`; the row weight's gradient is the row pass
+`rowdot(G, h)` and dh the row pass `rowscale(G, weight = route_w)`; a BF16 statement of
+that form is skipped with its reason."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from gemmspec.backward import derive_backward
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec"
 
-DGRAD = "dh[t, f] = route_w[t] * sum[n] dy[dst[t], n] * w_down_t[expert(t), n, f]"
+DGRAD = "dh_pre[t, f] = sum[n] dy[dst[t], n] * w_down_t[expert(t), n, f]"
+DGRAD_TEXT = f"{DGRAD}; dh = rowscale(dh_pre, weight = route_w)"
+ROWDOT = "droute_w = rowdot(dh_pre, h): droute_w[t] = sum[f] dh_pre[t, f] * h[t, f]"
 WGRAD = "dw_down[e, n, f] = sum[t in expert(e)] dyw_q[t, n] * h_t[t, f]"
 
 ONE = """\
@@ -46,12 +49,13 @@ def example_backward():
 def test_the_example_derives_both_gradients_of_its_down_projection():
     bw = example_backward()
     assert [(d.forward, d.kind, d.wrt, d.grad, d.text) for d in bw.statements] == [
-        (1, "dgrad", "h", "dh", DGRAD),
+        (1, "dgrad", "h", "dh", DGRAD_TEXT),
         (1, "wgrad", "w_down", "dw_down", WGRAD),
+        (1, "rowdot", "route_w", "droute_w", ROWDOT),
     ]
     assert bw.output_grads == (("y", "dy"),)
     assert bw.copies == (("h_t", "h_t"),) and bw.copies_unused == ()
-    assert [n for n, _ in bw.not_derived] == ["route_w"]
+    assert bw.not_derived == ()
     assert [s.forward for s in bw.skipped] == [0]
     assert "SwiGLU" in bw.skipped[0].reason
     src = bw.source
@@ -66,8 +70,13 @@ def test_the_example_derives_both_gradients_of_its_down_projection():
     # have no size at a call.
     assert "  dim T\n  dim H = 7168\n  dim F = 2048\n  dim E = 8\n" in src
     assert "dim S" not in src and "dim N" not in src
-    # The WGRAD reads the forward's copy: h is neither read nor requantized.
-    assert "requantize(h" not in src and "tensor h " not in src
+    # The WGRAD reads the forward's copy: h is not requantized; the rowdot reads h as the
+    # forward wrote it (1x128 scales).
+    assert "requantize(h" not in src
+    assert "  tensor h : e4m3 [T, F] layout row_major scale f32 [1, 128] layout row_major as h_scale\n" in src
+    assert "  tensor dh_pre : bf16 [T, F]\n" in src
+    assert "  tensor dh : bf16 [T, F] = rowscale(dh_pre, weight = route_w)\n" in src
+    assert "  tensor droute_w : f32 [T] = rowdot(dh_pre, h)\n" in src
 
 
 def test_the_backward_spec_checks_lowers_and_emits():
@@ -80,18 +89,26 @@ def test_the_backward_spec_checks_lowers_and_emits():
     assert ("transpose", "w_down", None, None) in passes
     assert not any(p.source == "h" for p in exe.schedule.prepasses)
     dgrad = exe.program.launches[0]
-    assert dgrad.gemm.epilogue == (("row", "f32"),)  # route_w in the DGRAD's epilogue
+    assert dgrad.gemm.epilogue == ()  # the DGRAD before the weight
+    assert [(p.kind, p.source, p.target, p.other, p.weight) for p in exe.schedule.postpasses] == [
+        ("rowscale", "dh_pre", "dh", None, "route_w"),
+        ("rowdot", "dh_pre", "droute_w", "h", None),
+    ]
     names = exe.argument_names()
-    assert {"dy", "dy_scale", "dst", "route_w", "h_t", "h_t_scale", "dh", "dw_down"} <= set(names)
-    assert "h" not in names and "route_w_grad" not in names
+    assert {"dy", "dy_scale", "dst", "route_w", "h", "h_scale", "h_t", "h_t_scale", "dh", "dh_pre", "dw_down", "droute_w"} <= set(names)
+    roles = exe._argument_roles()
+    assert {n: roles[n] for n in ("dh_pre", "dh", "droute_w", "h")} == {
+        "dh_pre": "output", "dh": "output", "droute_w": "output", "h": "input",
+    }
 
 
 def test_explain_prints_what_is_derived_and_what_is_not():
     text = gemmspec.build(EXAMPLE).explain()
     block = text[text.index("backward (derived):"):]
-    assert f"  dgrad of h (statement #1): {DGRAD}" in block
+    assert f"  dgrad of h (statement #1): {DGRAD_TEXT}" in block
     assert f"  wgrad of w_down (statement #1): {WGRAD}" in block
-    assert "  route_w: gradient not derived: the row weight of statement #1;" in block
+    assert f"  rowdot of route_w (statement #1): {ROWDOT}" in block
+    assert "gradient not derived" not in block
     assert "  statement #0: not derived: it fuses SwiGLU" in block
     assert "  h_t: the forward's copy h_t" in block
 
@@ -102,24 +119,28 @@ def test_explain_prints_what_is_derived_and_what_is_not():
         ("y[dst[t], n] = sum[k] x[t, k] * w[expert(t), n, k]",
          "dx[t, k] = sum[n] dy[dst[t], n] * w_t[expert(t), n, k]", "requantize(dy, rows = dst)"),
         ("y[t, n] = rw[t] * sum[k] x[t, k] * w[expert(t), n, k]",
-         "dx[t, k] = rw[t] * sum[n] dy[t, n] * w_t[expert(t), n, k]", "requantize(dy, weight = rw)"),
+         "dx_pre[t, k] = sum[n] dy[t, n] * w_t[expert(t), n, k]; dx = rowscale(dx_pre, weight = rw)",
+         "requantize(dy, weight = rw)"),
         ("y[dst[t], n] = rw[t] * sum[k] x[t, k] * w[expert(t), n, k]",
-         "dx[t, k] = rw[t] * sum[n] dy[dst[t], n] * w_t[expert(t), n, k]", "requantize(dy, rows = dst, weight = rw)"),
+         "dx_pre[t, k] = sum[n] dy[dst[t], n] * w_t[expert(t), n, k]; dx = rowscale(dx_pre, weight = rw)",
+         "requantize(dy, rows = dst, weight = rw)"),
     ],
     ids=["scatter", "weight", "both"],
 )
 def test_one_statement_forms(stmt, dgrad, wgrad_operand):
     bw = derive_backward(gemmspec.build(one(stmt)).spec)
     assert not bw.skipped
-    d, w = bw.statements
+    d, w, *row = bw.statements
     assert d.text == dgrad
+    assert [(r.kind, r.wrt, r.grad) for r in row] == ([("rowdot", "rw", "drw")] if "rw" in stmt else [])
     q = "dyw_q" if "weight" in wgrad_operand else "dy_q"
     assert w.text == f"dw[e, n, k] = sum[t in expert(e)] {q}[t, n] * x_q[t, k]"
     assert f"= {wgrad_operand}\n" in bw.source
     assert "= requantize(x)\n" in bw.source  # no copy: x is requantized as before
-    assert [n for n, _ in bw.not_derived] == (["rw"] if "rw" in stmt else [])
+    assert bw.not_derived == ()
     exe = gemmspec.build(bw.source)  # checks, lowers, emits
     assert len(exe.program.launches) == 2
+    assert len(exe.program.postpasses) == (2 if "rw" in stmt else 0)
 
 
 @pytest.mark.parametrize(
@@ -172,8 +193,9 @@ def test_an_ungrouped_statement_requantizes_into_one_segment():
 
     bw = derive_backward(gemmspec.build(LINEAR).spec)
     assert [d.text for d in bw.statements] == [
-        "dx[t, k] = rw[t] * sum[n] dy[dst[t], n] * w_t[n, k]",
+        "dx_pre[t, k] = sum[n] dy[dst[t], n] * w_t[n, k]; dx = rowscale(dx_pre, weight = rw)",
         "dw[n, k] = sum[t] dyw_q[t, n] * x_q[t, k]",
+        "drw = rowdot(dx_pre, x): drw[t] = sum[k] dx_pre[t, k] * x[t, k]",
     ]
     assert (
         "tensor dyw_q : e4m3 [T, N] layout major(T) scale f32 [128, 1] "
@@ -185,8 +207,8 @@ def test_an_ungrouped_statement_requantizes_into_one_segment():
     rng = np.random.default_rng(4)
     rt = random_runtime(spec, rng, dims={"T": 129})
     data = random_inputs(spec, rt, rng)
-    init = {g.out.tensor: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(g.out.tensor).dims), np.nan) for g in spec.gemms}
+    init = {n: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(n).dims), np.nan) for n in spec.written}
     direct, flat = run_direct(spec, rt, data, init), run_schedule(spec, rt, low.schedule, data, init)
-    for name in ("dx", "dw"):
+    for name in ("dx", "dw", "drw", "dx_pre"):
         assert not np.isnan(direct[name]).any()
         assert np.allclose(direct[name], flat[name], rtol=1e-12, atol=1e-12 * np.abs(direct[name]).max())

@@ -3,8 +3,9 @@ rows read through an index and weighted, bit for bit against the reference (floa
 the kernel computes it) on expert counts 0, 1, 127, 129 with indices outside the source;
 its output and scales are NaN-poisoned first, and the padding of the padded segments and
 the spare scale rows must stay NaN. Then the derived backward of
-examples/moe_ffn_fp8_train.gspec (dh, dw_down) against float64 gradients of the forward
-formula. Skipped elsewhere, with a reason."""
+examples/moe_ffn_fp8_train.gspec's down projection (dh before and after the row weight,
+dw_down, droute_w) against float64 gradients of the forward formula. Skipped elsewhere,
+with a reason."""
 
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def test_the_example_backward_matches_float64(counts, gather):
     route_w = rng.uniform(0.1, 1.0, t).astype(np.float32)
     dst = rng.permutation(t).astype(np.int32)
     data = {}
-    for name, real in (("dy", dy_real), ("w_down", w_real), ("h_t", h)):
+    for name, real in (("dy", dy_real), ("w_down", w_real), ("h_t", h), ("h", h)):
         qv, grid = requantize_values(spec, rt, real, spec.tensor(name))
         data[name] = TensorData(qv, grid)
 
@@ -220,7 +221,7 @@ def test_the_example_backward_matches_float64(counts, gather):
         "route_w": upload(route_w, (t,), "f32", "route_w"),
         "expert_offsets": upload(offs, (e + 1,), "i32", "expert_offsets"),
     }
-    for name in ("dy", "w_down"):
+    for name in ("dy", "w_down", "h"):
         sc = spec.tensor(name).scale.name
         args[name] = upload(_fp8_bytes(data[name].values), data[name].values.shape, "e4m3", name)
         args[sc] = upload(data[name].scale_grid.astype(np.float32), data[name].scale_grid.shape, "f32", sc)
@@ -233,24 +234,42 @@ def test_the_example_backward_matches_float64(counts, gather):
     grid = data["h_t"].scale_grid.astype(np.float32)
     assert grid.shape == scale_grid_shape(spec, rt, ht)
     args["h_t_scale"] = upload(grid, grid.shape, "f32", "h_t_scale")
-    args["dh"] = upload(np.full((t, f_dim), 0x7FC0, np.uint16), (t, f_dim), "bf16", "dh")  # bf16 NaN
+    for name in ("dh", "dh_pre"):  # bf16 NaN
+        args[name] = upload(np.full((t, f_dim), 0x7FC0, np.uint16), (t, f_dim), "bf16", name)
     args["dw_down"] = upload(np.full((e, h_dim, f_dim), np.nan, np.float32), (e, h_dim, f_dim), "f32", "dw_down")
+    args["droute_w"] = upload(np.full(t, np.nan, np.float32), (t,), "f32", "droute_w")
     exe(check=True, **args)
-    dh = (keep["dh"].to_numpy((t, f_dim), np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def bf16(name):
+        return (keep[name].to_numpy((t, f_dim), np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    dh, dh_pre = bf16("dh"), bf16("dh_pre")
     dw = keep["dw_down"].to_numpy((e, h_dim, f_dim), np.float32).astype(np.float64)
+    drw = keep["droute_w"].to_numpy((t,), np.float32).astype(np.float64)
     assert not np.isnan(dh).any() and not np.isnan(dw).any()
+    assert not np.isnan(dh_pre).any() and not np.isnan(drw).any()
 
     # float64 gradients of y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w_down[e(t), n, f],
     # from the dy and w_down the backward reads and the real h.
     dq = data["dy"].values * np.repeat(data["dy"].scale_grid.astype(np.float64), 128, axis=1)
     wq = data["w_down"].values * np.kron(data["w_down"].scale_grid.astype(np.float64), np.ones((1, 128, 128)))
     dy_rows = dq[dst] * route_w[:, None].astype(np.float64)
-    want_dh = np.zeros((t, f_dim))
+    want_pre = np.zeros((t, f_dim))
     want_dw = np.zeros((e, h_dim, f_dim))
     for g, (a, b) in enumerate(zip(offs[:-1], offs[1:])):
-        want_dh[a:b] = dy_rows[a:b] @ wq[g]
+        want_pre[a:b] = dq[dst][a:b] @ wq[g]
         want_dw[g] = dy_rows[a:b].T @ h[a:b]
-    for name, got, want, tol in (("dh", dh, want_dh, 1e-2), ("dw_down", dw, want_dw, 0.09)):
+    want_dh = want_pre * route_w[:, None].astype(np.float64)
+    # d route_w[t] = sum[n] dy[dst[t], n] * (h @ w_down[e]^T)[t, n] = sum[f] G[t, f] * h[t, f]:
+    # against the FP8 h the row pass reads (tight), and against the real h (FP8 rounding).
+    hq = data["h"].values * np.repeat(data["h"].scale_grid.astype(np.float64), 128, axis=1)
+    want_drw = (want_pre * hq).sum(axis=1)
+    want_drw_real = (want_pre * h).sum(axis=1)
+    checks = (
+        ("dh_pre", dh_pre, want_pre, 1e-2), ("dh", dh, want_dh, 1e-2), ("dw_down", dw, want_dw, 0.09),
+        ("droute_w", drw, want_drw, 1e-2), ("droute_w vs real h", drw, want_drw_real, 0.09),
+    )
+    for name, got, want, tol in checks:
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         print(f"{counts} {name}: rel err {err:.3e}")
         assert err < tol, (name, err)

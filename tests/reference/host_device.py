@@ -60,7 +60,7 @@ def run_on_host(exe, check=None, **args):
         n = int(offsets.max(initial=-1)) + 1
         return args[name].buf.data.view(NUMPY_TYPES[dtype])[:n].astype(np.float64)
 
-    written = {g.out.tensor for g in spec.gemms}
+    written = set(spec.written)
     data, init = {}, {}
     for t in spec.tensors:
         if t.derived is not None:

@@ -221,7 +221,7 @@ def backward_case(counts, seed=0):
         "dst": TensorData(dst.astype(np.float64)),
         "route_w": TensorData(route_w.astype(np.float64)),
     }
-    for name, real in (("dy", dy_real), ("w_down", w_real), ("h_t", h)):
+    for name, real in (("dy", dy_real), ("w_down", w_real), ("h_t", h), ("h", h)):
         q, grid = requantize_values(spec, rt, real, spec.tensor(name))
         data[name] = TensorData(q, grid)
     # float64 gradients of y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w_down[e(t), n, f],
@@ -233,7 +233,7 @@ def backward_case(counts, seed=0):
     dh = np.einsum("tn,tnf->tf", dy_rows, wq[gid])
     dw = np.zeros((e, h_dim, f_dim))
     np.add.at(dw, gid, np.einsum("tn,tf->tnf", dy_rows, h))
-    init = {"dh": np.full((t, f_dim), np.nan), "dw_down": np.full((e, h_dim, f_dim), np.nan)}
+    init = {n: np.full(tuple(rt.dims.get(d) or spec.dim(d).size for d in spec.tensor(n).dims), np.nan) for n in spec.written}
     return exe, rt, data, init, dh, dw
 
 
@@ -254,6 +254,10 @@ def test_the_derived_backward_on_the_flat_executor_matches_float64(counts):
     # dw_down: the weighted, gathered dy requantized to 128x1 and h's FP8 copy.
     assert _rel(out["dw_down"], dw) < 0.09, _rel(out["dw_down"], dw)
     assert (out["dw_down"][counts.index(0)] == 0).all()
+    # d route_w: the rows of the DGRAD before the weight dotted with the FP8 h the forward wrote.
+    hq = data["h"].values * np.repeat(data["h"].scale_grid.astype(np.float64), 128, axis=1)
+    drw = (dh / data["route_w"].values[:, None] * hq).sum(axis=1)
+    assert _rel(out["droute_w"], drw) < 4e-3, _rel(out["droute_w"], drw)
     direct = run_direct(exe.spec, rt, data, init)
-    for name in ("dh", "dw_down"):
+    for name in ("dh", "dw_down", "dh_pre", "droute_w"):
         assert np.allclose(out[name], direct[name], rtol=1e-12, atol=1e-12 * np.abs(direct[name]).max())

@@ -38,8 +38,12 @@ def good_args(**changes):
         "w_down_scale": ((E, H // 128, F // 128), "<f4"),
         "h_t": ((T + 15 * E, F), "|u1"),  # segments padded to 16 rows
         "h_t_scale": ((E, F), "<f4"),  # 64 tokens per expert: one 128-row block each
+        "h": ((T, F), "|u1"),
+        "h_scale": ((T, F // 128), "<f4"),
+        "dh_pre": ((T, F), "<u2"),
         "dh": ((T, F), "<u2"),
         "dw_down": ((E, H, F), "<f4"),
+        "droute_w": ((T,), "<f4"),
         "expert_offsets": ((E + 1,), "<i4"),
     }
     shapes.update(changes)

@@ -33,9 +33,13 @@ def test_every_example_derives_or_says_why(path):
     assert bool(bw.statements) == (path.stem in DERIVED)
     if bw.statements:
         exe, _ = build_backward(spec)  # parse, check, analyse, lower, emit
-        assert len(exe.spec.gemms) == len(bw.statements) and exe.program.launches
-        kinds = sorted(d.kind for d in bw.statements)
+        gemms = [d for d in bw.statements if d.kind in ("dgrad", "wgrad")]
+        assert len(exe.spec.gemms) == len(gemms) and exe.program.launches
+        kinds = sorted(d.kind for d in gemms)
         assert kinds == ["dgrad", "wgrad"] * (len(kinds) // 2) or kinds.count("dgrad") == kinds.count("wgrad")
+        # A row weight's gradient is a row pass (rowdot), one per weighted statement.
+        rows = [d for d in bw.statements if d.kind == "rowdot"]
+        assert len(exe.schedule.postpasses) == 2 * len(rows)
 
 
 def test_fp8_moe_backward_follows_the_recipe():

@@ -141,3 +141,20 @@ def test_the_function_refuses_the_spec_until_its_up_projection_derives():
     # The copy's writer has an FP8 output read by another statement: not derived yet.
     with pytest.raises(gemmspec.GemmspecError, match="no derived backward for every statement"):
         gt.function(FFN.format(tag="refused"))
+
+
+def test_the_feed_keeps_a_forward_output_the_row_weights_gradient_reads():
+    """With the example's route_w on the down-projection, the backward's rowdot reads h as
+    the forward wrote it: the feed keeps h and its scales beside the copy, and only the
+    copy's outputs are the non-differentiable FP8 forms of another output."""
+    text = FFN.format(tag="weighted").replace(
+        "  tensor y      : bf16 [T, H]", "  tensor route_w : f32 [T]\n  tensor y      : bf16 [T, H]"
+    ).replace("y[t, n] = sum[f]", "y[t, n] = route_w[t] * sum[f]")
+    exe = gemmspec.build(text)
+    bw = derive_backward(exe.spec)
+    assert [(d.kind, d.wrt) for d in bw.statements] == [("dgrad", "h"), ("wgrad", "w_down"), ("rowdot", "route_w")]
+    fop, bop = gt.op(exe), gt.op(bw.source)
+    feed = gt.BackwardFeed(fop, bop, bw)
+    assert feed.kept_outputs == ("h_t", "h_t_scale", "h", "h_scale")
+    assert feed.copy_outputs == frozenset({"h_t", "h_t_scale"})
+    assert "route_w" in feed.kept_inputs and {"h", "h_scale", "h_t", "h_t_scale"} <= set(bop.inputs)

@@ -1,0 +1,142 @@
+"""On a Hopper GPU with torch: the gradient of the expert FFN's router weight.
+
+1. The row passes on their own (a bf16 GEMM G, then rowdot(G, h) with h FP8 in 1x128
+   blocks and rowscale(G, weight = rw)), on 0, 1, 127 and 129 rows, outputs poisoned with
+   NaN: G, d rw and dh against float64, and a second call bit for bit the first (the
+   row sums are deterministic).
+2. One autograd step through gemmspec.torch.function of examples/moe_ffn_fp8_train.gspec's
+   down-projection (`y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w_down[expert(t), n, f]`,
+   the example's sizes) on expert counts 0, 1, 127 and 129: y, dh, dw_down and
+   d route_w against float64 autograd of the same formula.
+
+The example's own derived backward (its DGRAD before route_w, WGRAD, row passes) runs in
+tests/gpu/test_scatter_backward_gpu.py. The GPU tests are skipped elsewhere, with a
+reason; the same bookkeeping runs on the CPU in tests/torch/test_ffn_backward_gpu_cases.py,
+and one test here (not marked gpu) checks what the GPU tests build, so that selecting
+`-m "not gpu"` still runs something in this file."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gemmspec  # noqa: E402
+import gemmspec.torch as gt  # noqa: E402
+from gemmspec.backward import derive_backward  # noqa: E402
+
+DEVICE = "cuda"
+COUNTS = [0, 1, 127, 129]
+
+ROWS = """
+gemm ffn_row_passes {
+  dim T
+  dim H = 256, F = 384
+  tensor dy  : bf16 [T, H]
+  tensor w   : bf16 [F, H]
+  tensor h   : e4m3 [T, F] scale f32 [1, 128]
+  tensor rw  : f32 [T]
+  tensor g   : bf16 [T, F]
+  tensor drw : f32 [T] = rowdot(g, h)
+  tensor dh  : bf16 [T, F] = rowscale(g, weight = rw)
+  g[t, f] = sum[n] dy[t, n] * w[f, n]
+}
+"""
+
+DOWN = """
+gemm ffn_down {
+  dim T
+  dim H = 7168, F = 2048
+  group expert[E = 8] = ragged(T, offsets = expert_offsets)
+  tensor dst     : i32 [T]
+  tensor route_w : f32 [T]
+  tensor h       : e4m3 [T, F] scale f32 [1, 128]
+  tensor w_down  : e4m3 [E, H, F] scale f32 [1, 128, 128]
+  tensor y       : bf16 [T, H]
+  y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w_down[expert(t), n, f]
+}
+"""
+
+
+def run_op(o, inputs: dict) -> dict:
+    """One call of op `o` into fresh outputs poisoned with NaN."""
+    outs = {
+        s.name: torch.full(size, float("nan"), device=DEVICE).to(gt.torch_dtype(s.dtype))
+        for s, size in zip(o.shapes, o.output_sizes(inputs))
+    }
+    o(**inputs, **outs)
+    return outs
+
+
+def _rel(got, want) -> float:
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def test_the_specs_build_with_the_row_passes_and_derive_the_weight_gradient():
+    rows = gemmspec.build(ROWS)
+    assert [(p.kind, p.target) for p in rows.schedule.postpasses] == [("rowdot", "drw"), ("rowscale", "dh")]
+    bw = derive_backward(gemmspec.build(DOWN).spec)
+    assert [(d.kind, d.wrt, d.grad) for d in bw.statements] == [
+        ("dgrad", "h", "dh"), ("wgrad", "w_down", "dw_down"), ("rowdot", "route_w", "droute_w"),
+    ]
+    assert bw.not_derived == () and bw.skipped == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [0, 1, 127, 129])
+def test_the_row_passes_match_float64_and_repeat_bit_for_bit(rows):
+    o = gt.op(ROWS)
+    gen = torch.Generator().manual_seed(rows)
+    h, hs = gt.quantize(torch.randn(rows, 384, generator=gen).to(DEVICE), "e4m3", (1, 128))
+    inputs = {
+        "dy": torch.randn(rows, 256, generator=gen).to(torch.bfloat16).to(DEVICE),
+        "w": (torch.randn(384, 256, generator=gen) / 16).to(torch.bfloat16).to(DEVICE),
+        "h": h, "h_scale": hs,
+        "rw": (torch.rand(rows, generator=gen) + 0.5).to(DEVICE),
+    }
+    first, again = run_op(o, inputs), run_op(o, inputs)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert first["drw"].shape == (rows,) and first["dh"].shape == (rows, 384)
+    for name in ("g", "drw", "dh"):
+        assert not first[name].isnan().any(), name
+        assert torch.equal(first[name], again[name]), name  # deterministic
+    if rows == 0:
+        return
+    g = first["g"].double()  # the bf16 G the row passes read
+    hr = h.double() * hs.double().repeat_interleave(128, dim=1)
+    assert _rel(g, inputs["dy"].double() @ inputs["w"].double().T) < 1e-2
+    assert _rel(first["drw"], (g * hr).sum(dim=1)) < 1e-5  # float32 sums of exact products
+    assert _rel(first["dh"], inputs["rw"].double()[:, None] * g) < 4e-3  # rounded once to bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", [COUNTS * 2, [129, 127, 1, 0, 0, 1, 127, 129]], ids=["up", "down"])
+def test_an_autograd_step_of_the_down_projection_matches_float64(counts):
+    fn = gt.function(DOWN)
+    assert fn.backward.not_derived == () and not fn.backward.skipped
+    gen = torch.Generator().manual_seed(sum(counts[:2]))
+    t = sum(counts)
+    offs = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).to(DEVICE)
+    dst = torch.randperm(t, generator=gen).to(torch.int32).to(DEVICE)
+    h = torch.randn(t, 2048, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+    w = (torch.randn(8, 7168, 2048, generator=gen) / 16).to(DEVICE).requires_grad_(True)
+    rw = (torch.rand(t, generator=gen) + 0.5).to(DEVICE).requires_grad_(True)
+    y = fn(h=h, w_down=w, route_w=rw, dst=dst, expert_offsets=offs)
+    dy = torch.randn(y.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+    y.backward(dy)
+    # float64 autograd of the forward formula, from the same high-precision inputs.
+    hd, wd, rwd = (x.detach().double().requires_grad_(True) for x in (h, w, rw))
+    o = offs.tolist()
+    rows = torch.cat([hd[a:b] @ wd[e].T for e, (a, b) in enumerate(zip(o[:-1], o[1:]))]) * rwd[:, None]
+    yd = torch.zeros_like(rows).index_copy(0, dst.long(), rows)
+    yd.backward(dy.double())
+    for name, got, want in (("y", y, yd.detach()), ("dh", h.grad, hd.grad), ("dw_down", w.grad, wd.grad), ("droute_w", rw.grad, rwd.grad)):
+        assert got is not None and not got.isnan().any(), name
+        err = _rel(got, want)
+        print(f"{counts} {name}: rel err {err:.3e}")
+        assert err < 0.09, (name, err)
+    assert rw.grad.dtype == torch.float32
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert (w.grad[e] == 0).all()
