@@ -19,20 +19,10 @@ from gemmspec.pipeline import lower_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SPEC = """\
-gemm rp {
-  dim T
-  dim H = 256, F = 384
-  tensor dy  : bf16 [T, H]
-  tensor w   : bf16 [F, H]
-  tensor h   : e4m3 [T, F] scale f32 [1, 128]
-  tensor rw  : f32 [T]
-  tensor g   : bf16 [T, F]
-  tensor drw : f32 [T] = rowdot(g, h)
-  tensor dh  : bf16 [T, F] = rowscale(g, weight = rw)
-  g[t, f] = sum[n] dy[t, n] * w[f, n]
-}
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from row_pass_spec import ROW_PASS_SPEC  # noqa: E402
+
+SPEC = ROW_PASS_SPEC
 
 
 def test_the_configurations_name_their_kernels():

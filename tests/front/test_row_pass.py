@@ -5,6 +5,9 @@ explain prints them."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 import gemmspec
@@ -13,20 +16,10 @@ from gemmspec.errors import SpecError
 from gemmspec.parse import parse
 from gemmspec.pipeline import lower_file
 
-SPEC = """\
-gemm rp {
-  dim T
-  dim H = 256, F = 384
-  tensor dy  : bf16 [T, H]
-  tensor w   : bf16 [F, H]
-  tensor h   : e4m3 [T, F] scale f32 [1, 128]
-  tensor rw  : f32 [T]
-  tensor g   : bf16 [T, F]
-  tensor drw : f32 [T] = rowdot(g, h)
-  tensor dh  : bf16 [T, F] = rowscale(g, weight = rw)
-  g[t, f] = sum[n] dy[t, n] * w[f, n]
-}
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from row_pass_spec import ROW_PASS_SPEC  # noqa: E402
+
+SPEC = ROW_PASS_SPEC
 ROWDOT_LINE, ROWSCALE_LINE = 9, 10
 
 

@@ -17,6 +17,9 @@ and one test here (not marked gpu) checks what the GPU tests build, so that sele
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,20 +31,10 @@ from gemmspec.backward import derive_backward  # noqa: E402
 DEVICE = "cuda"
 COUNTS = [0, 1, 127, 129]
 
-ROWS = """
-gemm ffn_row_passes {
-  dim T
-  dim H = 256, F = 384
-  tensor dy  : bf16 [T, H]
-  tensor w   : bf16 [F, H]
-  tensor h   : e4m3 [T, F] scale f32 [1, 128]
-  tensor rw  : f32 [T]
-  tensor g   : bf16 [T, F]
-  tensor drw : f32 [T] = rowdot(g, h)
-  tensor dh  : bf16 [T, F] = rowscale(g, weight = rw)
-  g[t, f] = sum[n] dy[t, n] * w[f, n]
-}
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from row_pass_spec import ROW_PASS_SPEC  # noqa: E402
+
+ROWS = ROW_PASS_SPEC
 
 DOWN = """
 gemm ffn_down {

@@ -5,6 +5,9 @@ with no rows launches nothing."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("cuda.bindings")
@@ -14,22 +17,11 @@ from gemmspec.runtime import executor  # noqa: E402
 from gemmspec.runtime.arrays import DeviceArray  # noqa: E402
 
 GIB = 1 << 30
-F, H = 384, 256
 
-SPEC = f"""\
-gemm rp {{
-  dim T
-  dim H = {H}, F = {F}
-  tensor dy  : bf16 [T, H]
-  tensor w   : bf16 [F, H]
-  tensor h   : e4m3 [T, F] scale f32 [1, 128]
-  tensor rw  : f32 [T]
-  tensor g   : bf16 [T, F]
-  tensor drw : f32 [T] = rowdot(g, h)
-  tensor dh  : bf16 [T, F] = rowscale(g, weight = rw)
-  g[t, f] = sum[n] dy[t, n] * w[f, n]
-}}
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from row_pass_spec import ROW_PASS_SPEC, F, H  # noqa: E402
+
+SPEC = ROW_PASS_SPEC
 
 
 def args(t: int) -> dict[str, DeviceArray]:
