@@ -250,12 +250,13 @@ class GemmKernelConfig:
     copy: bool = False
     copy_pow2: bool = False
     # Split K for main loops whose leaves share one K (unscaled, or blockwise scales the
-    # producer stages; the emitter's default for them): tiles past the last whole waves
-    # (memory-bound tiles: all tiles, unless whole ones fill the blocks) are split, their K
-    # blocks in a row, each block taking an equal run of them, so a ragged or small tile
-    # count leaves no block idle and none with a whole tile more than another. A tile shared by several blocks is added up by the last
-    # of them to finish (an arrival counter per consumer warpgroup), in block order, so the
-    # result does not depend on which finished last. ``_splitk`` in the name.
+    # producer stages; the emitter's default for them). Memory-bound tiles: the tiles' K
+    # blocks in a row, each block taking an equal run of them (whole tiles where they fill
+    # the blocks); a tile shared by several blocks is added up by the last of them to finish,
+    # in block order. Wider tiles: where the cost model says it pays at run time, the last
+    # full wave and the tiles after it in 2-8 aligned parts of K, added up part by part in
+    # the tile's slot. Either way the sums are taken in a fixed order (the same bits on
+    # every call). ``_splitk`` in the name.
     split_k: bool = False
     # The leaf table built inside the kernel (``inline_table`` > 0: the bytes of its records
     # and of the checked offsets, which the emitter lays out): every block runs the offsets
