@@ -142,7 +142,7 @@ def dependency_order(spec: Spec) -> list[int]:
     readers: dict[str, list[int]] = {}
     waiting = [0] * len(spec.gemms)  # tensors a statement reads that are not final yet
     for g in spec.gemms:
-        for t in set(g.reads):
+        for t in _reads_through_passes(spec, g.reads):
             # A statement's own output is no dependency (the checker forbids reading it).
             if t in writers and t not in g.writes:
                 readers.setdefault(t, []).append(g.index)
@@ -163,6 +163,25 @@ def dependency_order(spec: Spec) -> list[int]:
     if len(order) < len(spec.gemms):
         _raise_cycle(spec, set(order), unwritten, writers)
     return order
+
+
+def _reads_through_passes(spec: Spec, reads: tuple[str, ...]) -> set[str]:
+    """`reads`, and what the passes that write them read, transitively: a statement that
+    reads swiglu_grad(GU, DH) waits for the statements that write GU and DH."""
+    seen: set[str] = set()
+    todo = list(reads)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        t = spec.tensor(name)
+        if t.derived is not None:
+            d = t.derived
+            todo += [n for n in (d.source, d.other, d.index, d.weight) if n is not None]
+        elif t.row_pass is not None:
+            todo += list(t.row_pass.reads)
+    return seen
 
 
 def _raise_cycle(

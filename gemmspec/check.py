@@ -63,6 +63,8 @@ SCALING_OPS = frozenset({"requantize", "quantize"})
 GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choices
 # `T = copy(S)`: a second FP8 output of the statement writing S, not a pre-pass.
 COPY_OP = "copy"
+# `= swiglu_grad(GU, DH)`: a pre-pass that may read what statements and row passes write.
+SWIGLU_GRAD_OP = "swiglu_grad"
 # quantize(SOURCE, pow2): the pass writes power-of-two scales (its only option).
 QUANTIZE_POW2 = "pow2"
 # requantize(SOURCE, rows = IDX, weight = W): row t of the target is W[t] times row
@@ -186,6 +188,7 @@ class _Checker:
         gemms = tuple(self.check_statement(i, s) for i, s in enumerate(self.ast.statements))
         gemms = self.check_copies(gemms)
         self.check_row_pass_targets(gemms)
+        self.check_no_cycle(gemms)
         self.check_written_once(gemms)
         self.check_pow2_scales(gemms)
         self.check_outputs_do_not_alias(gemms)
@@ -443,6 +446,10 @@ class _Checker:
             keys = {k.text: v.text for k, v in t.derived.keywords}
             other = t.derived.options[0].text if t.derived.options else None
             row_pass = RowPass(t.derived.op.text, t.derived.source.text, other, keys.get(REQUANTIZE_WEIGHT))
+        elif t.derived and t.derived.op.text == SWIGLU_GRAD_OP:
+            # A pre-pass reading two tensors (check_swiglu_grad).
+            other = t.derived.options[0].text if t.derived.options else None
+            derived = Derivation(SWIGLU_GRAD_OP, t.derived.source.text, other=other)
         elif t.derived:
             pow2 = any(o.text == QUANTIZE_POW2 for o in t.derived.options)  # checked in check_derivation
             keys = {k.text: v.text for k, v in t.derived.keywords}  # checked in check_derivation
@@ -794,6 +801,9 @@ class _Checker:
         if op.text in ROW_PASS_OPS:
             self.check_row_pass(t)
             return
+        if op.text == SWIGLU_GRAD_OP:
+            self.check_swiglu_grad(t)
+            return
         self.check_derivation_options(op, t.derived.options)
         self.check_derivation_keywords(t)
         if op.text == COPY_OP:
@@ -812,7 +822,8 @@ class _Checker:
                 "passed in",
                 src.pos,
             )
-        if source.derived is not None:
+        if source.derived is not None and not (op.text == "requantize" and source.derived.op == SWIGLU_GRAD_OP):
+            # A swiglu_grad target is requantized as an input would be: its pass runs first.
             message, note = self._chain_message(t.name.text, source)
             raise self.error(message, src.pos, note)
         if t.derived.keywords:
@@ -969,6 +980,127 @@ class _Checker:
                 f"[{', '.join(target.dims)}]" + (" with a scale" if target.scale is not None else ""),
                 t.name.pos,
             )
+
+    def check_swiglu_grad(self, t: ast.TensorDecl) -> None:
+        """`T = swiglu_grad(GU, DH)`: GU an unscaled bf16/f16/f32 [R, 2F] (columns 2j the
+        gate, 2j + 1 the up, as a SwiGLU statement reads its weight's rows), DH of GU's type
+        family [R, F], both 2-D with contiguous rows, passed in or written by a statement or
+        a row pass (the pass then runs after it); T an FP8 [R, 2F] with [1, 128] scales in
+        the default layouts, quantized as quantize(...) does."""
+        d = t.derived
+        name = t.name.text
+        usage = f"`{name} = swiglu_grad(GU, DH)`: GU the gate/up columns, DH the gradient of silu(gate) * up"
+        if len(d.options) != 1 or d.keywords:
+            pos = d.keywords[0][0].pos if d.keywords else d.options[1].pos if d.options else d.op.pos
+            raise self.error("swiglu_grad(...) takes two tensors and no options", pos, usage)
+        other = d.options[0]
+        if other.text not in self.tensors:
+            raise self.error(f"unknown tensor '{other.text}'", other.pos)
+        gu, dh, target = self.tensors[d.source.text], self.tensors[other.text], self.tensors[name]
+        for ref, x in ((d.source, gu), (other, dh)):
+            if x.name == name:
+                raise self.error(f"'{name}' is computed from itself", ref.pos)
+            if x.derived is not None or x.copy_of is not None:
+                what = "a copy" if x.copy_of is not None else f"derived by {x.derived.op}(...)"
+                raise self.error(
+                    f"swiglu_grad reads tensors passed in or written by statements or row passes, "
+                    f"but '{x.name}' is {what}",
+                    ref.pos,
+                )
+            if x.dtype not in QUANTIZE_SOURCE_TYPES or x.scale is not None:
+                what = f"{x.dtype} with a scale" if x.scale is not None else x.dtype
+                raise self.error(
+                    f"swiglu_grad reads unscaled bf16, f16 or f32 tensors, but '{x.name}' is {what}", ref.pos
+                )
+            if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
+                raise self.error(
+                    f"swiglu_grad reads 2-D tensors whose rows are contiguous (the last dim), but "
+                    f"'{x.name}' is [{', '.join(x.dims)}] layout {x.layout}",
+                    ref.pos,
+                )
+        pairs, cols = self.dims[gu.dims[1]].size, self.dims[dh.dims[1]].size
+        if dh.dims[0] != gu.dims[0] or pairs is None or cols is None or pairs != 2 * cols:
+            raise self.error(
+                f"swiglu_grad pairs the columns of '{gu.name}' (gate 2j, up 2j + 1) with column j of "
+                f"'{dh.name}': they need the same rows and constant column counts 2F and F, but they "
+                f"are [{', '.join(gu.dims)}] and [{', '.join(dh.dims)}]",
+                other.pos,
+            )
+        sizes = [self._size_poly(x) for x in target.dims]
+        if (
+            target.dtype not in FP8_TYPES or target.scale is None or target.dims != gu.dims
+            or target.scale.block != (1, KERNEL_K_BLOCK) or target.scale.anchor is not None
+            or target.scale.pow2 or target.layout.kind != "strided"
+            or target.layout.strides != tuple(_row_major(sizes, None))
+            or target.scale.layout.strides != tuple(_row_major(self._scale_grid(target), None))
+        ):
+            raise self.error(
+                f"swiglu_grad writes an FP8 [{', '.join(gu.dims)}] tensor, row_major, with "
+                f"[1, {KERNEL_K_BLOCK}] scales in the default layout, but '{name}' is {target}",
+                t.name.pos,
+                f"declare `tensor {name} : e4m3 [{', '.join(gu.dims)}] scale f32 [1, {KERNEL_K_BLOCK}] = "
+                f"swiglu_grad({gu.name}, {dh.name})`",
+            )
+        if pairs % KERNEL_K_BLOCK:
+            raise self.error(
+                f"swiglu_grad quantizes whole {KERNEL_K_BLOCK}-column blocks, but '{gu.name}' has "
+                f"{pairs} columns",
+                d.source.pos,
+            )
+
+    def check_no_cycle(self, gemms: tuple[Gemm, ...]) -> None:
+        """Statements and passes run in an order where each reads what the others write
+        before it (gemmspec.lower.lowering.step_order). Only a swiglu_grad pass reads what
+        statements write (the other passes read inputs, and no statement reads a row
+        pass's target), so only it can close a loop: a statement that reads, through any
+        chain, a pass that reads the statement's own output."""
+        if not any(t.derived is not None and t.derived.op == SWIGLU_GRAD_OP for t in self.tensors.values()):
+            return
+        steps: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+            (f"the statement on line {g.line}", g.reads, g.writes) for g in gemms
+        ]
+        for t in self.tensors.values():
+            d = t.derived
+            if d is not None:
+                reads = tuple(n for n in (d.source, d.other, d.index, d.weight) if n)
+                steps.append((f"'{t.name}' = {d}", reads, (t.name,)))
+            elif t.row_pass is not None:
+                steps.append((f"'{t.name}' = {t.row_pass}", t.row_pass.reads, (t.name,)))
+        writers: dict[str, list[int]] = {}
+        for i, (_, _, writes) in enumerate(steps):
+            for w in writes:
+                writers.setdefault(w, []).append(i)
+        after = [sorted({j for r in reads for j in writers.get(r, ())} - {i}) for i, (_, reads, _) in enumerate(steps)]
+        state = [0] * len(steps)  # 0 unseen, 1 on the path, 2 done
+        for root in range(len(steps)):
+            if state[root]:
+                continue
+            path, todo = [root], [iter(after[root])]  # depth-first, without recursion
+            state[root] = 1
+            while todo:
+                j = next(todo[-1], None)
+                if j is None:
+                    state[path.pop()] = 2
+                    todo.pop()
+                    continue
+                if state[j] == 0:
+                    state[j] = 1
+                    path.append(j)
+                    todo.append(iter(after[j]))
+                    continue
+                if state[j] != 1:
+                    continue
+                loop = path[path.index(j):]
+                derived = next((k for k in loop if k >= len(gemms)), None)
+                if derived is None:
+                    continue  # statements alone: the analysis reports their cycle
+                names = " <- ".join(steps[k][0] for k in [j, *reversed(loop)])
+                name = steps[derived][2][0]
+                raise self.error(
+                    f"'{name}' reads what it feeds: {names}",
+                    self.tensor_ast[name].derived.op.pos,
+                    "a pass may read what statements write only when none of them reads the pass's result",
+                )
 
     def check_row_pass_targets(self, gemms: tuple[Gemm, ...]) -> None:
         """A row pass's target is written after every statement: no statement reads or
@@ -2467,7 +2599,7 @@ class _Checker:
             t, decl = self.tensors[name], self.tensor_ast[name]
             pos = decl.layout.pos if decl.layout else decl.name.pos
             self._check_injective(t.name, t.dims, t.layout, pos)
-            if t.derived is not None and t.derived.op in SCALING_OPS and t.scale is not None:
+            if t.derived is not None and (t.derived.op in SCALING_OPS or t.derived.op == SWIGLU_GRAD_OP) and t.scale is not None:
                 # A requantize or quantize pass writes the target's scales too.
                 assert decl.scale is not None
                 spos = decl.scale.layout.pos if decl.scale.layout else decl.scale.pos
@@ -2535,8 +2667,8 @@ class _Checker:
         say so here, at the declaration, rather than when code is emitted."""
         read = {t for g in gemms for t in (g.a.tensor, g.b.tensor)}
         for t in self.tensors.values():
-            if t.derived is None or t.name not in read:
-                continue  # a derived tensor nobody reads gets no pre-pass
+            if t.derived is None or t.name not in read or t.derived.op == SWIGLU_GRAD_OP:
+                continue  # a derived tensor nobody reads gets no pre-pass; check_swiglu_grad
             src = self.tensors[t.derived.source]
             op = self.tensor_ast[t.name].derived.op
             if t.derived.op == "quantize":

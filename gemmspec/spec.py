@@ -180,7 +180,7 @@ class Scale:
 
 @dataclass(frozen=True)
 class Derivation:
-    op: str  # "requantize", "transpose", "quantize" or "gather"
+    op: str  # "requantize", "transpose", "quantize", "gather" or "swiglu_grad"
     source: str
     # quantize(SOURCE, pow2): every scale the pass writes is a power of two, the least one
     # (at least 2^-127) whose multiple of the FP8 max holds the block's amax.
@@ -193,10 +193,15 @@ class Derivation:
     # requantize(SOURCE, weight = W): row t is multiplied by the f32 W[t] before it is
     # quantized.
     weight: str | None = None
+    # swiglu_grad(GU, DH): the gradient of silu(gate) * up (GU's interleaved columns 2j and
+    # 2j + 1) from DH, the gradient of its output column j; quantized like quantize(...).
+    other: str | None = None
 
     def __str__(self) -> str:
         if self.op == "gather":
             return f"gather({self.source}[{self.index}])"
+        if self.op == "swiglu_grad":
+            return f"swiglu_grad({self.source}, {self.other})"
         args = [self.source]
         if self.pow2:
             args.append("pow2")

@@ -157,6 +157,15 @@ class EmittedProgram:
     launches: tuple[EmittedLaunch, ...]
     check: EmittedCheck | None = None
     postpasses: tuple[EmittedPostPass, ...] = ()
+    # The order the steps run in where it is not the default (Schedule.order).
+    order: tuple[tuple[str, int], ...] = ()
+
+    def steps(self) -> tuple[tuple[str, int, object], ...]:
+        """Every step in the order it runs: (kind, index among its kind, the emitted
+        pre-pass, launch or post-pass)."""
+        items = {"prepass": self.prepasses, "launch": self.launches, "postpass": self.postpasses}
+        order = self.order or tuple((kind, i) for kind, xs in items.items() for i in range(len(xs)))
+        return tuple((kind, i, items[kind][i]) for kind, i in order)
 
     def sources(self) -> dict[str, str]:
         """File name -> CUDA source."""
@@ -631,6 +640,13 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
         cfg = GatherRowsKernelConfig(elem_bytes=ELEMENT_BYTES[src.dtype], scaled=src.scale is not None)
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
         return EmittedPrePass(p, cfg, HEADER + render_gather_rows(cfg))
+    if p.kind == "swiglu_grad":
+        dh = spec.tensor(p.other)
+        if src.rank != 2 or src.layout.contiguous_axis() != 1 or dh.layout.contiguous_axis() != 1:
+            raise EmitError(f"swiglu_grad {p.source}, {p.other} -> {p.target}: the pass reads 2-D rows")
+        cfg = replace(quantize_config(src, dst), swiglu_grad=True, dh_type=dh.dtype, name="")
+        cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
+        return EmittedPrePass(p, cfg, HEADER + render_quantize(cfg))
     if p.kind == "quantize":
         cfg = quantize_config(src, dst)
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
@@ -761,4 +777,5 @@ def emit(spec: Spec, schedule: Schedule, *, fuse_check: bool = True, inline_tabl
         ),
         check,
         tuple(emit_postpass(spec, p, i) for i, p in enumerate(schedule.postpasses)),
+        schedule.order,
     )

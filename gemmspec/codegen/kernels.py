@@ -792,10 +792,16 @@ class QuantizeKernelConfig:
     threads: int = 256
     name: str = ""
     pow2: bool = False
+    # swiglu_grad: X holds a SwiGLU's gate/up columns (2j, 2j + 1) and DH (of `dh_type`)
+    # the gradient of its output column j; the quantized values are their gradients.
+    swiglu_grad: bool = False
+    dh_type: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.in_type not in QUANTIZE_IN_TYPES or self.out_type not in FP8_TYPES:
             raise ValueError("quantize reads bf16, f16 or f32 and writes FP8")
+        if self.swiglu_grad and (self.block_r != 1 or self.pow2 or self.dh_type not in QUANTIZE_IN_TYPES):
+            raise ValueError("swiglu_grad quantizes into [1, 128] blocks with scales amax / FP8 max")
         if self.block_c != 32 * QUANTIZE_PER_LANE or self.block_r not in (1, self.block_c):
             raise ValueError(f"quantize blocks are 1x{32 * QUANTIZE_PER_LANE} or square")
         if self.threads % 32 or (self.block_r > 1 and self.block_r % (self.threads // 32)):
@@ -804,7 +810,8 @@ class QuantizeKernelConfig:
             object.__setattr__(
                 self,
                 "name",
-                f"gs_sm90a_quantize_{self.in_type}_{self.out_type}_b{self.block_r}x{self.block_c}"
+                f"gs_sm90a_{'swiglu_grad' if self.swiglu_grad else 'quantize'}_{self.in_type}"
+                f"{f'_{self.dh_type}' if self.swiglu_grad else ''}_{self.out_type}_b{self.block_r}x{self.block_c}"
                 f"_w{self.threads}{'_pow2' if self.pow2 else ''}",
             )
 
@@ -988,6 +995,8 @@ def render_quantize(cfg: QuantizeKernelConfig | None = None) -> str:
         threads=cfg.threads,
         pow2=cfg.pow2,
         out_max_exp=fp8_max_exponent(cfg.out_type),
+        swiglu_grad=cfg.swiglu_grad,
+        dh_type=cfg.dh_type,
     )
 
 

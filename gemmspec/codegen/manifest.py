@@ -141,7 +141,7 @@ class Upload:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    # "check", "transpose", "requantize", "quantize", "gather", "leaf_table", "gemm",
+    # "check", "transpose", "requantize", "quantize", "swiglu_grad", "gather", "leaf_table", "gemm",
     # "rowdot" or "rowscale"
     role: str
     symbol: str
@@ -439,7 +439,7 @@ class _Builder:
         file = f"{self.stem}_prepass{index}.cu"
         if p.kind == "transpose":
             self.transpose(index, e, p, src, dst, file)
-        elif p.kind == "quantize":
+        elif p.kind in ("quantize", "swiglu_grad"):
             self.quantize(index, e, src, dst, file)
         elif p.kind == "gather":
             self.gather(index, e, p, src, dst, file)
@@ -553,9 +553,16 @@ class _Builder:
             Param("R", "int", self.value(rows)),
             Param("C", "int", self.value(cols)),
         )
+        if cfg.swiglu_grad:  # the gradient of the SwiGLU's output, one column per pair
+            dh = self.spec.tensor(e.prepass.other)
+            params += (
+                Param("DH", _ptr(dh.dtype), self.where[dh.name]),
+                Param("dh_ldr", "long long", self.value(_layout_formula(self.spec, dh.layout.strides[0]))),
+            )
         grid = (rows.ceil_div(cfg.rows_per_cta), cols.ceil_div(cfg.block_c), batch)
+        role = "swiglu_grad" if cfg.swiglu_grad else "quantize"
         self.steps.append(
-            KernelLaunch("quantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
+            KernelLaunch(role, e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
         )
         self.where[dst.name], self.where[dst.scale.name] = y, sy
 
@@ -829,12 +836,13 @@ def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None
             else first.table_kernel
         )
         check = OffsetsCheck(symbol, program.check.fused, v.checks)
-    for i, p in enumerate(program.prepasses):
-        b.prepass(i, p)
-    for x in program.launches:
-        b.launch(x)
-    for i, p in enumerate(program.postpasses):
-        b.postpass(i, p)
+    for kind, i, x in program.steps():
+        if kind == "prepass":
+            b.prepass(i, x)
+        elif kind == "launch":
+            b.launch(x)
+        else:
+            b.postpass(i, x)
     return Manifest(
         spec.name, spec.path, b.stem, spec.runtime_dims, spec_arguments(spec),
         tuple(b.workspaces), tuple(b.steps), check,

@@ -8,9 +8,11 @@ produce derived (quantized, requantized or transposed) operands.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import replace
 
 from ..analyse import LaunchPlan, NestDecision
+from ..errors import GemmspecError
 from ..expr import ZERO, Poly
 from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
 from .schedule import (
@@ -279,6 +281,21 @@ def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
             index=t.derived.index,
         )
     assert t.scale is not None
+    if t.derived.op == "swiglu_grad":  # quantized like quantize(...), from two sources
+        return PrePass(
+            kind="swiglu_grad",
+            source=src.name,
+            target=t.name,
+            source_layout=str(src.layout),
+            target_layout=str(t.layout),
+            source_scale=None,
+            target_scale=t.scale.name,
+            source_block=(),
+            target_block=t.scale.block,
+            anchor=None,
+            reads_before=readers,
+            other=t.derived.other,
+        )
     assert src.scale is not None or t.derived.op == "quantize"
     return PrePass(
         kind=t.derived.op,
@@ -298,24 +315,101 @@ def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
     )
 
 
+def _needed_derived(spec: Spec, launches: tuple[Launch, ...]) -> set[str]:
+    """The derived tensors a launch reads, and the derived tensors their passes read."""
+    need = {
+        t.name for t in spec.tensors if t.derived is not None
+        and any(t.name in (x.problems.a.tensor, x.problems.b.tensor) for x in launches)
+    }
+    todo = list(need)
+    while todo:
+        d = spec.tensor(todo.pop()).derived
+        for name in (d.source, d.other):
+            if name is not None and spec.tensor(name).derived is not None and name not in need:
+                need.add(name)
+                todo.append(name)
+    return need
+
+
+def _step_io(spec: Spec, kind: str, x) -> tuple[set[str], set[str]]:
+    """What a step reads and writes, by tensor name (a scale goes with its tensor)."""
+    if kind == "launch":
+        g = spec.gemms[x.statement]
+        reads = {*g.reads, x.problems.a.tensor, x.problems.b.tensor}
+        return reads | ({g.out.tensor} if g.accumulate else set()), set(g.writes)
+    return set(x.reads), {x.target}
+
+
+def step_order(spec: Spec, schedule: Schedule) -> tuple[tuple[str, int], ...]:
+    """The order the steps run in: the default order (pre-passes, launches, post-passes),
+    except that a pass waits for every step that writes what it reads, and a launch for
+    the passes that write what it reads. Each step is taken as soon as it may run, the
+    earliest in the default order first; launches keep their relative order (the analysis
+    orders them writers first, passes between included, and `+=` launches into one tensor
+    stay in it). A pass writes its target alone, so nothing else orders them. () when
+    that is the default order (no pre-pass reads what a launch or a post-pass writes)."""
+    steps = schedule.steps()
+    io = [_step_io(spec, kind, x) for kind, _, x in steps]
+    writers: dict[str, list[int]] = {}
+    for i, (_, writes) in enumerate(io):
+        for w in writes:
+            writers.setdefault(w, []).append(i)
+    if not any(kind == "prepass" and any(r in writers for r in io[i][0]) for i, (kind, _, _) in enumerate(steps)):
+        return ()  # the pre-passes read only what the caller passes
+    after: list[set[int]] = []
+    last_launch = None
+    for i, (reads, _) in enumerate(io):
+        launch = steps[i][0] == "launch"
+        deps = {j for r in reads for j in writers.get(r, ()) if j != i and not (launch and steps[j][0] == "launch")}
+        if launch:
+            if last_launch is not None:
+                deps.add(last_launch)
+            last_launch = i
+        after.append(deps)
+    waiting = [len(d) for d in after]
+    unblocks: list[list[int]] = [[] for _ in steps]
+    for i, deps in enumerate(after):
+        for j in deps:
+            unblocks[j].append(i)
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    placed: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        placed.append(i)
+        for k in unblocks[i]:
+            waiting[k] -= 1
+            if waiting[k] == 0:
+                heapq.heappush(ready, k)
+    if len(placed) < len(steps):
+        stuck = [f"{steps[i][0]} {steps[i][1]}" for i in range(len(steps)) if waiting[i]]
+        raise GemmspecError(f"{spec.name}: the steps {', '.join(stuck)} wait for each other")
+    default = schedule.default_order()
+    order = tuple(default[i] for i in placed)
+    return () if order == default else order
+
+
 def lower(spec: Spec, decision: NestDecision) -> Schedule:
     launches = tuple(_launch(spec, p, i) for i, p in enumerate(decision.plans))
     reasons = list(decision.reasons)
     prepasses = []
+    needed = _needed_derived(spec, launches)
     for t in spec.tensors:
-        if t.derived is None:
+        if t.name not in needed:
             continue
         readers = tuple(
             launch.index
             for launch in launches
             if t.name in (launch.problems.a.tensor, launch.problems.b.tensor)
         )
+        prepasses.append(_prepass(spec, t, readers))
         if readers:
-            prepasses.append(_prepass(spec, t, readers))
             reasons.append(
                 f"pre-pass: {t.name} = {t.derived} before launch"
                 f"{'es' if len(readers) > 1 else ''} {', '.join(map(str, readers))}"
             )
+        else:
+            reasons.append(f"pre-pass: {t.name} = {t.derived}, read by another pre-pass")
     postpasses = []
     for t in spec.row_passes:
         rp = t.row_pass
@@ -325,6 +419,14 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
             other.scale.name if other is not None and other.scale else None, rp.weight,
         ))
         reasons.append(f"row pass: {t.name} = {rp} after every launch")
-    return Schedule(
+    schedule = Schedule(
         spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches, tuple(postpasses)
     )
+    order = step_order(spec, schedule)
+    if not order:
+        return schedule
+    reasons.append(
+        "order: " + ", ".join(f"{kind} {i}" for kind, i in order)
+        + " (a pre-pass reads what a launch or a post-pass writes)"
+    )
+    return replace(schedule, reasons=tuple(reasons), order=order)

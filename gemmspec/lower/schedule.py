@@ -1,6 +1,7 @@
 """The flat grouped schedule: the IR between lowering and code generation.
 
-A schedule is pre-passes plus an ordered list of launches. Each launch is one
+A schedule is pre-passes, an ordered list of launches and post-passes (run in that
+order unless a pass reads what a later step writes: `Schedule.order`). Each launch is one
 kernel signature and a *problem generator*: for leaf number i it says, through
 polynomials over per-leaf symbols, where that leaf's A, B, D and scales live and
 how large its M, N and K are. Per-leaf symbols:
@@ -405,6 +406,10 @@ class PrePass:
     kind "gather": row t of the target is row index[t] of the source (a zero row for an
     entry outside the source's rows), its [1, 128] scales copied with it (none for an
     unscaled source); bytes move, nothing is requantized.
+    kind "swiglu_grad": the gradient of a SwiGLU's gate/up columns (the source, unscaled,
+    2j the gate and 2j + 1 the up) from the gradient `other` of its output column j,
+    quantized into FP8 with [1, 128] scales as kind "quantize" quantizes; it may read
+    what launches and post-passes write, and then runs after them.
     A requantize with `index` reads row t of its target from row index[t] of the source
     (a zero row outside the source's rows); with `weight` it multiplies row t by
     weight[t] before quantizing it.
@@ -424,8 +429,20 @@ class PrePass:
     pow2: bool = False  # quantize: power-of-two scales
     index: str | None = None  # gather, requantize: the int32 index tensor naming the source rows
     weight: str | None = None  # requantize: the f32 weight of each target row
+    other: str | None = None  # swiglu_grad: the gradient of the SwiGLU's output
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.source, self.other, self.index, self.weight) if n is not None)
 
     def describe(self) -> str:
+        if self.kind == "swiglu_grad":
+            return (
+                f"swiglu_grad {self.source} (gate, up interleaved), {self.other} -> {self.target} "
+                f"({self.target_layout}, scales {list(self.target_block)}): per pair, "
+                f"d gate = d h * up * silu'(gate), d up = d h * silu(gate), rounded to bf16, then "
+                "quantized as the quantize pass does, one pass"
+            )
         if self.kind == "gather":
             scales = f", scales {list(self.source_block)} with them" if self.source_scale else ""
             return (
@@ -476,6 +493,10 @@ class PostPass:
     other_scale: str | None = None
     weight: str | None = None
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.source, self.other, self.weight) if n is not None)
+
     def describe(self) -> str:
         if self.kind == "rowdot":
             scaled = f" (dequantized with {self.other_scale})" if self.other_scale else ""
@@ -492,6 +513,10 @@ class PostPass:
         return self.describe()
 
 
+# The kinds of a schedule's steps, in their default order.
+STEP_KINDS = ("prepass", "launch", "postpass")
+
+
 @dataclass(frozen=True)
 class Schedule:
     spec: str
@@ -500,13 +525,26 @@ class Schedule:
     prepasses: tuple[PrePass, ...]
     launches: tuple[Launch, ...]
     postpasses: tuple[PostPass, ...] = ()
+    # The order the steps run in, as (kind, index) pairs, where it is not the default
+    # (every pre-pass, every launch, every post-pass): a pre-pass that reads what a launch
+    # or a post-pass writes runs after it (see gemmspec.lower.lowering.step_order).
+    order: tuple[tuple[str, int], ...] = ()
+
+    def default_order(self) -> tuple[tuple[str, int], ...]:
+        return tuple(
+            (kind, i) for kind, items in zip(STEP_KINDS, (self.prepasses, self.launches, self.postpasses))
+            for i in range(len(items))
+        )
+
+    def steps(self) -> tuple[tuple[str, int, object], ...]:
+        """Every step in the order it runs: (kind, its index among its kind, the PrePass,
+        Launch or PostPass)."""
+        items = {"prepass": self.prepasses, "launch": self.launches, "postpass": self.postpasses}
+        return tuple((kind, i, items[kind][i]) for kind, i in (self.order or self.default_order()))
 
     def __str__(self) -> str:
         lines = [f"schedule {self.spec}: {self.decision}"]
         lines += [f"  reason: {r}" for r in self.reasons]
-        for i, p in enumerate(self.prepasses):
-            lines.append(f"prepass {i}: {p}")
-        lines += [str(launch) for launch in self.launches]
-        for i, p in enumerate(self.postpasses):
-            lines.append(f"postpass {i}: {p}")
+        for kind, i, x in self.steps():
+            lines.append(str(x) if kind == "launch" else f"{kind} {i}: {x}")
         return "\n".join(lines)

@@ -201,6 +201,24 @@ def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -
     return ratio.astype(NUMPY_TYPES[target.dtype]).astype(np.float64), grid
 
 
+def swiglu_grad_values(
+    spec: Spec, rt: Runtime, target: Tensor, gu: np.ndarray, gu_type: str, dh: np.ndarray, dh_type: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """swiglu_grad(GU, DH) (docs/language.md): with g = GU[:, 2j], u = GU[:, 2j + 1],
+    d = DH[:, j] as stored (rounded to their types) and s = sigmoid(g), column 2j is
+    d * u * s * (1 + g * (1 - s)) (the gate's gradient) and column 2j + 1 is d * g * s (the
+    up's), computed in float64 here (the kernel: float32), rounded to bf16, then quantized
+    as quantize(...) does into the target's [1, 128] blocks."""
+    x, d = quantize(np.asarray(gu), gu_type), quantize(np.asarray(dh), dh_type)
+    g, u = x[:, 0::2], x[:, 1::2]
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-g))
+    out = np.empty_like(x)
+    out[:, 0::2] = d * u * s * (1.0 + g * (1.0 - s))
+    out[:, 1::2] = d * g * s
+    return quantize_values(spec, rt, quantize(out, "bf16"), target)
+
+
 def _pow2(t: Tensor) -> bool:
     """Whether `t`'s scales are powers of two: quantize(SOURCE, pow2), or an FP8 output
     declared `scale f32 [...] pow2`."""

@@ -6,8 +6,9 @@ ragged, split, uniform and masked groups, and rows read or written through an
 index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an index
 outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
-blocks, with `rows` and `weight` in float32 as data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values).
-Row passes (`rowdot`, `rowscale`) run after every statement, as data.row_pass_values says.
+blocks, with `rows` and `weight` in float32 as data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values;
+swiglu_grad: as data.swiglu_grad_values says, once what it reads is written).
+Row passes (`rowdot`, `rowscale`) run once what they read is written, as data.row_pass_values says.
 An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
 own scale grid (returned under the scale's name beside the values).
 """
@@ -34,36 +35,52 @@ from .data import (
     rows_through,
     scale_grid_shape,
     segments,
+    swiglu_grad_values,
 )
 
 
+def _derived_reads(t: Tensor) -> tuple[str, ...]:
+    d = t.derived
+    return tuple(n for n in (d.source, d.other, d.index, d.weight) if n is not None)
+
+
 def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, TensorData]:
-    """Add every derived tensor to `data` (returns a new dict)."""
+    """Add to `data` every derived tensor not in it yet whose sources are (returns a new
+    dict): all of them where every source is passed in; a swiglu_grad once the statements
+    and row passes it reads have run, and a requantize of it then."""
     out = dict(data)
-    for t in spec.tensors:
-        if t.derived is None:
-            continue
-        src = spec.tensor(t.derived.source)
-        if t.derived.op == "transpose":
-            out[t.name] = TensorData(data[src.name].values, data[src.name].scale_grid)
-        elif t.derived.op == "quantize":
-            q, grid = quantize_values(spec, rt, data[src.name].values, t)
-            out[t.name] = TensorData(q, grid)
-        elif t.derived.op == "gather":
-            # The statements read x[idx[t], k] as written (through the index); the
-            # pre-pass's copy is the schedule's business (schedule_exec.run_prepass).
-            continue
-        elif t.derived.index is not None or t.derived.weight is not None:
-            index, weight = (
-                None if n is None else data[n].values for n in (t.derived.index, t.derived.weight)
-            )
-            q, grid = requantize_rows_values(spec, rt, src, data[src.name], t, index, weight)
-            out[t.name] = TensorData(q, grid)
-        else:
-            real = real_values(spec, rt, src, data[src.name])
-            q, grid = requantize_values(spec, rt, real, t)
-            out[t.name] = TensorData(q, grid)
+    grown = True
+    while grown:
+        grown = False
+        for t in spec.tensors:
+            if t.derived is None or t.name in out or t.derived.op == "gather":
+                continue
+            if all(n in out for n in _derived_reads(t)):
+                out[t.name] = _derived(spec, rt, t, out)
+                grown = True
     return out
+
+
+def _derived(spec: Spec, rt: Runtime, t: Tensor, data: dict[str, TensorData]) -> TensorData:
+    """The values of derived tensor `t` from the sources in `data` (the statements read a
+    gathered x[idx[t], k] as written: the gather pre-pass is the schedule's business,
+    schedule_exec.run_prepass)."""
+    src = spec.tensor(t.derived.source)
+    if t.derived.op == "transpose":
+        return TensorData(data[src.name].values, data[src.name].scale_grid)
+    if t.derived.op == "swiglu_grad":
+        other = spec.tensor(t.derived.other)
+        q, grid = swiglu_grad_values(
+            spec, rt, t, data[src.name].values, src.dtype, data[other.name].values, other.dtype
+        )
+    elif t.derived.op == "quantize":
+        q, grid = quantize_values(spec, rt, data[src.name].values, t)
+    elif t.derived.index is not None or t.derived.weight is not None:
+        index, weight = (None if n is None else data[n].values for n in (t.derived.index, t.derived.weight))
+        q, grid = requantize_rows_values(spec, rt, src, data[src.name], t, index, weight)
+    else:
+        q, grid = requantize_values(spec, rt, real_values(spec, rt, src, data[src.name]), t)
+    return TensorData(q, grid)
 
 
 def _group_mask(spec: Spec, rt: Runtime, group: str, chain: dict[str, int]) -> np.ndarray:
@@ -278,9 +295,21 @@ def run_direct(
     for t in fp8_outputs(spec):
         if t.scale.name not in results:
             results[t.scale.name] = np.full(scale_grid_shape(spec, rt, t), np.nan)
-    # Statements take effect in data-dependency order (writers before readers).
-    for index in dependency_order(spec):
-        gemm = spec.gemms[index]
+    # Statements take effect in data-dependency order (writers before readers); a row pass
+    # and a derived tensor once what they read is written.
+    statements = list(dependency_order(spec))
+    rows = list(spec.row_passes)
+    while statements or rows:
+        data = derive(spec, rt, data)
+        ready = next((i for i in statements if all(r in data for r in spec.gemms[i].reads)), None)
+        if ready is None:
+            t = next(t for t in rows if all(r in data for r in t.row_pass.reads))
+            results[t.name] = row_pass_values(spec, rt, t, data)
+            data[t.name] = TensorData(results[t.name])
+            rows.remove(t)
+            continue
+        statements.remove(ready)
+        gemm = spec.gemms[ready]
         name = gemm.out.tensor
         out_t = spec.tensor(name)
         if out_t.dtype in FP8_TYPES:
@@ -301,9 +330,6 @@ def run_direct(
             continue
         results[name] = run_statement(spec, rt, gemm, data, results[name])
         data[name] = TensorData(results[name])
-    # Row passes run after every statement (their targets are read by none).
-    for t in spec.row_passes:
-        results[t.name] = row_pass_values(spec, rt, t, data)
     return results
 
 

@@ -42,6 +42,7 @@ from .data import (
     row_pass_values,
     scale_offsets,
     segments,
+    swiglu_grad_values,
 )
 from .direct import chain_names, fp8_outputs, swiglu_pairs
 
@@ -205,6 +206,13 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
     src, dst = spec.tensor(p.source), spec.tensor(p.target)
     src_off, dst_off = element_offsets(spec, rt, src), element_offsets(spec, rt, dst)
     q_src = flat[src.name][src_off]
+    if p.kind == "swiglu_grad":  # two unscaled sources
+        other = spec.tensor(p.other)
+        dh = flat[other.name][element_offsets(spec, rt, other)]
+        q, grid = swiglu_grad_values(spec, rt, dst, q_src, src.dtype, dh, other.dtype)
+        flat[dst.name] = pack(dst_off, q)
+        flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
+        return
     if p.kind == "quantize":  # an unscaled source
         q, grid = quantize_values(spec, rt, q_src, dst)
         flat[dst.name] = pack(dst_off, q)
@@ -265,12 +273,9 @@ def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, 
     for name, t in fp8.items():
         grid = init.get(name, np.full(scale_offsets(spec, rt, t).shape, np.nan))
         flat[name] = pack(scale_offsets(spec, rt, t), grid)
-    for p in schedule.prepasses:
-        run_prepass(spec, rt, p, flat)
-    for launch in schedule.launches:
-        run_launch(spec, rt, launch, flat)
-    for p in schedule.postpasses:
-        run_postpass(spec, rt, p, flat)
+    run_step = {"prepass": run_prepass, "launch": run_launch, "postpass": run_postpass}
+    for kind, _, x in schedule.steps():
+        run_step[kind](spec, rt, x, flat)
     out = {}
     for name in init:
         if name not in fp8:

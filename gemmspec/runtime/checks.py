@@ -136,7 +136,7 @@ def _written(spec: Spec) -> list[tuple[str, Tensor, bool]]:
     for t in spec.tensors:
         if t.derived is not None and t.name in read:
             out.setdefault(t.name, (f"'{t.name}', which a pre-pass writes,", t, False))
-            if t.derived.op in ("requantize", "quantize", "gather") and t.scale is not None:
+            if t.derived.op in ("requantize", "quantize", "swiglu_grad", "gather") and t.scale is not None:
                 out[t.scale.name] = (f"'{t.scale.name}', which a pre-pass writes,", t, True)
     return list(out.values())
 
