@@ -123,6 +123,11 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
             for p in schedule.prepasses
         ],
     }
+    for prepass, p in zip(doc["prepasses"], schedule.prepasses):
+        if p.other is not None:  # only swiglu_grad's: other documents stay as they were
+            prepass["other"] = p.other
+    if schedule.order:
+        doc["order"] = [{"kind": kind, "index": i} for kind, i in schedule.order]
     if schedule.postpasses:  # only where there are some: other documents stay as they were
         doc["postpasses"] = [
             {
@@ -236,14 +241,17 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
         lines.append("pre-passes:")
         for i, p in enumerate(schedule.prepasses):
             before = ", ".join(map(str, p.reads_before))
-            lines.append(f"  [{i}] {p.describe()} (before launch {before})")
+            when = f"before launch {before}" if before else "before the pre-passes that read it"
+            lines.append(f"  [{i}] {p.describe()} ({when})")
     lines.append(f"launches: {len(schedule.launches)}")
     for launch in schedule.launches:
         body = str(launch).splitlines()
         body[1] = f"  kernel {_kernel_line(spec, schedule, launch)}"
         lines += ["  " + ln for ln in body]
+    if schedule.order:
+        lines.append("order: " + ", ".join(f"{kind} {i}" for kind, i in schedule.order))
     if schedule.postpasses:
-        lines.append("row passes (after the launches):")
+        lines.append("row passes (after the launches they read" + (", in the order above):" if schedule.order else "):"))
         for i, p in enumerate(schedule.postpasses):
             lines.append(f"  [{i}] {p.describe()}")
     placement = _check_placement(spec, schedule)
