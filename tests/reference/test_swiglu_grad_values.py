@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from swiglu_grad_spec import SWIGLU_GRAD_SPEC
 
 from gemmspec.pipeline import lower_file
 from gemmspec.reference.data import dim_size, quantize, random_inputs, random_runtime, real_values
 from gemmspec.reference.direct import run_direct
 from gemmspec.reference.schedule_exec import run_schedule
-from swiglu_grad_spec import SWIGLU_GRAD_SPEC
 
 
 def test_the_steps_run_writers_first():
