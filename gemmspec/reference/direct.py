@@ -7,7 +7,7 @@ index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an in
 outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
 blocks, with `rows` and `weight` in float32 as data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values).
-Row passes (`rowdot`, `rowscale`) run after every statement, as data.row_pass_values says.
+Row passes (`rowdot`, `rowscale`, `scatter_add`) run after every statement, as data.row_pass_values says.
 An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
 own scale grid (returned under the scale's name beside the values).
 """
