@@ -133,3 +133,13 @@ def test_the_emitted_pass_compiles_spill_free():
     p = prog.postpasses[0]
     cubin, log = compile_cubin(p.source, [include_dir()], name=f"{p.kernel}.cu")
     assert_spill_free(log, disassemble(cubin))
+
+
+def test_the_compiled_schedule_json_names_the_five_kernels():
+    from gemmspec.explain import schedule_json
+
+    (low,) = lower_file(SPEC)
+    doc = schedule_json(low.spec, low.schedule, emit(low.spec, low.schedule))
+    p = doc["postpasses"][0]
+    assert (p["kind"], p["index"], p["symbol"]) == ("scatter_add", "src", BASE)
+    assert p["symbols"] == [f"{BASE}_zero", f"{BASE}_count", f"{BASE}_scan", f"{BASE}_place", BASE]
