@@ -105,7 +105,8 @@ def test_scatter_add_matches_float64_and_its_order_and_repeats_bit_for_bit(t, s)
         want64 = scatter_add_values(rows, idx, s)
         assert first[name].shape == (s, K)
         if s and np.abs(want64).max(initial=0.0) > 0:
-            assert _rel(first[name], want64) < (4e-3 if dtype == torch.bfloat16 else 1e-5), name
+            # bf16: rounded once; f32: float32 sums of up to about a thousand terms.
+            assert _rel(first[name], want64) < (4e-3 if dtype == torch.bfloat16 else 1e-4), name
         # Float32 sums in ascending t, rounded once to the target's type (round to nearest even).
         want32 = torch.from_numpy(scatter_add_values(rows, idx, s, dtype=np.float32)).to(dtype)
         bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
