@@ -445,7 +445,10 @@ class _Checker:
             # An output written after the statements, not a pre-pass (check_row_pass).
             keys = {k.text: v.text for k, v in t.derived.keywords}
             other = t.derived.options[0].text if t.derived.options else None
-            row_pass = RowPass(t.derived.op.text, t.derived.source.text, other, keys.get(REQUANTIZE_WEIGHT))
+            row_pass = RowPass(
+                t.derived.op.text, t.derived.source.text, other, keys.get(REQUANTIZE_WEIGHT),
+                keys.get(REQUANTIZE_ROWS),
+            )
         elif t.derived and t.derived.op.text == SWIGLU_GRAD_OP:
             # A pre-pass reading two tensors (check_swiglu_grad).
             other = t.derived.options[0].text if t.derived.options else None
@@ -873,6 +876,9 @@ class _Checker:
         statements (a row pass runs after all of them), not derived by another pass."""
         d = t.derived
         op, name = d.op.text, t.name.text
+        if op == "scatter_add":
+            self.check_scatter_add(t)
+            return
         target = self.tensors[name]
         usage = (
             f"rowdot({d.source.text}, B) takes the second factor as its second argument"
@@ -1101,6 +1107,84 @@ class _Checker:
                     self.tensor_ast[name].derived.op.pos,
                     "a pass may read what statements write only when none of them reads the pass's result",
                 )
+
+    def check_scatter_add(self, t: ast.TensorDecl) -> None:
+        """`T = scatter_add(A, rows = IDX)`: A a 2-D unscaled bf16/f16/f32 [R, C] with
+        contiguous rows, passed in or written by a statement; IDX an i32 [R]; T an unscaled
+        bf16/f16/f32 [S, C] with contiguous rows (S any dim: IDX's entries pick its rows)."""
+        d = t.derived
+        name = t.name.text
+        usage = f"`{name} = scatter_add(A, rows = IDX)`: {name}[s, c] = sum over the t with IDX[t] == s of A[t, c]"
+        if d.options:
+            raise self.error(
+                f"scatter_add(...) takes one tensor and the option `{REQUANTIZE_ROWS} = IDX`, but "
+                f"'{d.options[0].text}' is given",
+                d.options[0].pos,
+                usage,
+            )
+        keys = [k for k, _ in d.keywords]
+        bad = next((k for k in keys if k.text != REQUANTIZE_ROWS), None)
+        if bad is not None or len(keys) != 1:
+            raise self.error(
+                f"scatter_add(...) takes exactly one option, `{REQUANTIZE_ROWS} = IDX` (row t added into "
+                f"row IDX[t])"
+                + (f", but '{bad.text}' is given" if bad is not None else ""),
+                bad.pos if bad is not None else keys[1].pos if keys else d.op.pos,
+                usage,
+            )
+        source, target = self.tensors[d.source.text], self.tensors[name]
+        if source.name == name:
+            raise self.error(f"'{name}' is computed from itself", d.source.pos)
+        if source.derived is not None or source.row_pass is not None or source.copy_of is not None:
+            what = "a copy" if source.copy_of is not None else "derived by another pass"
+            raise self.error(
+                f"scatter_add reads a tensor passed in or written by a statement, but '{source.name}' is {what}",
+                d.source.pos,
+            )
+        if source.rank != 2 or source.layout.kind != "strided" or source.layout.contiguous_axis() != 1:
+            raise self.error(
+                f"scatter_add reads a 2-D tensor whose rows are contiguous (the last dim), but "
+                f"'{source.name}' is [{', '.join(source.dims)}] layout {source.layout}",
+                d.source.pos,
+            )
+        if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
+            what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
+            raise self.error(
+                f"scatter_add reads an unscaled bf16, f16 or f32 tensor, but '{source.name}' is {what}",
+                d.source.pos,
+                "FP8 rows are added once dequantized: write them to a 16-bit or f32 tensor first"
+                if source.dtype in FP8_TYPES else None,
+            )
+        _, value = d.keywords[0]
+        if value.text not in self.tensors:
+            raise self.error(f"unknown tensor '{value.text}'", value.pos)
+        idx = self.tensors[value.text]
+        rows = source.dims[0]
+        if idx.dtype != INDEX_TYPE or idx.dims != (rows,):
+            raise self.error(
+                f"'{value.text}' gives the target row of each row of '{source.name}': an {INDEX_TYPE} "
+                f"tensor [{rows}], but it is {idx.dtype} [{', '.join(idx.dims)}]",
+                value.pos,
+                f"declare `tensor {value.text} : {INDEX_TYPE} [{rows}]`",
+            )
+        if (
+            target.dtype not in QUANTIZE_SOURCE_TYPES or target.scale is not None or target.rank != 2
+            or target.layout.kind != "strided" or target.layout.contiguous_axis() != 1
+        ):
+            raise self.error(
+                f"scatter_add writes rows of '{source.name}': '{name}' must be an unscaled bf16, f16 or "
+                f"f32 2-D tensor with contiguous rows, but it is {target.dtype} [{', '.join(target.dims)}] "
+                f"layout {target.layout}" + (" with a scale" if target.scale is not None else ""),
+                t.name.pos,
+                f"declare `tensor {name} : bf16 [S, {source.dims[1]}] = scatter_add(...)`",
+            )
+        if target.dims[1] != source.dims[1]:
+            raise self.error(
+                f"scatter_add adds whole rows: the columns of '{name}' [{', '.join(target.dims)}] must be "
+                f"those of '{source.name}' [{', '.join(source.dims)}]",
+                t.name.pos,
+                f"declare `tensor {name} : {target.dtype} [{target.dims[0]}, {source.dims[1]}]`",
+            )
 
     def check_row_pass_targets(self, gemms: tuple[Gemm, ...]) -> None:
         """A row pass's target is written after every statement: no statement reads or

@@ -138,6 +138,8 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
                 "other_scale": p.other_scale,
                 "weight": p.weight,
                 "description": p.describe(),
+                # scatter_add's index, the field only on its passes (other documents stay as they were)
+                **({"index": p.index} if p.kind == "scatter_add" else {}),
             }
             for p in schedule.postpasses
         ]
@@ -152,6 +154,8 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
             prepass["symbol"] = p.kernel
         for postpass, p in zip(doc.get("postpasses", ()), program.postpasses):
             postpass["symbol"] = p.kernel
+            if len(p.kernels) > 1:  # scatter_add: its index kernels, then the one that sums
+                postpass["symbols"] = list(p.kernels)
     return doc
 
 

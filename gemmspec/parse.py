@@ -46,7 +46,7 @@ _TERMINAL_WORDS = {
     "INT": "an integer",
     "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32, i32)",
     "ASSIGN": "'=' or '+='",
-    "DERIVE_OP": "'requantize', 'transpose', 'quantize' or 'copy'",
+    "DERIVE_OP": "'requantize', 'transpose', 'quantize', 'copy', 'rowdot', 'rowscale', 'scatter_add' or 'swiglu_grad'",
     "LBRACE": "'{'",
     "RBRACE": "'}'",
     "LSQB": "'['",

@@ -214,7 +214,7 @@ class Derivation:
 
 # Row passes: run after every statement, on whole rows of 2-D tensors that statements
 # write or the caller passes; their targets are outputs of the call (see RowPass).
-ROW_PASS_OPS = ("rowdot", "rowscale")
+ROW_PASS_OPS = ("rowdot", "rowscale", "scatter_add")
 
 
 @dataclass(frozen=True)
@@ -222,21 +222,28 @@ class RowPass:
     """`= rowdot(A, B)`: target[r] = sum over c of A[r, c] * B[r, c] (B FP8 with [1, 128]
     scales, dequantized, or unscaled), an f32 [R] output accumulated in float32.
     `= rowscale(A, weight = W)`: target[r, c] = W[r] * A[r, c], rounded once to the
-    target's 16-bit type. Both run after every launch (so they may read what statements
-    write) and write a tensor of the call's outputs, not an operand of a statement."""
+    target's 16-bit type. `= scatter_add(A, rows = IDX)`: target[s, c] = sum over the t
+    with IDX[t] == s of A[t, c], added in ascending t in float32 and rounded once (a row
+    no t names is zero, an entry outside the target's rows adds nothing): the gradient of
+    rows read through an index. All run after every launch (so they may read what
+    statements write) and write a tensor of the call's outputs, not an operand of a
+    statement."""
 
-    op: str  # "rowdot" or "rowscale"
+    op: str  # "rowdot", "rowscale" or "scatter_add"
     source: str
     other: str | None = None  # rowdot: the second factor
     weight: str | None = None  # rowscale: the f32 weight of each row
+    index: str | None = None  # scatter_add: the target row each source row adds into
 
     @property
     def reads(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.source, self.other, self.weight) if n is not None)
+        return tuple(n for n in (self.source, self.other, self.weight, self.index) if n is not None)
 
     def __str__(self) -> str:
         if self.op == "rowdot":
             return f"rowdot({self.source}, {self.other})"
+        if self.op == "scatter_add":
+            return f"scatter_add({self.source}, rows = {self.index})"
         return f"rowscale({self.source}, weight = {self.weight})"
 
 
@@ -253,8 +260,9 @@ class Tensor:
     # SOURCE, quantized in the same epilogue with this tensor's layout and scale blocks
     # (no pre-pass: `derived` is None).
     copy_of: str | None = None
-    # `= rowdot(...)` or `= rowscale(...)`: an output written by a row pass after the
-    # statements (no pre-pass: `derived` is None, and the caller passes it, as any output).
+    # `= rowdot(...)`, `= rowscale(...)` or `= scatter_add(...)`: an output written by a
+    # row pass after the statements (no pre-pass: `derived` is None, and the caller
+    # passes it, as any output).
     row_pass: RowPass | None = None
 
     @property
@@ -506,8 +514,9 @@ class Spec:
 
     @property
     def row_passes(self) -> tuple[Tensor, ...]:
-        """The tensors row passes write (`= rowdot(...)`, `= rowscale(...)`), in
-        declaration order: outputs of a call, written after every statement."""
+        """The tensors row passes write (`= rowdot(...)`, `= rowscale(...)`,
+        `= scatter_add(...)`), in declaration order: outputs of a call, written after
+        every statement."""
         return tuple(t for t in self.tensors if t.row_pass is not None)
 
     @property

@@ -31,6 +31,7 @@ from .kernels import (
     ENV,
     INLINE_MAX_LEAVES,
     INLINE_STATIC_BYTES,
+    SCATTER_STEPS,
     GatherRowsKernelConfig,
     GemmKernelConfig,
     QuantizeKernelConfig,
@@ -147,7 +148,15 @@ class EmittedPostPass:
 
     @property
     def kernel(self) -> str:
+        """The kernel that writes the target (scatter_add's index kernels run before it)."""
         return self.config.name
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """Every kernel of the pass, in launch order."""
+        if self.config.kind == "scatter_add":
+            return tuple(self.config.name + suffix for _, suffix in SCATTER_STEPS)
+        return (self.config.name,)
 
 
 @dataclass(frozen=True)
@@ -681,7 +690,7 @@ def emit_postpass(spec: Spec, p: PostPass, index: int = 0) -> EmittedPostPass:
         other = spec.tensor(p.other)
         cfg = RowPassKernelConfig("rowdot", src.dtype, other.dtype, other.scale is not None, "f32")
     else:
-        cfg = RowPassKernelConfig("rowscale", src.dtype, src.dtype, False, dst.dtype)
+        cfg = RowPassKernelConfig(p.kind, src.dtype, src.dtype, False, dst.dtype)
     cfg = replace(cfg, name=postpass_symbol(spec.name, index, cfg.name))
     return EmittedPostPass(p, cfg, HEADER + render_row_pass(cfg))
 

@@ -845,12 +845,27 @@ class GatherRowsKernelConfig:
             )
 
 
+# scatter_add's index kernels (zero, count, place: one thread per entry) and its scan (one
+# block of 32 warps, whose totals one warp scans).
+SCATTER_AUX_THREADS = 256
+SCATTER_SCAN_THREADS = 1024
+# Its steps in launch order: (manifest role, kernel symbol suffix); the last one sums.
+SCATTER_STEPS = (
+    ("scatter_zero", "_zero"),
+    ("scatter_count", "_count"),
+    ("scatter_scan", "_scan"),
+    ("scatter_place", "_place"),
+    ("scatter_add", ""),
+)
+
+
 @dataclass(frozen=True)
 class RowPassKernelConfig:
-    """A row pass after the launches (`rowdot`, `rowscale`): one warp per row of an
-    [R, C] tensor with contiguous rows. rowdot reads `other_type` beside `in_type`
-    (FP8 with [1, 128] scales when `scaled`) and writes one f32 per row; rowscale writes
-    `out_type`."""
+    """A row pass after the launches (`rowdot`, `rowscale`, `scatter_add`): one warp per
+    row of an [R, C] tensor with contiguous rows. rowdot reads `other_type` beside
+    `in_type` (FP8 with [1, 128] scales when `scaled`) and writes one f32 per row;
+    rowscale writes `out_type`; scatter_add writes `out_type`, one warp per target row,
+    after the four kernels that build its inverse index (SCATTER_STEPS)."""
 
     kind: str = "rowdot"
     in_type: str = "bf16"
@@ -865,8 +880,8 @@ class RowPassKernelConfig:
         return self.threads // 32
 
     def __post_init__(self) -> None:
-        if self.kind not in ("rowdot", "rowscale") or self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise ValueError("a row pass is rowdot or rowscale, in whole warps")
+        if self.kind not in ("rowdot", "rowscale", "scatter_add") or self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError("a row pass is rowdot, rowscale or scatter_add, in whole warps")
         if not self.name:
             tail = (
                 f"{self.in_type}_{self.other_type}{'_scaled' if self.scaled else ''}"
@@ -1013,7 +1028,9 @@ def render_row_pass(cfg: RowPassKernelConfig | None = None) -> str:
     return ENV.get_template("rows.cu.jinja").render(
         pass_kind=cfg.kind, name=cfg.name, in_type=cfg.in_type, other_type=cfg.other_type,
         scaled=cfg.scaled, out_type=cfg.out_type, threads=cfg.threads,
-        rows_per_cta=cfg.rows_per_cta, block_c=128,
+        rows_per_cta=cfg.rows_per_cta, block_c=128, aux_threads=SCATTER_AUX_THREADS,
+        scan_threads=SCATTER_SCAN_THREADS, vec=16 // ELEMENT_BYTES[cfg.in_type],
+        out_words=16 // ELEMENT_BYTES[cfg.in_type] * ELEMENT_BYTES[cfg.out_type] // 4,
     )
 
 

@@ -33,7 +33,16 @@ from .emit import (
     table_record_bytes,
 )
 from .formula import NUM_SMS, Formula
-from .kernels import CTYPES, ELEMENT_BYTES, INLINE_MAX_BLOCKS, GemmKernelConfig, map_specs
+from .kernels import (
+    CTYPES,
+    ELEMENT_BYTES,
+    INLINE_MAX_BLOCKS,
+    SCATTER_AUX_THREADS,
+    SCATTER_SCAN_THREADS,
+    SCATTER_STEPS,
+    GemmKernelConfig,
+    map_specs,
+)
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
 from .validate import Check, CheckParam, prepass_offsets
@@ -141,8 +150,9 @@ class Upload:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    # "check", "transpose", "requantize", "quantize", "swiglu_grad", "gather", "leaf_table", "gemm",
-    # "rowdot" or "rowscale"
+    # "check", "transpose", "requantize", "quantize", "swiglu_grad", "gather", "leaf_table",
+    # "gemm", "rowdot", "rowscale", or one of scatter_add's steps: "scatter_zero",
+    # "scatter_count", "scatter_scan", "scatter_place", "scatter_add"
     role: str
     symbol: str
     file: str
@@ -637,6 +647,9 @@ class _Builder:
         file = f"{self.stem}_postpass{index}.cu"
         rows, cols = self.dim(src.dims[0]), self.dim(src.dims[1])
         lda = Param("lda", "long long", self.value(_layout_formula(self.spec, src.layout.strides[0])))
+        if p.kind == "scatter_add":
+            self.scatter_add(index, e, src, dst, file, lda)
+            return
         if p.kind == "rowdot":
             other = self.spec.tensor(p.other)
             params = (
@@ -671,6 +684,62 @@ class _Builder:
         self.steps.append(
             KernelLaunch(p.kind, e.kernel, file, f"postpass {index}", grid, cfg.threads, 0, 1, params)
         )
+
+    def scatter_add(self, index: int, e: EmittedPostPass, src: Tensor, dst: Tensor, file: str, lda: Param) -> None:
+        """Five kernels (SCATTER_STEPS): zero the counts and cursors, count each target
+        row's entries, scan the counts into bucket starts, place each entry t in its row's
+        bucket, then one warp per target row sorts its bucket and adds its rows."""
+        cfg, p = e.config, e.postpass
+        t_rows, s_rows = self.dim(src.dims[0]), self.dim(dst.dims[0])
+        one = Formula.const(1)
+        counts = self.workspace(
+            f"postpass{index}.counts", (s_rows + 1) * 4,
+            f"the entries of '{p.index}' per row of '{dst.name}', then their bucket starts (int32, {dst.dims[0]} + 1)",
+        )
+        cursors = self.workspace(
+            f"postpass{index}.cursors", s_rows * 4,
+            f"the fill cursor of each bucket of '{dst.name}' (int32, {dst.dims[0]})",
+        )
+        slots = self.workspace(
+            f"postpass{index}.slots", t_rows * 4,
+            f"the rows t of '{src.name}' in their buckets, as placed (int32, {src.dims[0]})",
+        )
+        order = self.workspace(
+            f"postpass{index}.order", t_rows * 4,
+            f"the rows t of '{src.name}' in their buckets, ascending (int32, {src.dims[0]})",
+        )
+        idx = Param("IDX", "const int*", self.where[p.index])
+        n_t, n_s = Param("T", "int", self.value(t_rows)), Param("S", "int", self.value(s_rows))
+        aux = SCATTER_AUX_THREADS
+        steps = {
+            "scatter_zero": (
+                ((s_rows + 1).ceil_div(aux), one, one), aux,
+                (Param("COUNTS", "int*", counts), Param("CURSORS", "int*", cursors), n_s),
+            ),
+            "scatter_count": (
+                (t_rows.ceil_div(aux), one, one), aux,
+                (idx, n_t, n_s, Param("COUNTS", "int*", counts)),
+            ),
+            "scatter_scan": ((one, one, one), SCATTER_SCAN_THREADS, (Param("COUNTS", "int*", counts), n_s)),
+            "scatter_place": (
+                (t_rows.ceil_div(aux), one, one), aux,
+                (idx, n_t, n_s, Param("COUNTS", "const int*", counts), Param("CURSORS", "int*", cursors),
+                 Param("SLOTS", "int*", slots)),
+            ),
+            "scatter_add": (
+                (s_rows.ceil_div(cfg.rows_per_cta), one, one), cfg.threads,
+                (
+                    Param("A", _ptr(src.dtype), self.where[src.name]), lda,
+                    Param("COUNTS", "const int*", counts), Param("SLOTS", "const int*", slots),
+                    Param("ORDER", "int*", order), n_s, Param("C", "int", self.value(self.dim(src.dims[1]))),
+                    Param("Y", _ptr(dst.dtype, const=False), self.where[dst.name]),
+                    Param("ldy", "long long", self.value(_layout_formula(self.spec, dst.layout.strides[0]))),
+                ),
+            ),
+        }
+        for (role, _), symbol in zip(SCATTER_STEPS, e.kernels):
+            grid, block, params = steps[role]
+            self.steps.append(KernelLaunch(role, symbol, file, f"postpass {index}", grid, block, 0, 1, params))
 
     # ---- launches ----------------------------------------------------------------------
     def launch(self, x: EmittedLaunch) -> None:

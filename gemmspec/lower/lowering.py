@@ -416,7 +416,7 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
         other = spec.tensor(rp.other) if rp.other else None
         postpasses.append(PostPass(
             rp.op, rp.source, t.name, rp.other,
-            other.scale.name if other is not None and other.scale else None, rp.weight,
+            other.scale.name if other is not None and other.scale else None, rp.weight, rp.index,
         ))
         reasons.append(f"row pass: {t.name} = {rp} after every launch")
     schedule = Schedule(

@@ -483,7 +483,10 @@ class PostPass:
     kind "rowdot": target[r] = sum over c of source[r, c] * other[r, c] (other FP8 with
     [1, 128] scales `other_scale`, dequantized, or unscaled), float32 accumulation in a
     fixed order (deterministic). kind "rowscale": target[r, c] = weight[r] * source[r, c],
-    rounded once to the target's type.
+    rounded once to the target's type. kind "scatter_add": target[s, c] = sum over the t
+    with index[t] == s of source[t, c], in ascending t in float32, rounded once (zero where
+    no t names s; an entry outside the target's rows adds nothing): deterministic, the
+    rows found through an inverse index of `index`, not by atomic adds of values.
     """
 
     kind: str
@@ -492,12 +495,19 @@ class PostPass:
     other: str | None = None
     other_scale: str | None = None
     weight: str | None = None
+    index: str | None = None
 
     @property
     def reads(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.source, self.other, self.weight) if n is not None)
+        return tuple(n for n in (self.source, self.other, self.weight, self.index) if n is not None)
 
     def describe(self) -> str:
+        if self.kind == "scatter_add":
+            return (
+                f"scatter_add {self.source} -> {self.target}: row t added into row {self.index}[t] "
+                "(entries outside the rows skipped), in ascending t in float32 through an inverse "
+                f"index of {self.index} (deterministic), after every launch"
+            )
         if self.kind == "rowdot":
             scaled = f" (dequantized with {self.other_scale})" if self.other_scale else ""
             return (

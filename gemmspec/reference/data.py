@@ -442,6 +442,9 @@ def index_uses(spec: Spec, name: str) -> list[tuple[str, str, str]]:
     for t in spec.tensors:  # requantize(SOURCE, rows = name): rows of SOURCE, repeats allowed
         if t.derived is not None and t.derived.op == "requantize" and t.derived.index == name:
             uses.append((t.derived.source, "gather", spec.tensor(t.derived.source).dims[0]))
+        # scatter_add(SOURCE, rows = name): rows of the target, repeats added (so a "gather" here)
+        if t.row_pass is not None and t.row_pass.index == name:
+            uses.append((t.name, "gather", t.dims[0]))
     return uses
 
 
@@ -500,12 +503,26 @@ def real_values(spec: Spec, rt: Runtime, t: Tensor, d: TensorData) -> np.ndarray
     return d.values * expand_scales(spec, rt, t, d.scale_grid)
 
 
+def scatter_add_values(a: np.ndarray, index: np.ndarray, rows: int, dtype=np.float64) -> np.ndarray:
+    """out[s] = sum over the t with index[t] == s of a[t], the terms added in ascending t in
+    `dtype` (float32 models the kernel's sums bit for bit); a row no t names is zero, an
+    entry outside [0, rows) adds nothing."""
+    picked = np.asarray(index).astype(np.int64).reshape(-1)
+    a = np.asarray(a, dtype=dtype)  # [T, C]
+    out = np.zeros((rows, a.shape[1]), dtype=dtype)
+    inside = (picked >= 0) & (picked < rows)
+    np.add.at(out, picked[inside], a[inside])  # unbuffered, in the order of the entries
+    return out
+
+
 def row_pass_values(spec: Spec, rt: Runtime, t: Tensor, data: dict[str, TensorData]) -> np.ndarray:
     """The target of a row pass (float64): rowdot(A, B)[r] = sum over c of A[r, c] * B[r, c]
-    (B dequantized with its [1, 128] scales), rowscale(A, weight = W)[r, c] = W[r] * A[r, c].
-    An unscaled operand is read as stored, rounded to its type (a statement's bf16 output
-    holds its result rounded); the kernels sum in float32 (rowdot) and round the product
-    once (rowscale)."""
+    (B dequantized with its [1, 128] scales), rowscale(A, weight = W)[r, c] = W[r] * A[r, c],
+    scatter_add(A, rows = IDX)[s, c] = sum over the t with IDX[t] == s of A[t, c] (zero
+    where no t names s; an entry outside the target's rows adds nothing). An unscaled
+    operand is read as stored, rounded to its type (a statement's bf16 output holds its
+    result rounded); the kernels sum in float32 (rowdot; scatter_add in ascending t) and
+    round the product once (rowscale)."""
     rp = t.row_pass
 
     def read(name: str) -> np.ndarray:
@@ -516,5 +533,7 @@ def row_pass_values(spec: Spec, rt: Runtime, t: Tensor, data: dict[str, TensorDa
     a = read(rp.source)
     if rp.op == "rowdot":
         return (a * read(rp.other)).sum(axis=1)
+    if rp.op == "scatter_add":
+        return scatter_add_values(a, data[rp.index].values, dim_size(spec, rt, t.dims[0]))
     w = np.asarray(data[rp.weight].values, dtype=np.float64)
     return w[:, None] * a

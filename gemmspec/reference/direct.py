@@ -8,7 +8,7 @@ outside the tensor's rows, or two rows written to one element, is a ValueError).
 their sources first (requantize: dequantize, then quantize with the target's
 blocks, with `rows` and `weight` in float32 as data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values;
 swiglu_grad: as data.swiglu_grad_values says, once what it reads is written).
-Row passes (`rowdot`, `rowscale`) run once what they read is written, as data.row_pass_values says.
+Row passes (`rowdot`, `rowscale`, `scatter_add`) run once what they read is written, as data.row_pass_values says.
 An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
 own scale grid (returned under the scale's name beside the values).
 """

@@ -246,7 +246,7 @@ def run_postpass(spec: Spec, rt: Runtime, p: PostPass, flat: dict[str, np.ndarra
     """A row pass on the flat buffers, after every launch: its operands read through their
     layouts, its target written through its own."""
     data = {}
-    for name in (p.source, p.other, p.weight):
+    for name in (p.source, p.other, p.weight, p.index):
         if name is None:
             continue
         t = spec.tensor(name)
