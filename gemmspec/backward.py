@@ -233,10 +233,15 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
             f"its epilogue has {what}; only plain products, scattered or weighted per row, "
             "are derived"
         )
-    if g.gather:
+    if g.gather and (
+        spec.tensor(g.a.tensor).dtype not in FP8_TYPES or g.a.axis_of_role("m") != 0
+        or spec.tensor(g.a.tensor).rank != 2 or g.epilogue_of("row") is not None
+    ):
         return (
-            f"it reads the rows of '{g.a.tensor}' through '{g.gather}'; their gradient would "
-            "scatter-add (several rows into one), which no statement expresses yet"
+            f"it reads the rows of '{g.a.tensor}' through '{g.gather}' in 16-bit, from a tensor that "
+            "is not 2-D [rows, K], or with a row weight; the derived form (the DGRAD's rows added "
+            "into the gradient by scatter_add, the WGRAD reading requantize(A, rows = IDX)) takes "
+            "FP8 A of two dims, rows first, and no row weight"
         )
     if spec.tensor(g.out.tensor).dtype in FP8_TYPES:
         return (
@@ -306,6 +311,111 @@ def _wgrad_copy(spec: Spec, a: Tensor, group: str | None, m_dim: str) -> tuple[T
     return copy, None
 
 
+def _swiglu_eligible(spec: Spec, g: Gemm) -> str | None:
+    """Why SwiGLU statement `g` gets no derived backward, or None when it does."""
+    ta, tb = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor)
+    if g.accumulate or g.epilogue:
+        return "it fuses SwiGLU with an epilogue or `+=`; only a plain silu(gate) * up is derived"
+    if ta.dtype not in FP8_TYPES or tb.dtype not in FP8_TYPES or spec.per_channel(g):
+        return (
+            "it fuses SwiGLU in 16-bit or with per-channel scales; the derived SwiGLU backward "
+            "quantizes the gate/up gradient into FP8 with [1, 128] scales for blockwise FP8 GEMMs"
+        )
+    if any(t.scale is None or t.scale.block[-1] != 128 for t in (ta, tb)):
+        return "its scales are not blockwise along K (1x128 and 128x128)"
+    if ta.rank != 2 or ta.derived is not None or tb.derived is not None:
+        return "its A is not a 2-D tensor passed in, or its B is derived"
+    if g.k.group is not None or g.m.masked_by is not None:
+        return "it is K-grouped or its rows are masked"
+    b_ref = next(inner for name, inner in _ref_list(g.text) if name == g.b.tensor)
+    if len([i for i in _split_indices(b_ref) if i.endswith(f"({g.m.var})")]) > 1:
+        return "its B operand is indexed by nested groups of its rows"
+    return None
+
+
+def _swiglu_backward(
+    spec: Spec, g: Gemm, names: FreshNames, decls: dict[str, str], body: list[str],
+    derived: list[Derived], out_grads: dict[str, str], transposed: list[tuple[str, str]], dh: str | None,
+) -> None:
+    """The backward of `h[m, j] = silu(sum[k] A * B[2j]) * sum[k] A * B[2j + 1]` (FP8,
+    blockwise): the gate/up columns recomputed into a 16-bit GU, their gradient dGU =
+    swiglu_grad(GU, dh) in FP8 ([1, 128] scales), then DGRAD and WGRAD over GU's columns as
+    for a plain statement reading B's rows one by one. `dh` is the DGRAD of the statement
+    that reads h, or (None) a bf16 input, the gradient of h from outside. Gathered A rows
+    (`x[idx[m], k]`) come back through scatter_add(...) into x's rows."""
+    refs = [r for r in _ref_list(g.text) if r[0] != "sum"]  # h, A, B (gate), A, B (up)
+    a_idx, b_fwd = (_split_indices(r[1]) for r in refs[1:3])
+    ta, tb, td = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor), spec.tensor(g.out.tensor)
+    n_axis, m_out = g.b.axis_of_role("n"), g.out.axis_of_role("m")
+    b_idx = [g.n.var if i == n_axis else idx for i, idx in enumerate(b_fwd)]
+    rows_dim, n_dim, k_dim = td.dims[m_out], tb.dims[n_axis], ta.dims[g.a.axis_of_role("k")]
+    m, n = g.m.var, g.n.var
+    decls.setdefault(ta.name, _decl(ta))
+    decls.setdefault(tb.name, _decl(tb))
+    if g.gather:
+        decls.setdefault(g.gather, _decl(spec.tensor(g.gather)))
+    if dh is None:  # h is an output of the forward: its gradient comes from outside
+        dh = out_grads.get(td.name) or names.fresh(f"d{td.name}", f"grad_{td.name}")
+        out_grads[td.name] = dh
+        decls[dh] = f"  tensor {dh} : bf16 [{', '.join(td.dims)}]"
+
+    # GU: the gate and up columns again (16-bit), and their gradient in FP8.
+    gu = names.fresh(f"{td.name}_gate_up")
+    decls[gu] = f"  tensor {gu} : bf16 [{rows_dim}, {n_dim}]"
+    body.append(f"  {gu}[{m}, {n}] = sum[{g.k.var}] {refs[1][0]}[{', '.join(a_idx)}] * {tb.name}[{', '.join(b_idx)}]")
+    dgu = names.fresh(f"d{gu}")
+    decls[dgu] = (
+        f"  tensor {dgu} : e4m3 [{rows_dim}, {n_dim}] scale f32 [1, 128] = swiglu_grad({gu}, {dh})"
+    )
+
+    # DGRAD over GU's columns: rows of the statement, scattered back into A's rows when gathered.
+    b_t = names.fresh(f"{tb.name}_t")
+    if tb.rank in TRANSPOSE_PASS_RANKS:
+        decls[b_t] = _decl(tb, b_t, f"major({n_dim})", scale_as=f"{b_t}_scale") + f" = transpose({tb.name})"
+    else:
+        decls[b_t] = _decl(tb, b_t, f"major({n_dim})")
+        transposed.append((tb.name, b_t))
+    da = names.fresh(f"d{ta.name}", f"grad_{ta.name}")
+    product = f"sum[{n}] {dgu}[{m}, {n}] * {b_t}[{', '.join(b_idx)}]"
+    if g.gather:
+        da_rows = names.fresh(f"{da}_rows")
+        decls[da_rows] = f"  tensor {da_rows} : bf16 [{rows_dim}, {k_dim}]"
+        decls[da] = f"  tensor {da} : bf16 [{', '.join(ta.dims)}] = scatter_add({da_rows}, rows = {g.gather})"
+        body.append(f"  {da_rows}[{m}, {g.k.var}] = {product}")
+        text = f"{da_rows}[{m}, {g.k.var}] = {product}; {da} = scatter_add({da_rows}, rows = {g.gather})"
+    else:
+        decls[da] = f"  tensor {da} : bf16 [{', '.join(ta.dims)}]"
+        text = f"{da}[{', '.join(a_idx)}] = {product}"
+        body.append(f"  {text}")
+    recompute = f"{gu}[{m}, {n}] = (the gate/up columns again); {dgu} = swiglu_grad({gu}, {dh}); "
+    derived.append(Derived(g.index, "dgrad", ta.name, da, recompute + text))
+
+    # WGRAD over the statement's rows, K-grouped when B is indexed by G(m).
+    db = names.fresh(f"d{tb.name}", f"grad_{tb.name}")
+    decls[db] = f"  tensor {db} : f32 [{', '.join(tb.dims)}]"
+    on_m = [(i, idx) for i, idx in enumerate(b_idx) if idx.endswith(f"({m})")]
+    if on_m:
+        axis, ref = on_m[0]
+        group = ref.split("(", 1)[0]
+        e = names.fresh(spec.group(group).count_dim.lower(), "e")
+        db_idx = [e if i == axis else idx for i, idx in enumerate(b_idx)]
+        sums, layout, per = f"{m} in {group}({e})", f"segment_major({group}) pad {WGRAD_PAD}", f" per {group}"
+    else:
+        db_idx, sums, layout, per = b_idx, m, f"major({rows_dim})", ""
+    dgu_q, a_q = names.fresh(f"{dgu}_q"), names.fresh(f"{ta.name}_q")
+    decls[dgu_q] = (
+        f"  tensor {dgu_q} : e4m3 [{rows_dim}, {n_dim}] layout {layout} scale f32 [128, 1]{per} = requantize({dgu})"
+    )
+    rows_opt = f", rows = {g.gather}" if g.gather else ""
+    decls[a_q] = (
+        f"  tensor {a_q} : e4m3 [{rows_dim}, {k_dim}] layout {layout} scale f32 [128, 1]{per} "
+        f"= requantize({ta.name}{rows_opt})"
+    )
+    text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {dgu_q}[{m}, {n}] * {a_q}[{m}, {g.k.var}]"
+    body.append(f"  {text}")
+    derived.append(Derived(g.index, "wgrad", tb.name, db, text))
+
+
 def derive_backward(spec: Spec, copies: bool = True) -> Backward:
     """The backward spec of `spec` (see the module's docstring). `copies=False` ignores
     the forward's copies (every WGRAD operand requantized, as before copies existed)."""
@@ -320,8 +430,12 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
     used_copies: list[tuple[str, str]] = []
     unused_copies: list[tuple[str, str]] = []
     not_derived: dict[str, str] = {}
+    grads_of: dict[str, list[str]] = {}  # forward tensor -> the derived DGRADs' gradients of it
 
+    swiglus = [g for g in spec.gemms if g.swiglu and _swiglu_eligible(spec, g) is None]
     for g in spec.gemms:
+        if g in swiglus:
+            continue  # after the statements that read its output: their DGRADs give its gradient
         reason = _eligible(spec, g)
         whole = [
             t.name for t in (spec.tensor(g.a.tensor), spec.tensor(g.b.tensor))
@@ -389,7 +503,17 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         else:
             decls[tb.name] = _decl(tb)
         product = f"sum[{g.n.var}] {dd_ref} * {b_name}[{', '.join(b_idx)}]"
-        if w_grad is None:
+        # Gathered A rows (`x[idx[t], k]`): the DGRAD writes the statement's rows, and
+        # scatter_add adds them into the rows of dA they were read from.
+        a_rows = [g.m.var if i == 0 and g.gather else idx for i, idx in enumerate(a_idx)]
+        if g.gather:
+            da_rows = names.fresh(f"{da}_rows")
+            decls[da_rows] = f"  tensor {da_rows} : {grad_type} [{g.m.dim}, {ta.dims[1]}]"
+            decls[da] = f"  tensor {da} : {grad_type} [{', '.join(ta.dims)}] = scatter_add({da_rows}, rows = {g.gather})"
+            decls.setdefault(g.gather, _decl(spec.tensor(g.gather)))
+            body.append(f"  {da_rows}[{', '.join(a_rows)}] = {product}")
+            text = f"{da_rows}[{', '.join(a_rows)}] = {product}; {da} = scatter_add({da_rows}, rows = {g.gather})"
+        elif w_grad is None:
             text = f"{da}[{', '.join(a_idx)}] = {w_factor}{product}"
             body.append(f"  {text}")
         else:
@@ -401,6 +525,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             body.append(f"  {pre}[{', '.join(a_idx)}] = {product}")
             text = f"{pre}[{', '.join(a_idx)}] = {product}; {da} = rowscale({pre}, weight = {weight})"
         derived.append(Derived(g.index, "dgrad", ta.name, da, text))
+        grads_of.setdefault(ta.name, []).append(da)
 
         # WGRAD: dB = sum over D's rows of dD * A, K-grouped when B is indexed by G(m).
         db = names.fresh(f"d{tb.name}", f"grad_{tb.name}")
@@ -412,8 +537,9 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             skipped.append(Skipped(g.index, "its B operand is indexed by nested groups of its rows; the WGRAD would need one output index per group"))
             body.pop()
             derived.pop()
+            grads_of[ta.name].pop()
             continue
-        m_dim = ta.dims[g.a.axis_of_role("m")]
+        m_dim = g.m.dim if g.gather else ta.dims[g.a.axis_of_role("m")]
         if groups_on_m:
             axis, ref = groups_on_m[0]
             group = ref.split("(", 1)[0]
@@ -425,7 +551,8 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             db_idx, sums, seg_layout, per = b_idx, g.m.var, f"major({m_dim})", ""
         a_ref, d_ref = ta.name, dd
         if fp8:
-            copy, why_not = _wgrad_copy(spec, ta, group if groups_on_m else None, m_dim) if copies else (None, None)
+            use_copy = copies and not g.gather
+            copy, why_not = _wgrad_copy(spec, ta, group if groups_on_m else None, m_dim) if use_copy else (None, None)
             d_ref = names.fresh(f"{dd}w_q" if weight else f"{dd}_q")
             wanted = [(dd, d_ref, None)]
             if copy is not None:
@@ -442,7 +569,16 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                     unused_copies.append(why_not)
             for src, q, t in wanted:
                 # dD's operand has the statement's rows: D's own, or those scattered D rows
-                # read through the index (`rows = dst`), times the row weight.
+                # read through the index (`rows = dst`), times the row weight; a gathered A's
+                # the rows it read (`rows = idx`).
+                if t is not None and g.gather:
+                    dims = [m_dim, *t.dims[1:]]
+                    blocks = ", ".join("128" if i == 0 else "1" for i in range(len(dims)))
+                    decls[q] = (
+                        f"  tensor {q} : e4m3 [{', '.join(dims)}] layout {seg_layout} "
+                        f"scale f32 [{blocks}]{per} = requantize({src}, rows = {g.gather})"
+                    )
+                    continue
                 dims = list(t.dims) if t is not None else [m_dim if i == m_out else d for i, d in enumerate(td.dims)]
                 m_axis = dims.index(m_dim)
                 blocks = ", ".join("128" if i == m_axis else "1" for i in range(len(dims)))
@@ -457,7 +593,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 )
         else:
             decls.setdefault(ta.name, _decl(ta))
-        text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_idx)}]"
+        text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_rows)}]"
         body.append(f"  {text}")
         derived.append(Derived(g.index, "wgrad", tb.name, db, text))
         if w_grad is not None:
@@ -470,6 +606,22 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 f"product of {dd}'s row with the product before the weight, needs that product, "
                 "which the forward does not keep"
             ))
+
+    for g in swiglus:
+        readers = [x for x in spec.gemms if g.out.tensor in x.reads]
+        grads = grads_of.get(g.out.tensor, [])
+        if readers and len(grads) != len(readers):
+            skipped.append(Skipped(g.index, (
+                f"its output '{g.out.tensor}' is read by a statement whose gradient is not derived"
+            )))
+            continue
+        if len(grads) > 1:
+            skipped.append(Skipped(g.index, (
+                f"its output '{g.out.tensor}' is read by {len(grads)} statements; its gradient would be "
+                "their DGRADs' sum, which no pass adds"
+            )))
+            continue
+        _swiglu_backward(spec, g, names, decls, body, derived, out_grads, transposed, grads[0] if grads else None)
 
     if not derived:
         return Backward(name, "", (), tuple(skipped), (), ())

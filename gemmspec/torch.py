@@ -619,7 +619,8 @@ class GemmFunction:
         self.args = tuple(n for n in self.forward_op.inputs if n not in scales)
         self._tensors = {t.name: t for t in spec.tensors}
         for t in spec.tensors:
-            if t.scale is not None and t.scale.anchor and t.derived is None:
+            # An input's anchored scales (an output's are written with it).
+            if t.scale is not None and t.scale.anchor and t.name in self.args:
                 raise GemmspecError(
                     f"{spec.name}: '{t.name}' has scales anchored per {t.scale.anchor}; "
                     "gemmspec.torch.function quantizes inputs without the offsets"
@@ -704,8 +705,11 @@ class _Autograd(torch.autograd.Function):
         ctx.fn, ctx.dims, ctx.names = fn, dims, tuple(kept)
         ctx.arg_dtypes = {n: a.dtype for n, a in values.items()}
         ctx.save_for_backward(*kept.values())
-        # A copy (and its scales) is an FP8 form of another output: no gradient of its own.
-        ctx.mark_non_differentiable(*(o for n, o in zip(fn.forward_op.outputs, outs) if n in fn.feed.copy_outputs))
+        # Only the outputs the backward takes a gradient of are differentiable: a copy (and
+        # its scales) is an FP8 form of another output, and an output another statement
+        # reads (an FFN's h) gets its gradient from that statement's DGRAD.
+        graded = {o for o, _ in fn.backward.output_grads}
+        ctx.mark_non_differentiable(*(o for n, o in zip(fn.forward_op.outputs, outs) if n not in graded))
         return outs
 
     @staticmethod

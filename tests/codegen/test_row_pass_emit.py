@@ -108,6 +108,7 @@ def test_the_example_backward_row_passes_compile_spill_free():
     assert [p.kernel for p in exe.program.postpasses] == [
         "gs_moe_ffn_fp8_train_backward_q0_sm90a_rowscale_bf16_bf16_w256",
         "gs_moe_ffn_fp8_train_backward_q1_sm90a_rowdot_bf16_e4m3_scaled_w256",
+        "gs_moe_ffn_fp8_train_backward_q2_sm90a_scatter_add_bf16_bf16_w256",  # the gathered x's rows
     ]
     for p in exe.program.postpasses:
         cubin, log = compile_cubin(p.source, [include_dir()], name=f"{p.kernel}.cu")

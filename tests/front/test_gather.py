@@ -240,7 +240,7 @@ def test_explain_says_which_loader_each_launch_uses_and_why(capsys, tmp_path):
     assert "the entries of src must be distinct" in out
     assert "A x(m, k) = x_base[0 + idx[start.m + m]*(512) + k*(1)]" in out
     assert "reads at run time: offs, idx, src" in out
-    assert "not derived: it reads the rows of 'x' through 'idx'; their gradient would scatter-add" in out
+    assert "dgrad of x (statement #0): dx_rows[t, k] = sum[n] dys[src[t], n] * w_t[expert(t), n, k]; dx = scatter_add(dx_rows, rows = idx)" in out
 
     path = tmp_path / "gather.gspec"
     path.write_text(text)

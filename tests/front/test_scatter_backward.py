@@ -52,12 +52,13 @@ def test_the_example_derives_both_gradients_of_its_down_projection():
         (1, "dgrad", "h", "dh", DGRAD_TEXT),
         (1, "wgrad", "w_down", "dw_down", WGRAD),
         (1, "rowdot", "route_w", "droute_w", ROWDOT),
+        (0, "dgrad", "x", "dx", bw.statements[3].text),  # the SwiGLU's (test_swiglu_backward)
+        (0, "wgrad", "w_up", "dw_up", bw.statements[4].text),
     ]
     assert bw.output_grads == (("y", "dy"),)
     assert bw.copies == (("h_t", "h_t"),) and bw.copies_unused == ()
     assert bw.not_derived == ()
-    assert [s.forward for s in bw.skipped] == [0]
-    assert "SwiGLU" in bw.skipped[0].reason
+    assert bw.skipped == ()
     src = bw.source
     assert "  tensor dy : e4m3 [T, H] scale f32 [1, 128]\n" in src  # 1x128 along n
     assert "  tensor dst : i32 [T] layout row_major\n" in src
@@ -66,10 +67,8 @@ def test_the_example_derives_both_gradients_of_its_down_projection():
         "  tensor dyw_q : e4m3 [T, H] layout segment_major(expert) pad 16 scale f32 [128, 1] "
         "per expert = requantize(dy, rows = dst, weight = route_w)\n"
     ) in src
-    # Only the dims the backward's tensors use: a run-time S that no tensor has would
-    # have no size at a call.
-    assert "  dim T\n  dim H = 7168\n  dim F = 2048\n  dim E = 8\n" in src
-    assert "dim S" not in src and "dim N" not in src
+    # Only the dims the backward's tensors use (S and N: x and w_up, read by the SwiGLU's).
+    assert "  dim T\n  dim S\n  dim H = 7168\n  dim N = 4096\n  dim F = 2048\n  dim E = 8\n" in src
     # The WGRAD reads the forward's copy: h is not requantized; the rowdot reads h as the
     # forward wrote it (1x128 scales).
     assert "requantize(h" not in src
@@ -83,7 +82,7 @@ def test_the_backward_spec_checks_lowers_and_emits():
     from gemmspec.backward import build_backward
 
     exe, bw = build_backward(gemmspec.build(EXAMPLE).spec)
-    assert [g.text for g in exe.spec.gemms] == [DGRAD, WGRAD]
+    assert [g.text for g in exe.spec.gemms][:2] == [DGRAD, WGRAD]
     passes = {(p.kind, p.source, p.index, p.weight) for p in exe.schedule.prepasses}
     assert ("requantize", "dy", "dst", "route_w") in passes
     assert ("transpose", "w_down", None, None) in passes
@@ -93,6 +92,7 @@ def test_the_backward_spec_checks_lowers_and_emits():
     assert [(p.kind, p.source, p.target, p.other, p.weight) for p in exe.schedule.postpasses] == [
         ("rowscale", "dh_pre", "dh", None, "route_w"),
         ("rowdot", "dh_pre", "droute_w", "h", None),
+        ("scatter_add", "dx_rows", "dx", None, None),
     ]
     names = exe.argument_names()
     assert {"dy", "dy_scale", "dst", "route_w", "h", "h_scale", "h_t", "h_t_scale", "dh", "dh_pre", "dw_down", "droute_w"} <= set(names)
@@ -109,7 +109,7 @@ def test_explain_prints_what_is_derived_and_what_is_not():
     assert f"  wgrad of w_down (statement #1): {WGRAD}" in block
     assert f"  rowdot of route_w (statement #1): {ROWDOT}" in block
     assert "gradient not derived" not in block
-    assert "  statement #0: not derived: it fuses SwiGLU" in block
+    assert "not derived" not in block  # the SwiGLU's too (test_swiglu_backward)
     assert "  h_t: the forward's copy h_t" in block
 
 
@@ -158,10 +158,21 @@ def test_bf16_scattered_or_weighted_statements_are_skipped_with_the_reason(stmt,
     assert fragment in s.reason and "a 16-bit pre-pass for it does not exist" in s.reason
 
 
-def test_gathered_rows_and_other_epilogues_stay_skipped():
+def test_gathered_rows_are_added_back_by_scatter_add_and_other_epilogues_stay_skipped():
     gathered = one("y[t, n] = sum[k] x[dst[t], k] * w[expert(t), n, k]")
-    (s,) = derive_backward(gemmspec.build(gathered).spec).skipped
-    assert "reads the rows of 'x' through 'dst'" in s.reason and "scatter-add" in s.reason
+    bw = derive_backward(gemmspec.build(gathered).spec)
+    assert not bw.skipped
+    assert [d.text for d in bw.statements] == [
+        "dx_rows[t, k] = sum[n] dy[t, n] * w_t[expert(t), n, k]; dx = scatter_add(dx_rows, rows = dst)",
+        "dw[e, n, k] = sum[t in expert(e)] dy_q[t, n] * x_q[t, k]",
+    ]
+    assert "  tensor x_q : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x, rows = dst)\n" in bw.source
+    for form, why in (
+        (one("y[t, n] = sum[k] x[dst[t], k] * w[expert(t), n, k]", fp8=False), "in 16-bit"),
+        (one("y[t, n] = rw[t] * sum[k] x[dst[t], k] * w[expert(t), n, k]"), "with a row weight"),
+    ):
+        (s,) = derive_backward(gemmspec.build(form).spec).skipped
+        assert "reads the rows of 'x' through 'dst'" in s.reason and why in s.reason
     bias = one("y[t, n] = sum[k] x[t, k] * w[expert(t), n, k] + b[expert(t), n]").replace(
         "  tensor y ", "  tensor b   : f32 [E, N]\n  tensor y "
     )

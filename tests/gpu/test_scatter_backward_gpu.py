@@ -238,7 +238,22 @@ def test_the_example_backward_matches_float64(counts, gather):
         args[name] = upload(np.full((t, f_dim), 0x7FC0, np.uint16), (t, f_dim), "bf16", name)
     args["dw_down"] = upload(np.full((e, h_dim, f_dim), np.nan, np.float32), (e, h_dim, f_dim), "f32", "dw_down")
     args["droute_w"] = upload(np.full(t, np.nan, np.float32), (t,), "f32", "droute_w")
+    # The up-projection's backward (the SwiGLU's: checked against float64 in
+    # tests/gpu/test_ffn_backward_gpu.py) runs in the same call: its inputs, poisoned outputs.
+    n_dim = spec.dim("N").size
+    for name, real in (("x", rng.standard_normal((t, h_dim))), ("w_up", rng.standard_normal((e, n_dim, h_dim)) / 16)):
+        qv, sgrid = requantize_values(spec, rt, real, spec.tensor(name))
+        sc = spec.tensor(name).scale.name
+        args[name] = upload(_fp8_bytes(qv), qv.shape, "e4m3", name)
+        args[sc] = upload(sgrid.astype(np.float32), sgrid.shape, "f32", sc)
+    args["src"] = upload(rng.integers(0, t, t).astype(np.int32) if t else np.zeros(0, np.int32), (t,), "i32", "src")
+    for name, shape in (("h_gate_up", (t, n_dim)), ("dx_rows", (t, h_dim)), ("dx", (t, h_dim))):
+        args[name] = upload(np.full(shape, 0x7FC0, np.uint16), shape, "bf16", name)
+    args["dw_up"] = upload(np.full((e, n_dim, h_dim), np.nan, np.float32), (e, n_dim, h_dim), "f32", "dw_up")
     exe(check=True, **args)
+    assert not np.isnan(keep["dw_up"].to_numpy((e, n_dim, h_dim), np.float32)).any()
+    dx = (keep["dx"].to_numpy((t, h_dim), np.uint16).astype(np.uint32) << 16).view(np.float32)
+    assert not np.isnan(dx).any()
 
     def bf16(name):
         return (keep[name].to_numpy((t, f_dim), np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)

@@ -1,6 +1,7 @@
 """The derived backward of examples/moe_ffn_fp8_train.gspec takes its arguments: the
 output gradient, the index and row weight of the scattered rows, the transposed weight's
-source, the forward's copy h_t (padded segments, anchored scales) and the two gradients
+source, the forward's copy h_t (padded segments, anchored scales), the up-projection's
+inputs and the gradients
 validate from metadata alone (fake `__cuda_array_interface__` objects, offsets read on
 the host), and every run-time dim has a size."""
 
@@ -17,7 +18,7 @@ from gemmspec.errors import ArgumentError
 from gemmspec.runtime import executor
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec"
-T, H, F, E = 512, 7168, 2048, 8
+T, S, H, N, F, E = 512, 512, 7168, 4096, 2048, 8  # S = T: the index fixture permutes T rows
 GIB = 1 << 30
 
 
@@ -45,6 +46,17 @@ def good_args(**changes):
         "dw_down": ((E, H, F), "<f4"),
         "droute_w": ((T,), "<f4"),
         "expert_offsets": ((E + 1,), "<i4"),
+        # The SwiGLU up-projection's backward: x (S tokens) read through src, the gate/up
+        # columns recomputed, the DGRAD's rows added back into dx.
+        "x": ((S, H), "|u1"),
+        "x_scale": ((S, H // 128), "<f4"),
+        "w_up": ((E, N, H), "|u1"),
+        "w_up_scale": ((E, N // 128, H // 128), "<f4"),
+        "src": ((T,), "<i4"),
+        "h_gate_up": ((T, N), "<u2"),
+        "dx_rows": ((T, H), "<u2"),
+        "dw_up": ((E, N, H), "<f4"),
+        "dx": ((S, H), "<u2"),
     }
     shapes.update(changes)
     return {n: FakeCuda(shape, ty, (i + 1) * 64 * GIB) for i, (n, (shape, ty)) in enumerate(shapes.items())}
@@ -69,7 +81,7 @@ def test_the_arguments_are_the_backward_inputs_and_gradients(exe):
 
 def test_good_args_pass_validation(exe, offsets_on_host):
     bound = exe._bind(good_args())
-    assert bound.dims == {"T": T}
+    assert bound.dims == {"T": T, "S": S}
 
 
 def test_a_row_weight_of_another_length_is_refused(exe, offsets_on_host):

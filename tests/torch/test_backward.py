@@ -19,7 +19,7 @@ from gemmspec.bench import moe_spec
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
 DERIVED = {
     "linear_fp8_training", "lora_qkv_slices", "moe_bf16_forward", "moe_ffn_fp8", "moe_ffn_fp8_train",
-    "moe_fp8_forward", "split_nest",
+    "moe_fp8_forward", "moe_fp8_gather_scatter", "moe_swiglu_fp8", "split_nest",
 }
 
 
@@ -34,12 +34,17 @@ def test_every_example_derives_or_says_why(path):
     if bw.statements:
         exe, _ = build_backward(spec)  # parse, check, analyse, lower, emit
         gemms = [d for d in bw.statements if d.kind in ("dgrad", "wgrad")]
-        assert len(exe.spec.gemms) == len(gemms) and exe.program.launches
+        # A SwiGLU's backward recomputes its gate/up columns: one more statement.
+        swiglus = [g for g in spec.gemms if g.swiglu]
+        assert len(exe.spec.gemms) == len(gemms) + len(swiglus) and exe.program.launches
         kinds = sorted(d.kind for d in gemms)
         assert kinds == ["dgrad", "wgrad"] * (len(kinds) // 2) or kinds.count("dgrad") == kinds.count("wgrad")
-        # A row weight's gradient is a row pass (rowdot), one per weighted statement.
+        # A row weight's gradient is a row pass (rowdot) beside rowscale, one per weighted
+        # statement; gathered A rows come back through scatter_add.
         rows = [d for d in bw.statements if d.kind == "rowdot"]
-        assert len(exe.schedule.postpasses) == 2 * len(rows)
+        gathered = [g for g in spec.gemms if g.gather]
+        assert len(exe.schedule.postpasses) == 2 * len(rows) + len(gathered)
+        assert [p.kind for p in exe.schedule.prepasses].count("swiglu_grad") == len(swiglus)
 
 
 def test_fp8_moe_backward_follows_the_recipe():

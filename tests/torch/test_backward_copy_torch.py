@@ -132,15 +132,27 @@ def test_fake_backward_outputs_with_a_padded_copy_input(cpu_ops):
         "w_down_scale": torch.empty(4, 2, 2, device="meta"),
         "offs": torch.empty(5, dtype=torch.int32, device="meta"),
     }
-    dh, dw = bop._fake(*(meta[n] for n in bop.inputs))
+    meta |= {
+        "x": torch.empty(t, 256, dtype=torch.float8_e4m3fn, device="meta"),
+        "x_scale": torch.empty(t, 2, device="meta"),
+        "w_up": torch.empty(4, 512, 256, dtype=torch.float8_e4m3fn, device="meta"),
+        "w_up_scale": torch.empty(4, 4, 2, device="meta"),
+    }
+    outs = dict(zip(bop.outputs, bop._fake(*(meta[n] for n in bop.inputs))))
+    dh, dw = outs["dh"], outs["dw_down"]
     assert dh.shape == (t, 256) and dh.dtype == torch.bfloat16  # T from dy, not the padded h_t
     assert dw.shape == (4, 256, 256) and dw.dtype == torch.float32
+    assert outs["dx"].shape == (t, 256) and outs["dw_up"].shape == (4, 512, 256)
 
 
-def test_the_function_refuses_the_spec_until_its_up_projection_derives():
-    # The copy's writer has an FP8 output read by another statement: not derived yet.
-    with pytest.raises(gemmspec.GemmspecError, match="no derived backward for every statement"):
-        gt.function(FFN.format(tag="refused"))
+def test_the_function_derives_the_whole_ffn():
+    # The up-projection's SwiGLU backward reads the down-projection's DGRAD (dh); the
+    # copy's anchored scales are an output's, written by the forward, not quantized.
+    fn = gt.function(FFN.format(tag="whole"))
+    assert [(d.kind, d.wrt) for d in fn.backward.statements] == [
+        ("dgrad", "h"), ("wgrad", "w_down"), ("dgrad", "x"), ("wgrad", "w_up"),
+    ]
+    assert fn.backward.skipped == () and fn.args == ("x", "w_up", "w_down", "offs")
 
 
 def test_the_feed_keeps_a_forward_output_the_row_weights_gradient_reads():
@@ -152,7 +164,9 @@ def test_the_feed_keeps_a_forward_output_the_row_weights_gradient_reads():
     ).replace("y[t, n] = sum[f]", "y[t, n] = route_w[t] * sum[f]")
     exe = gemmspec.build(text)
     bw = derive_backward(exe.spec)
-    assert [(d.kind, d.wrt) for d in bw.statements] == [("dgrad", "h"), ("wgrad", "w_down"), ("rowdot", "route_w")]
+    assert [(d.kind, d.wrt) for d in bw.statements] == [
+        ("dgrad", "h"), ("wgrad", "w_down"), ("rowdot", "route_w"), ("dgrad", "x"), ("wgrad", "w_up"),
+    ]
     fop, bop = gt.op(exe), gt.op(bw.source)
     feed = gt.BackwardFeed(fop, bop, bw)
     assert feed.kept_outputs == ("h_t", "h_t_scale", "h", "h_scale")

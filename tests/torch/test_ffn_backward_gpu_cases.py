@@ -61,3 +61,12 @@ def test_the_autograd_case(on_cpu, monkeypatch):
 
     monkeypatch.setattr(cases.torch, "randn", randn)
     cases.test_an_autograd_step_of_the_down_projection_matches_float64(cases.COUNTS * 2)
+
+
+def test_the_whole_ffn_autograd_case(on_cpu, monkeypatch):
+    small = cases.FFN
+    for old, new in (("H = 7168", "H = 256"), ("N = 4096", "N = 512"), ("F = 2048", "F = 256")):
+        assert old in small
+        small = small.replace(old, new)
+    monkeypatch.setattr(cases, "FFN", small)
+    cases.test_an_autograd_step_of_the_whole_ffn_matches_float64([0, 1, 127, 129, 1, 0, 3, 2])
