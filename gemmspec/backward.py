@@ -221,11 +221,8 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
         return "it adds into its output (+=); only `=` statements are derived"
     if g.k.group is not None:
         return "it is K-grouped already (a WGRAD-style statement)"
-    if g.swiglu:
-        return (
-            "it fuses SwiGLU (silu(gate) * up); its gradient goes through the activation, which "
-            "no derived statement computes"
-        )
+    if g.swiglu:  # derived apart (_swiglu_backward) unless this says why not
+        return _swiglu_eligible(spec, g) or "it fuses SwiGLU"
     other = [e.kind for e in g.epilogue if e.kind != "row"]
     if other:
         what = "a per-leaf scalar" if other[0] == "alpha" else "a bias"
