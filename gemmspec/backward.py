@@ -336,8 +336,9 @@ def _swiglu_backward(
 ) -> None:
     """The backward of `h[m, j] = silu(sum[k] A * B[2j]) * sum[k] A * B[2j + 1]` (FP8,
     blockwise): the gate/up columns recomputed into a 16-bit GU, their gradient dGU =
-    swiglu_grad(GU, dh) in FP8 ([1, 128] scales), then DGRAD and WGRAD over GU's columns as
-    for a plain statement reading B's rows one by one. `dh` is the DGRAD of the statement
+    swiglu_grad(GU, dh) in FP8 ([1, 128] scales for the DGRAD, and again in 128x1 blocks per
+    segment for the WGRAD, both from the bf16 gradients), then DGRAD and WGRAD over GU's
+    columns as for a plain statement reading B's rows one by one. `dh` is the DGRAD of the statement
     that reads h, or (None) a bf16 input, the gradient of h from outside. Gathered A rows
     (`x[idx[m], k]`) come back through scatter_add(...) into x's rows."""
     refs = [r for r in _ref_list(g.text) if r[0] != "sum"]  # h, A, B (gate), A, B (up)
@@ -400,8 +401,9 @@ def _swiglu_backward(
     else:
         db_idx, sums, layout, per = b_idx, m, f"major({rows_dim})", ""
     dgu_q, a_q = names.fresh(f"{dgu}_q"), names.fresh(f"{ta.name}_q")
+    # The WGRAD's 128x1 form quantized from the same bf16 gradients (not requantized from dgu).
     decls[dgu_q] = (
-        f"  tensor {dgu_q} : e4m3 [{rows_dim}, {n_dim}] layout {layout} scale f32 [128, 1]{per} = requantize({dgu})"
+        f"  tensor {dgu_q} : e4m3 [{rows_dim}, {n_dim}] layout {layout} scale f32 [128, 1]{per} = swiglu_grad({gu}, {dh})"
     )
     rows_opt = f", rows = {g.gather}" if g.gather else ""
     decls[a_q] = (

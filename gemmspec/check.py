@@ -1034,6 +1034,12 @@ class _Checker:
             )
         sizes = [self._size_poly(x) for x in target.dims]
         if (
+            target.dtype in FP8_TYPES and target.scale is not None and target.dims == gu.dims
+            and target.scale.block == (KERNEL_K_BLOCK, 1) and not target.scale.pow2
+        ):
+            # The WGRAD's form: tokens contiguous per segment, 128x1 blocks per segment.
+            self._check_token_major_target(f"swiglu_grad({gu.name}, {dh.name})", target, t.name.pos)
+        elif (
             target.dtype not in FP8_TYPES or target.scale is None or target.dims != gu.dims
             or target.scale.block != (1, KERNEL_K_BLOCK) or target.scale.anchor is not None
             or target.scale.pow2 or target.layout.kind != "strided"
@@ -1042,7 +1048,8 @@ class _Checker:
         ):
             raise self.error(
                 f"swiglu_grad writes an FP8 [{', '.join(gu.dims)}] tensor, row_major, with "
-                f"[1, {KERNEL_K_BLOCK}] scales in the default layout, but '{name}' is {target}",
+                f"[1, {KERNEL_K_BLOCK}] scales in the default layout (or, for a WGRAD, with "
+                f"[{KERNEL_K_BLOCK}, 1] scales and {gu.dims[0]} contiguous per segment), but '{name}' is {target}",
                 t.name.pos,
                 f"declare `tensor {name} : e4m3 [{', '.join(gu.dims)}] scale f32 [1, {KERNEL_K_BLOCK}] = "
                 f"swiglu_grad({gu.name}, {dh.name})`",
@@ -2827,16 +2834,25 @@ class _Checker:
                 f"tensor with [1, 128] scales into [128, 1] scales: {'; '.join(wrong)}",
                 pos,
             )
+        self._check_token_major_target(f"requantize({src.name})", t, pos)
+        if self._anchor_along(src, 1) is not None:
+            raise self.error(
+                f"requantize({src.name}) reads the [1, 128] scales of '{src.name}' in blocks "
+                f"from channel 0, but they are declared per '{src.scale.anchor}'",
+                pos,
+            )
+
+    def _check_token_major_target(self, what: str, t: Tensor, pos: ast.Pos) -> None:
+        """The [T, C] target of the requantize kernel (`what` names the pass): each segment's
+        tokens contiguous ([T, C] with T contiguous, or segment_major on T) and a row-major
+        grid of [128, 1] scale blocks restarted at every segment."""
         tokens, channels = t.dims  # the target's rows: the source's, or those an index names
-        # The kernel writes each segment's tokens contiguously ([T, C] with T contiguous,
-        # or segment_major on T) and a row-major grid of [128, 1] scale blocks restarted
-        # at every segment; the source's [1, 128] blocks start at channel 0.
         dense = (ONE, self._size_poly(tokens))
         lay = t.layout
         segmented = lay.kind == "segment_major" and lay.seg_axis == 0
         if not segmented and not (lay.kind == "strided" and lay.strides == dense):
             raise self.error(
-                f"requantize({src.name}) writes '{t.name}' with {tokens} contiguous and no "
+                f"{what} writes '{t.name}' with {tokens} contiguous and no "
                 f"padding (strides(1, {tokens}), major({tokens})) or segment_major over a "
                 f"group of {tokens}; '{t.name}' is {lay}",
                 pos,
@@ -2846,23 +2862,17 @@ class _Checker:
         if anchor is not None and anchor != (lay.group if segmented else None):
             where = f"the segments of '{lay.group}'" if segmented else "the start of the tensor"
             raise self.error(
-                f"requantize({src.name}) starts the scale blocks of '{t.name}' at {where}, "
+                f"{what} starts the scale blocks of '{t.name}' at {where}, "
                 f"but they are declared per '{anchor}'",
                 pos,
                 f"drop `per {anchor}` or store '{t.name}' as segment_major({anchor})",
             )
         if t.scale.layout.kind != "strided" or t.scale.layout.strides != (self._size_poly(channels), ONE):
             raise self.error(
-                f"requantize({src.name}) writes the scales of '{t.name}' row-major (a row of "
+                f"{what} writes the scales of '{t.name}' row-major (a row of "
                 f"{channels} per block of 128 tokens); its scale layout is {t.scale.layout}",
                 pos,
                 "declare the scale with the default layout",
-            )
-        if self._anchor_along(src, 1) is not None:
-            raise self.error(
-                f"requantize({src.name}) reads the [1, 128] scales of '{src.name}' in blocks "
-                f"from channel 0, but they are declared per '{src.scale.anchor}'",
-                pos,
             )
 
     def _check_quantize_emittable(self, src: Tensor, t: Tensor, pos: ast.Pos) -> None:

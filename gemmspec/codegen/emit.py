@@ -653,6 +653,10 @@ def emit_prepass(spec: Spec, p: PrePass, index: int = 0) -> EmittedPrePass:
         dh = spec.tensor(p.other)
         if src.rank != 2 or src.layout.contiguous_axis() != 1 or dh.layout.contiguous_axis() != 1:
             raise EmitError(f"swiglu_grad {p.source}, {p.other} -> {p.target}: the pass reads 2-D rows")
+        if dst.scale.block == (128, 1):  # the WGRAD's form: the requantize kernel's layout
+            req = RequantKernelConfig(in_type=src.dtype, out_type=dst.dtype, pad=dst.layout.pad, swiglu=True, dh_type=dh.dtype)
+            req = replace(req, name=prepass_symbol(spec.name, index, req.name))
+            return EmittedPrePass(p, req, HEADER + render_requant(req))
         cfg = replace(quantize_config(src, dst), swiglu_grad=True, dh_type=dh.dtype, name="")
         cfg = replace(cfg, name=prepass_symbol(spec.name, index, cfg.name))
         return EmittedPrePass(p, cfg, HEADER + render_quantize(cfg))

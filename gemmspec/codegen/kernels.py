@@ -757,9 +757,18 @@ class RequantKernelConfig:
     gather_rows: bool = False
     # requantize(X, weight = W): token t's row is multiplied by W[t] before quantizing.
     row_weight: bool = False
+    # swiglu_grad(X, DH) into 128x1 blocks: X (in_type, 16-bit or f32) the gate/up columns,
+    # DH (dh_type) the gradient of the SwiGLU's output; the gradients are what is quantized.
+    swiglu: bool = False
+    dh_type: str = "bf16"
 
     def __post_init__(self) -> None:
-        if self.in_type not in FP8_TYPES or self.out_type not in FP8_TYPES:
+        if self.swiglu:
+            if self.in_type not in QUANTIZE_IN_TYPES or self.dh_type not in QUANTIZE_IN_TYPES or self.out_type not in FP8_TYPES:
+                raise ValueError("swiglu_grad reads bf16, f16 or f32 and writes FP8")
+            if self.gather_rows or self.row_weight:
+                raise ValueError("swiglu_grad reads its rows as they are")
+        elif self.in_type not in FP8_TYPES or self.out_type not in FP8_TYPES:
             raise ValueError("requant reads and writes FP8")
         if self.pad <= 0 or self.pad & (self.pad - 1):
             raise ValueError("pad must be a power of two")
@@ -771,8 +780,9 @@ class RequantKernelConfig:
             object.__setattr__(
                 self,
                 "name",
-                f"gs_sm90a_requant_{self.in_type}_{self.out_type}_sx1x{self.sx_bk}"
-                f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}"
+                (f"gs_sm90a_swiglu_grad_{self.in_type}_{self.dh_type}_{self.out_type}" if self.swiglu else
+                 f"gs_sm90a_requant_{self.in_type}_{self.out_type}_sx1x{self.sx_bk}")
+                + f"_sy{self.block_t}x1_c{self.tile_c}_w{self.threads}"
                 f"{f'_p{self.pad}' if self.pad > 1 else ''}"
                 f"{'_rows' if self.gather_rows else ''}{'_rw' if self.row_weight else ''}",
             )
@@ -990,6 +1000,8 @@ def render_requant(cfg: RequantKernelConfig | None = None) -> str:
         pad=cfg.pad,
         gather_rows=cfg.gather_rows,
         row_weight=cfg.row_weight,
+        swiglu=cfg.swiglu,
+        dh_type=cfg.dh_type,
     )
 
 

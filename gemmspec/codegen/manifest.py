@@ -449,7 +449,7 @@ class _Builder:
         file = f"{self.stem}_prepass{index}.cu"
         if p.kind == "transpose":
             self.transpose(index, e, p, src, dst, file)
-        elif p.kind in ("quantize", "swiglu_grad"):
+        elif p.kind == "quantize" or (p.kind == "swiglu_grad" and dst.scale.block != (128, 1)):
             self.quantize(index, e, src, dst, file)
         elif p.kind == "gather":
             self.gather(index, e, p, src, dst, file)
@@ -507,13 +507,23 @@ class _Builder:
         sy = self.workspace(
             f"prepass{index}.{dst.scale.name}", rows * channels * 4, f"the scales of '{dst.name}'"
         )
-        strides = src.scale.layout.strides
+        if p.kind == "swiglu_grad":  # the gradient of the SwiGLU's output in place of the scales
+            dh = self.spec.tensor(p.other)
+            scaling = (
+                Param("DH", _ptr(dh.dtype), self.where[dh.name]),
+                Param("dh_ld", "long long", self.value(_layout_formula(self.spec, dh.layout.strides[0]))),
+            )
+        else:
+            strides = src.scale.layout.strides
+            scaling = (
+                Param("SX", "const float*", self.where[src.scale.name]),
+                Param("sx_st", "long long", self.value(_layout_formula(self.spec, strides[0]))),
+                Param("sx_sc", "long long", self.value(_layout_formula(self.spec, strides[1]))),
+            )
         params = (
             Param("X", _ptr(src.dtype), self.where[src.name]),
             Param("ldx", "long long", self.value(_layout_formula(self.spec, src.layout.strides[0]))),
-            Param("SX", "const float*", self.where[src.scale.name]),
-            Param("sx_st", "long long", self.value(_layout_formula(self.spec, strides[0]))),
-            Param("sx_sc", "long long", self.value(_layout_formula(self.spec, strides[1]))),
+            *scaling,
             Param("offsets", "const int*", offsets),
             Param("G", "int", self.value(groups)),
             Param("T", "int", self.value(tokens)),
@@ -529,9 +539,8 @@ class _Builder:
         if p.weight is not None:
             params += (Param("W", "const float*", self.where[p.weight]),)
         grid = (rows, channels.ceil_div(cfg.tile_c), Formula.const(1))
-        self.steps.append(
-            KernelLaunch("requantize", e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params)
-        )
+        role = "swiglu_grad" if p.kind == "swiglu_grad" else "requantize"
+        self.steps.append(KernelLaunch(role, e.kernel, file, f"prepass {index}", grid, cfg.threads, 0, 1, params))
         self.where[dst.name], self.where[dst.scale.name] = y, sy
 
     def quantize(self, index, e, src: Tensor, dst: Tensor, file: str) -> None:

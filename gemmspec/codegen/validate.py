@@ -390,8 +390,9 @@ class CheckPlacement:
 
 def prepass_offsets(spec: Spec, p: PrePass) -> str | None:
     """The run-time offsets tensor a pre-pass reads (it then reads the checked copy): a
-    requantize into a segment_major layout restarts its scale blocks at each segment."""
-    if p.kind != "requantize":
+    requantize (or a swiglu_grad into 128x1 blocks) into a segment_major layout restarts its
+    scale blocks at each segment."""
+    if p.kind not in ("requantize", "swiglu_grad"):
         return None
     dst = spec.tensor(p.target)
     if dst.layout.kind != "segment_major":

@@ -292,7 +292,7 @@ def _prepass(spec: Spec, t: Tensor, readers: tuple[int, ...]) -> PrePass:
             target_scale=t.scale.name,
             source_block=(),
             target_block=t.scale.block,
-            anchor=None,
+            anchor=t.scale.anchor,
             reads_before=readers,
             other=t.derived.other,
         )

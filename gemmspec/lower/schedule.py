@@ -437,11 +437,16 @@ class PrePass:
 
     def describe(self) -> str:
         if self.kind == "swiglu_grad":
+            per = f" per {self.anchor}" if self.anchor else ""
+            how = (
+                "per column in blocks of 128 tokens, each segment's tokens contiguous (the "
+                "requantize pass's layout)" if self.target_block == (128, 1) else "as the quantize pass does"
+            )
             return (
                 f"swiglu_grad {self.source} (gate, up interleaved), {self.other} -> {self.target} "
-                f"({self.target_layout}, scales {list(self.target_block)}): per pair, "
+                f"({self.target_layout}, scales {list(self.target_block)}{per}): per pair, "
                 f"d gate = d h * up * silu'(gate), d up = d h * silu(gate), rounded to bf16, then "
-                "quantized as the quantize pass does, one pass"
+                f"quantized {how}, one pass"
             )
         if self.kind == "gather":
             scales = f", scales {list(self.source_block)} with them" if self.source_scale else ""

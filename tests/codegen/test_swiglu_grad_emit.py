@@ -65,3 +65,37 @@ def test_the_kernel_compiles_spill_free(in_type, dh_type):
     sass = disassemble(cubin)
     assert_spill_free(log, sass)
     assert cfg.name in sass and "MUFU.EX2" in sass  # the fast exponential
+
+
+def test_the_wgrad_form_is_the_requantize_kernel_reading_both_sources():
+    from swiglu_grad_spec import SWIGLU_GRAD_WGRAD_SPEC
+
+    from gemmspec.codegen.kernels import RequantKernelConfig
+
+    (low,) = lower_file(SWIGLU_GRAD_WGRAD_SPEC)
+    prog = emit(low.spec, low.schedule)
+    (p,) = [p for p in prog.prepasses if p.prepass.kind == "swiglu_grad"]
+    assert isinstance(p.config, RequantKernelConfig) and p.config.swiglu and p.config.pad == 16
+    assert p.kernel == f"gs_swgw_p{prog.prepasses.index(p)}_sm90a_swiglu_grad_bf16_bf16_e4m3_sy128x1_c128_w256_p16"
+    step = next(s for s in launch_manifest(low.spec, prog).steps if getattr(s, "role", "") == "swiglu_grad")
+    assert [q.name for q in step.params] == ["X", "ldx", "DH", "dh_ld", "offsets", "G", "T", "C", "Y", "SY"]
+    by = {q.name: q.source for q in step.params}
+    assert (by["X"].ref, by["DH"].ref, by["offsets"].ref) == ("gu", "dh", "check.offs")  # the checked copy
+    with pytest.raises(ValueError):
+        RequantKernelConfig(in_type="bf16", swiglu=True, gather_rows=True)
+
+
+@pytest.mark.parametrize("pad", [1, 16])
+def test_the_wgrad_form_kernel_compiles_spill_free(pad):
+    pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
+    pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
+    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+
+    from gemmspec.codegen.kernels import RequantKernelConfig, render_requant
+
+    cfg = RequantKernelConfig(in_type="bf16", pad=pad, swiglu=True)
+    cubin, log = compile_cubin(render_requant(cfg), [include_dir()], name=f"{cfg.name}.cu")
+    assert "warning" not in log, log
+    sass = disassemble(cubin)
+    assert_spill_free(log, sass)
+    assert cfg.name in sass and "MUFU.EX2" in sass

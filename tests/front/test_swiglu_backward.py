@@ -50,17 +50,18 @@ def test_a_swiglu_nobody_reads_takes_its_gradient_as_a_bf16_input():
     assert "  h_gate_up[t, j] = sum[k] x[t, k] * w[expert(t), j, k]\n" in src
     assert "  dx[t, k] = sum[j] dh_gate_up[t, j] * w_t[expert(t), j, k]\n" in src
     assert "  dw[e, j, k] = sum[t in expert(e)] dh_gate_up_q[t, j] * x_q[t, k]\n" in src
+    # The WGRAD's 128x1 form from the same bf16 gradients, not requantized from dh_gate_up.
     assert (
         "  tensor dh_gate_up_q : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] "
-        "per expert = requantize(dh_gate_up)\n"
+        "per expert = swiglu_grad(h_gate_up, dh)\n"
     ) in src
+    assert "requantize(dh_gate_up)" not in src
     exe, _ = build_backward(gemmspec.build(EXAMPLES / "moe_swiglu_fp8.gspec").spec)
     steps = [(k, getattr(x, "target", None) or x.statement_text.split("[")[0]) for k, _, x in exe.schedule.steps()]
     at = {s: i for i, s in enumerate(steps)}
-    # The recompute first, then the pass, its requantize, and the DGRAD and WGRAD.
-    assert at[("launch", "h_gate_up")] < at[("prepass", "dh_gate_up")] < at[("prepass", "dh_gate_up_q")]
-    assert at[("prepass", "dh_gate_up")] < at[("launch", "dx")]
-    assert at[("prepass", "dh_gate_up_q")] < at[("launch", "dw")]
+    # The recompute first, then both passes, and the DGRAD and WGRAD reading them.
+    assert at[("launch", "h_gate_up")] < at[("prepass", "dh_gate_up")] < at[("launch", "dx")]
+    assert at[("launch", "h_gate_up")] < at[("prepass", "dh_gate_up_q")] < at[("launch", "dw")]
 
 
 def test_the_example_ffn_chains_the_down_projections_dgrad_into_the_swiglu():
@@ -75,6 +76,7 @@ def test_the_example_ffn_chains_the_down_projections_dgrad_into_the_swiglu():
     steps = [(k, getattr(x, "target", None) or x.statement_text.split("[")[0]) for k, _, x in exe.schedule.steps()]
     at = {s: i for i, s in enumerate(steps)}
     assert at[("launch", "dh_pre")] < at[("postpass", "dh")] < at[("prepass", "dh_gate_up")]
+    assert at[("postpass", "dh")] < at[("prepass", "dh_gate_up_q")]
     assert at[("launch", "h_gate_up")] < at[("prepass", "dh_gate_up")] < at[("prepass", "dh_gate_up_q")]
     assert at[("prepass", "dh_gate_up")] < at[("launch", "dx_rows")] < at[("postpass", "dx")]
     assert at[("prepass", "dh_gate_up_q")] < at[("launch", "dw_up")]

@@ -86,6 +86,8 @@ CASES = [
      "swiglu_grad writes an FP8 [T, N] tensor, row_major, with [1, 128] scales"),
     ("target_blocks", _r("tensor dgu    : e4m3 [T, N] scale f32 [1, 128]", "tensor dgu    : e4m3 [T, N] scale f32 [128, 128]"),
      "dgu ", "with [1, 128] scales in the default layout"),
+    ("wgrad_form_row_major", _r("tensor dgu    : e4m3 [T, N] scale f32 [1, 128]", "tensor dgu    : e4m3 [T, N] scale f32 [128, 1]"),
+     "dgu ", "swiglu_grad(gu, dh) writes 'dgu' with T contiguous"),
     ("derived_source", _r("  tensor dx     : bf16 [T, H]\n",
                           "  tensor dx     : bf16 [T, H]\n"
                           "  tensor wq     : e4m3 [T, N] scale f32 [1, 128] = quantize(gu)\n").replace(

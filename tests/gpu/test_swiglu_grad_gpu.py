@@ -4,7 +4,8 @@ the gradient of the SwiGLU's output (dh: a bf16 GEMM, then rowscale), quantizes 
 gate/up gradient with swiglu_grad, and runs the DGRAD that reads it (dx), on 0, 1, 127
 and 129 rows, outputs poisoned with NaN: every output against float64 (dgu made from
 the device's own gu and dh by the reference rule), and a second call bit for bit the
-first."""
+first. The WGRAD's form (128x1 blocks per expert segment, padded segments) feeds a
+K-grouped WGRAD on expert counts 0, 1, 127 and 129, checked the same way."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ torch = pytest.importorskip("torch")
 
 import gemmspec.torch as gt  # noqa: E402
 from gemmspec.pipeline import lower_file  # noqa: E402
-from gemmspec.reference.data import random_runtime, swiglu_grad_values  # noqa: E402
+from gemmspec.reference.data import Runtime, expand_scales, random_runtime, swiglu_grad_values  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
-from swiglu_grad_spec import SWIGLU_GRAD_SPEC  # noqa: E402
+from swiglu_grad_spec import SWIGLU_GRAD_SPEC, SWIGLU_GRAD_WGRAD_SPEC  # noqa: E402
 
 DEVICE = "cuda"
 
@@ -86,3 +87,46 @@ def test_swiglu_grad_between_launches_matches_float64_and_repeats(rows):
     err = _rel(first["dx"], dgu @ wtr.T)
     print(f"rows {rows}: dx rel err {err:.3e}")
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", [[0, 1, 127, 129], [129, 127, 1, 0]], ids=["up", "down"])
+def test_the_wgrad_form_feeds_a_k_grouped_wgrad(counts):
+    o = gt.op(SWIGLU_GRAD_WGRAD_SPEC)
+    gen = torch.Generator().manual_seed(sum(counts) + 11)
+    t = sum(counts)
+    x, xs = gt.quantize(torch.randn(t, 256, generator=gen).to(DEVICE), "e4m3", (1, 128))
+    inputs = {
+        "gu": (torch.randn(t, 512, generator=gen) * 2).to(torch.bfloat16).to(DEVICE),
+        "dh": torch.randn(t, 256, generator=gen).to(torch.bfloat16).to(DEVICE),
+        "x": x, "x_scale": xs,
+        "offs": torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).to(DEVICE),
+    }
+
+    def call():
+        dw = torch.full((4, 512, 256), float("nan"), device=DEVICE)
+        o(**inputs, dw=dw)
+        return dw
+
+    first, again = call(), call()
+    torch.cuda.synchronize()
+    assert not first.isnan().any() and torch.equal(first, again)
+    # The 128x1 gradients by the reference rule, dequantized; x as the kernel reads it
+    # (its 1x128 FP8 values: the WGRAD's requantized xq is within FP8 rounding of them).
+    (low,) = lower_file(SWIGLU_GRAD_WGRAD_SPEC)
+    spec = low.spec
+    offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    rt = Runtime({"T": t}, {"offs": offs})
+    target = spec.tensor("dgu_t")
+    q, grid = swiglu_grad_values(
+        spec, rt, target, inputs["gu"].double().cpu().numpy(), "bf16", inputs["dh"].double().cpu().numpy(), "bf16",
+    )
+    dgu = torch.from_numpy(q * expand_scales(spec, rt, target, grid)).to(DEVICE)
+    xr = _deq(x, xs)
+    for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])):
+        if a == b:
+            assert (first[e] == 0).all()
+            continue
+        want = dgu[a:b].T @ xr[a:b]
+        err = _rel(first[e], want)
+        assert err < 0.05, (e, err)  # xq's 128x1 requantization of x bounds it

@@ -26,3 +26,20 @@ gemm swg {{
   dh_pre[t, f] = sum[h] dy[t, h] * wd[f, h]
 }}
 """
+
+# The WGRAD's form: the gate/up gradient quantized straight into 128x1 blocks per expert
+# segment (tokens contiguous, segments padded to 16 rows), read by a K-grouped WGRAD.
+SWIGLU_GRAD_WGRAD_SPEC = f"""\
+gemm swgw {{
+  dim T
+  dim H = {H}, N = {N}, F = {F}
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor gu    : bf16 [T, N]
+  tensor dh    : bf16 [T, F]
+  tensor x     : e4m3 [T, H] scale f32 [1, 128]
+  tensor xq    : e4m3 [T, H] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(x)
+  tensor dgu_t : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = swiglu_grad(gu, dh)
+  tensor dw    : f32 [E, N, H]
+  dw[e, n, h] = sum[t in expert(e)] dgu_t[t, n] * xq[t, h]
+}}
+"""

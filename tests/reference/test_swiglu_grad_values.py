@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from swiglu_grad_spec import SWIGLU_GRAD_SPEC
+from swiglu_grad_spec import SWIGLU_GRAD_SPEC, SWIGLU_GRAD_WGRAD_SPEC
 
 from gemmspec.pipeline import lower_file
 from gemmspec.reference.data import dim_size, quantize, random_inputs, random_runtime, real_values
@@ -90,3 +90,34 @@ def test_swiglu_grad_values_are_the_numpy_formula_rounded_then_quantized():
     deq = q * np.repeat(grid, 128, axis=1)
     assert np.all(np.abs(deq - want) <= np.repeat(grid, 128, axis=1) * 448 * 2.0**-4)
     assert q[0, 0] == 0.0 and q[0, 1] == 0.0  # g = -200: s = 0, both gradients vanish
+
+
+@pytest.mark.parametrize("counts", [[0, 1, 127, 129], [129, 0, 0, 3]])
+def test_the_wgrad_form_equals_the_direct_semantics_and_numpy(counts):
+    """swiglu_grad into 128x1 blocks per expert segment: the same bf16 gradients, amax per
+    column over each segment's 128-token block, read by a K-grouped WGRAD."""
+    from gemmspec.reference.data import expand_scales, swiglu_grad_values
+
+    (low,) = lower_file(SWIGLU_GRAD_WGRAD_SPEC)
+    spec = low.spec
+    (p,) = [p for p in low.schedule.prepasses if p.kind == "swiglu_grad"]
+    assert (p.target_block, p.anchor, p.target_layout) == ((128, 1), "expert", "segment_major(expert) pad 16")
+    rng = np.random.default_rng(sum(counts))
+    rt = random_runtime(spec, rng, lengths={"expert": counts})
+    data = random_inputs(spec, rt, rng)
+    init = {n: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(n).dims), np.nan) for n in spec.written}
+    direct = run_direct(spec, rt, data, init)
+    flat = run_schedule(spec, rt, low.schedule, data, init)
+    q, grid = swiglu_grad_values(spec, rt, spec.tensor("dgu_t"), data["gu"].values, "bf16", data["dh"].values, "bf16")
+    dgu = q * expand_scales(spec, rt, spec.tensor("dgu_t"), grid)
+    exact = quantize(_numpy_dgu(quantize(data["gu"].values, "bf16"), quantize(data["dh"].values, "bf16")), "bf16")
+    # 128x1 blocks: within half an e4m3 step of each column block's amax / 448.
+    assert np.all(np.abs(dgu - exact) <= expand_scales(spec, rt, spec.tensor("dgu_t"), grid) * 448 * 2.0**-4)
+    xq = real_values(spec, rt, spec.tensor("x"), data["x"])
+    offs = np.concatenate([[0], np.cumsum(counts)])
+    for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])):
+        want = dgu[a:b].T @ xq[a:b]
+        scale = max(np.abs(want).max(initial=0.0), 1e-300)
+        # xq is requantized into 128x1 blocks: within FP8 rounding of x's values.
+        assert np.abs(direct["dw"][e] - want).max(initial=0.0) <= 0.1 * scale
+        assert np.abs(flat["dw"][e] - direct["dw"][e]).max(initial=0.0) <= 1e-6 * scale
