@@ -918,12 +918,7 @@ class _Checker:
                     f"{op} reads tensors passed in or written by statements, but '{x.name}' is {what}",
                     ref.pos,
                 )
-            if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
-                raise self.error(
-                    f"{op} reads 2-D tensors whose rows are contiguous (the last dim), but '{x.name}' "
-                    f"is [{', '.join(x.dims)}] layout {x.layout}",
-                    ref.pos,
-                )
+            self._check_rows_contiguous(op, x, ref.pos)
         if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
             what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
             raise self.error(
@@ -987,6 +982,15 @@ class _Checker:
                 t.name.pos,
             )
 
+    def _check_rows_contiguous(self, op: str, x: Tensor, pos: ast.Pos) -> None:
+        """The passes that work on whole rows read 2-D tensors with contiguous rows."""
+        if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
+            raise self.error(
+                f"{op} reads 2-D tensors whose rows are contiguous (the last dim), but '{x.name}' "
+                f"is [{', '.join(x.dims)}] layout {x.layout}",
+                pos,
+            )
+
     def check_swiglu_grad(self, t: ast.TensorDecl) -> None:
         """`T = swiglu_grad(GU, DH)`: GU an unscaled bf16/f16/f32 [R, 2F] (columns 2j the
         gate, 2j + 1 the up, as a SwiGLU statement reads its weight's rows), DH of GU's type
@@ -1018,12 +1022,7 @@ class _Checker:
                 raise self.error(
                     f"swiglu_grad reads unscaled bf16, f16 or f32 tensors, but '{x.name}' is {what}", ref.pos
                 )
-            if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
-                raise self.error(
-                    f"swiglu_grad reads 2-D tensors whose rows are contiguous (the last dim), but "
-                    f"'{x.name}' is [{', '.join(x.dims)}] layout {x.layout}",
-                    ref.pos,
-                )
+            self._check_rows_contiguous("swiglu_grad", x, ref.pos)
         pairs, cols = self.dims[gu.dims[1]].size, self.dims[dh.dims[1]].size
         if dh.dims[0] != gu.dims[0] or pairs is None or cols is None or pairs != 2 * cols:
             raise self.error(
@@ -1148,12 +1147,7 @@ class _Checker:
                 f"scatter_add reads a tensor passed in or written by a statement, but '{source.name}' is {what}",
                 d.source.pos,
             )
-        if source.rank != 2 or source.layout.kind != "strided" or source.layout.contiguous_axis() != 1:
-            raise self.error(
-                f"scatter_add reads a 2-D tensor whose rows are contiguous (the last dim), but "
-                f"'{source.name}' is [{', '.join(source.dims)}] layout {source.layout}",
-                d.source.pos,
-            )
+        self._check_rows_contiguous("scatter_add", source, d.source.pos)
         if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
             what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
             raise self.error(

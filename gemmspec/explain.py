@@ -255,7 +255,7 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
     if schedule.order:
         lines.append("order: " + ", ".join(f"{kind} {i}" for kind, i in schedule.order))
     if schedule.postpasses:
-        lines.append("row passes (after the launches they read" + (", in the order above):" if schedule.order else "):"))
+        lines.append("row passes (in the order above):" if schedule.order else "row passes (after the launches):")
         for i, p in enumerate(schedule.postpasses):
             lines.append(f"  [{i}] {p.describe()}")
     placement = _check_placement(spec, schedule)

@@ -6,8 +6,8 @@ else is a located error."""
 from __future__ import annotations
 
 import pytest
+from located import check_error, edited
 
-from gemmspec.check import check
 from gemmspec.errors import SpecError
 from gemmspec.parse import parse
 from gemmspec.pipeline import lower_file
@@ -30,14 +30,7 @@ LINE = 9  # the requantize declaration
 
 
 def _r(old: str, new: str, text: str = SPEC) -> str:
-    assert old in text, old
-    return text.replace(old, new, 1)
-
-
-def _error(text: str) -> SpecError:
-    with pytest.raises(SpecError) as info:
-        check(parse(text, "spec.gspec"))
-    return info.value
+    return edited(old, new, text)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +98,7 @@ ERRORS = [
 
 @pytest.mark.parametrize("text, at, fragment", [pytest.param(*c[1:], id=c[0]) for c in ERRORS])
 def test_bad_forms_are_located(text, at, fragment):
-    err = _error(text)
+    err = check_error(text)
     assert fragment in err.message, err.render()
     line = text.splitlines()[err.location.line - 1]
     assert err.location.line == LINE or at in line, err.render()
@@ -113,7 +106,7 @@ def test_bad_forms_are_located(text, at, fragment):
 
 
 def test_a_name_option_on_requantize_is_still_refused():
-    err = _error(_r("rows = dst, weight = rw", "pow2"))
+    err = check_error(_r("rows = dst, weight = rw", "pow2"))
     assert "requantize(...) takes no options, but 'pow2' is given" in err.message
 
 

@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 
 import gemmspec
-from gemmspec.check import check
-from gemmspec.errors import SpecError
-from gemmspec.parse import parse
 from gemmspec.pipeline import lower_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from located import assert_located, edited
 from row_pass_spec import ROW_PASS_SPEC  # noqa: E402
 
 SPEC = ROW_PASS_SPEC
@@ -24,14 +22,7 @@ ROWDOT_LINE, ROWSCALE_LINE = 9, 10
 
 
 def _r(old: str, new: str, text: str = SPEC) -> str:
-    assert old in text, old
-    return text.replace(old, new, 1)
-
-
-def _error(text: str) -> SpecError:
-    with pytest.raises(SpecError) as info:
-        check(parse(text, "spec.gspec"))
-    return info.value
+    return edited(old, new, text)
 
 
 def test_valid_forms_lower_to_row_passes_after_the_launches():
@@ -151,10 +142,7 @@ ERRORS = [
 
 @pytest.mark.parametrize("text, at, fragment", [pytest.param(*c[1:], id=c[0]) for c in ERRORS])
 def test_bad_forms_are_located(text, at, fragment):
-    err = _error(text)
-    assert fragment in err.message, err.render()
-    line = text.splitlines()[err.location.line - 1]
-    assert line[err.location.column - 1:].startswith(at), err.render()
+    assert_located(text, at, fragment)
 
 
 def test_the_names_are_keywords_only_after_the_equals_sign():

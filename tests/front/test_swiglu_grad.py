@@ -11,27 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from gemmspec.check import check
 from gemmspec.cli import main
-from gemmspec.errors import SpecError
-from gemmspec.parse import parse
 from gemmspec.pipeline import lower_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+from located import assert_located, edited
 from swiglu_grad_spec import SWIGLU_GRAD_SPEC  # noqa: E402
 
 SPEC = SWIGLU_GRAD_SPEC
 
 
 def _r(old: str, new: str, text: str = SPEC) -> str:
-    assert old in text, old
-    return text.replace(old, new, 1)
-
-
-def _error(text: str) -> SpecError:
-    with pytest.raises(SpecError) as info:
-        check(parse(text, "spec.gspec"))
-    return info.value
+    return edited(old, new, text)
 
 
 def test_a_valid_form_checks_into_a_prepass_that_reads_two_tensors():
@@ -100,10 +91,7 @@ CASES = [
 
 @pytest.mark.parametrize("text, at, fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_forms_are_located_errors(text, at, fragment):
-    err = _error(text)
-    assert fragment in err.message, err.render()
-    line = text.splitlines()[err.location.line - 1]
-    assert line[err.location.column - 1:].startswith(at), err.render()
+    assert_located(text, at, fragment)
 
 
 def test_explain_prints_the_order(tmp_path, capsys):
