@@ -412,7 +412,8 @@ def _swiglu_backward(
     )
     text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {dgu_q}[{m}, {n}] * {a_q}[{m}, {g.k.var}]"
     body.append(f"  {text}")
-    derived.append(Derived(g.index, "wgrad", tb.name, db, text))
+    how = f"{dgu_q} = swiglu_grad({gu}, {dh}) in [128, 1] blocks{per}; "
+    derived.append(Derived(g.index, "wgrad", tb.name, db, how + text))
 
 
 def derive_backward(spec: Spec, copies: bool = True) -> Backward:

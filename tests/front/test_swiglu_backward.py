@@ -73,6 +73,10 @@ def test_the_example_ffn_chains_the_down_projections_dgrad_into_the_swiglu():
         "dx_rows[t, k] = sum[j] dh_gate_up[t, j] * w_up_t[expert(t), j, k]; dx = scatter_add(dx_rows, rows = src)"
     )
     assert "swiglu_grad(h_gate_up, dh)" in d0[0].text  # dh: the rowscale of the down DGRAD
+    assert d0[1].text == (
+        "dh_gate_up_q = swiglu_grad(h_gate_up, dh) in [128, 1] blocks per expert; "
+        "dw_up[e2, j, k] = sum[t in expert(e2)] dh_gate_up_q[t, j] * x_q[t, k]"
+    )
     steps = [(k, getattr(x, "target", None) or x.statement_text.split("[")[0]) for k, _, x in exe.schedule.steps()]
     at = {s: i for i, s in enumerate(steps)}
     assert at[("launch", "dh_pre")] < at[("postpass", "dh")] < at[("prepass", "dh_gate_up")]
