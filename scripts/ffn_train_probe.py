@@ -6,11 +6,14 @@ gate/up columns, swiglu_grad, DGRAD, WGRAD and scatter_add), per call quantizing
 high-precision inputs as the function does. Beside it, where torch has it, the same FFN in
 BF16 through torch._grouped_mm with autograd (the SwiGLU and the router weight in torch).
 
-    python3 scripts/ffn_train_probe.py [--tokens S] [--top-k K] [--repeat N]
+    python3 scripts/ffn_train_probe.py [--tokens S] [--top-k K] [--repeat N] [--profile]
 
 Prints milliseconds (median of N steps after a warm-up) and TFLOPS of the step's GEMM
 work: forward 2T(NH + HF), backward 4T(NH + HF) for the gradients plus 2TNH for the
-recomputed gate/up columns (counted apart), T = S * K routed rows.
+recomputed gate/up columns (counted apart), T = S * K routed rows. With --profile, one
+more step runs under torch.profiler and the CUDA time of each kernel is printed, largest
+first (gemmspec's kernels are named gs_<spec>_l<i> for launch i, _p<i> for pre-pass i,
+_q<i> for row pass i).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="print each kernel's CUDA time in one step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -115,6 +119,19 @@ def main() -> int:
             print(f"torch BF16 _grouped_mm step: not run ({str(err).splitlines()[0]})")
         else:
             print(f"torch BF16 _grouped_mm step {ms:8.3f} ms  {(fwd_flops + grad_flops) / ms / 1e9:7.1f} TFLOPS")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        rows = sorted(
+            ((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0),
+            key=lambda r: -r[1],
+        )
+        print(f"one step's kernels: {sum(r[1] for r in rows):.3f} ms in all")
+        for name, ms, count in rows[:24]:
+            print(f"  {ms:8.3f} ms  x{count:<3d} {name[:110]}")
     return 0
 
 
