@@ -162,7 +162,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.
 def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
     """The backward of examples/moe_ffn_fp8_train.gspec (DGRAD with gathered dy rows before
     route_w, WGRAD over requantize(dy, rows = dst, weight = route_w) and the forward's h_t,
-    the row passes after them): every emitted source compiles for sm_90a without spills,
+    the row passes, and the SwiGLU up-projection's backward): every emitted source compiles
+    for sm_90a without spills,
     with the DGRAD's rows copied by the gather pre-pass (as planned) or gathered in its
     loads."""
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
@@ -179,7 +180,10 @@ def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
     assert dgrad.gather == (gather == "fused") and dgrad.epilogue == ()
     sources = exe.program.sources()
     requant = [p for p in exe.program.prepasses if p.prepass.kind == "requantize"]
-    assert [(p.config.gather_rows, p.config.row_weight, p.config.pad) for p in requant] == [(True, True, 16)]
+    # dy's rows weighted for the down WGRAD; x's rows (gathered through src) for the up WGRAD.
+    assert [(p.prepass.source, p.config.gather_rows, p.config.row_weight, p.config.pad) for p in requant] == [
+        ("dy", True, True, 16), ("x", True, False, 16),
+    ]
     for name, source in sources.items():
         cubin, log = compile_cubin(source, [include_dir()], name=name)
         assert "warning" not in log, (name, log)

@@ -41,10 +41,11 @@ def index(t: int, s: int, gen: torch.Generator) -> torch.Tensor:
     """Rows of [0, S) with repeats, entries in [-2, 0) and [S, S + 3) (skipped), and with
     enough entries: 40 of them naming row 0, a thousand row S - 1 (more than 32 each)."""
     src = torch.randint(-2, s + 3, (t,), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(t, generator=gen)  # distinct rows for the two runs below
     if t >= 80 and s > 0:
-        src[torch.randperm(t, generator=gen)[:40]] = 0
+        src[rows[:40]] = 0
     if t >= 2000 and s > 1:
-        src[torch.randperm(t, generator=gen)[:1000]] = s - 1
+        src[rows[40:1040]] = s - 1
     return src
 
 

@@ -233,6 +233,14 @@ def backward_case(counts, seed=0):
     dh = np.einsum("tn,tnf->tf", dy_rows, wq[gid])
     dw = np.zeros((e, h_dim, f_dim))
     np.add.at(dw, gid, np.einsum("tn,tf->tnf", dy_rows, h))
+    # The SwiGLU up-projection's backward runs in the same call (its values are
+    # tests/front/test_swiglu_backward.py's and the GPU tests' business): x's S = T tokens
+    # read through src with repeats, and w_up.
+    n_dim = spec.dim("N").size
+    for name, real in (("x", rng.standard_normal((t, h_dim))), ("w_up", rng.standard_normal((e, n_dim, h_dim)) / 16)):
+        q, grid = requantize_values(spec, rt, real, spec.tensor(name))
+        data[name] = TensorData(q, grid)
+    data["src"] = TensorData(rng.integers(0, max(t, 1), t).astype(np.float64))
     init = {n: np.full(tuple(rt.dims.get(d) or spec.dim(d).size for d in spec.tensor(n).dims), np.nan) for n in spec.written}
     return exe, rt, data, init, dh, dw
 
