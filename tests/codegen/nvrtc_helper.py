@@ -39,3 +39,12 @@ def assert_spill_free(log: str, sass: str | None = None) -> None:
     assert all(s == ("0", "0") for s in spills), f"register spills:\n{log}"
     if sass is not None:
         assert not re.search(r"\b(LDL|STL)\b", sass), "local memory traffic in SASS"
+
+
+def spill_free_sass(source: str, include_dirs: list[str], name: str) -> str:
+    """Compile `source` for sm_90a, assert no warning and no spill, return its SASS."""
+    cubin, log = compile_cubin(source, include_dirs, name=name)
+    assert "warning" not in log, log
+    sass = disassemble(cubin)
+    assert_spill_free(log, sass)
+    return sass
