@@ -623,3 +623,39 @@ def test_per_tensor_grid_is_one_scale_even_with_no_tokens():
     direct, flat = both_executors(PER_TENSOR % {"K": 200, "XS": "T, K", "WS": "1, N, K", "D": "bf16", "OP": "="}, 0, {"expert": [0, 0, 0, 0]})
     assert direct["y"].shape == (0, 72)
     assert_same(direct, flat)
+
+
+def _ffn_backward_text() -> str:
+    """The derived backward of examples/moe_ffn_fp8_train.gspec at small compile-time dims:
+    the down-projection's DGRAD, WGRAD and row passes, the SwiGLU's recomputed gate/up,
+    swiglu_grad in both forms between the launches, and scatter_add."""
+    from pathlib import Path
+
+    from gemmspec.backward import derive_backward
+
+    text = (Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec").read_text()
+    for old, new in (("H = 7168", "H = 256"), ("N = 4096", "N = 512"), ("F = 2048", "F = 256")):
+        text = text.replace(old, new)
+    (fwd,) = lower_file(text)
+    return derive_backward(fwd.spec).source
+
+
+def _all_outputs(text: str, seed: int, lengths, dims):
+    """Both executors with every tensor the call writes poisoned (row passes' targets too)."""
+    (lowered,) = lower_file(text)
+    spec, schedule = lowered.spec, lowered.schedule
+    rng = np.random.default_rng(seed)
+    rt = random_runtime(spec, rng, lengths=lengths, dims=dims)
+    data = random_inputs(spec, rt, rng)
+    init = {n: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(n).dims), np.nan) for n in spec.written}
+    return run_direct(spec, rt, data, init), run_schedule(spec, rt, schedule, data, init)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.sampled_from([0, 1, 127, 129]), min_size=8, max_size=8),
+    tokens=st.sampled_from([1, 50, 300]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_expert_ffn_backward_with_passes_between_launches(lengths, tokens, seed):
+    assert_same(*_all_outputs(_ffn_backward_text(), seed, {"expert": lengths}, {"S": tokens}))
