@@ -177,8 +177,7 @@ def _reads_through_passes(spec: Spec, reads: tuple[str, ...]) -> set[str]:
         seen.add(name)
         t = spec.tensor(name)
         if t.derived is not None:
-            d = t.derived
-            todo += [n for n in (d.source, d.other, d.index, d.weight) if n is not None]
+            todo += list(t.derived.reads)
         elif t.row_pass is not None:
             todo += list(t.row_pass.reads)
     return seen

@@ -1074,8 +1074,7 @@ class _Checker:
         for t in self.tensors.values():
             d = t.derived
             if d is not None:
-                reads = tuple(n for n in (d.source, d.other, d.index, d.weight) if n)
-                steps.append((f"'{t.name}' = {d}", reads, (t.name,)))
+                steps.append((f"'{t.name}' = {d}", d.reads, (t.name,)))
             elif t.row_pass is not None:
                 steps.append((f"'{t.name}' = {t.row_pass}", t.row_pass.reads, (t.name,)))
         writers: dict[str, list[int]] = {}

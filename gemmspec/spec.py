@@ -197,6 +197,12 @@ class Derivation:
     # 2j + 1) from DH, the gradient of its output column j; quantized like quantize(...).
     other: str | None = None
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every tensor its pass reads: the source, then swiglu_grad's second tensor, the
+        index and the weight."""
+        return tuple(n for n in (self.source, self.other, self.index, self.weight) if n is not None)
+
     def __str__(self) -> str:
         if self.op == "gather":
             return f"gather({self.source}[{self.index}])"

@@ -41,6 +41,7 @@ from .kernels import (
     SCATTER_SCAN_THREADS,
     SCATTER_STEPS,
     GemmKernelConfig,
+    QuantizeKernelConfig,
     map_specs,
 )
 from .names import file_stem, host_prefix
@@ -449,7 +450,7 @@ class _Builder:
         file = f"{self.stem}_prepass{index}.cu"
         if p.kind == "transpose":
             self.transpose(index, e, p, src, dst, file)
-        elif p.kind == "quantize" or (p.kind == "swiglu_grad" and dst.scale.block != (128, 1)):
+        elif isinstance(e.config, QuantizeKernelConfig):  # quantize, or swiglu_grad into [1, 128]
             self.quantize(index, e, src, dst, file)
         elif p.kind == "gather":
             self.gather(index, e, p, src, dst, file)

@@ -39,11 +39,6 @@ from .data import (
 )
 
 
-def _derived_reads(t: Tensor) -> tuple[str, ...]:
-    d = t.derived
-    return tuple(n for n in (d.source, d.other, d.index, d.weight) if n is not None)
-
-
 def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, TensorData]:
     """Add to `data` every derived tensor not in it yet whose sources are (returns a new
     dict): all of them where every source is passed in; a swiglu_grad once the statements
@@ -55,7 +50,7 @@ def derive(spec: Spec, rt: Runtime, data: dict[str, TensorData]) -> dict[str, Te
         for t in spec.tensors:
             if t.derived is None or t.name in out or t.derived.op == "gather":
                 continue
-            if all(n in out for n in _derived_reads(t)):
+            if all(n in out for n in t.derived.reads):
                 out[t.name] = _derived(spec, rt, t, out)
                 grown = True
     return out

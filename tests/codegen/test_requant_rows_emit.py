@@ -144,13 +144,10 @@ CONFIGS = {
 def test_the_switched_kernels_compile_spill_free(key):
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
-    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+    from nvrtc_helper import spill_free_sass
 
     cfg = CONFIGS[key]
-    cubin, log = compile_cubin(render_requant(cfg), [include_dir()], name=f"{cfg.name}.cu")
-    assert "warning" not in log, log
-    sass = disassemble(cubin)
-    assert_spill_free(log, sass)
+    sass = spill_free_sass(render_requant(cfg), [include_dir()], f"{cfg.name}.cu")
     assert cfg.name in sass
 
 
@@ -169,7 +166,7 @@ def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
     loads."""
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
-    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+    from nvrtc_helper import spill_free_sass
 
     from gemmspec.backward import derive_backward
     from gemmspec.bench import with_directive
@@ -186,21 +183,17 @@ def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
         ("dy", True, True, 16), ("x", True, False, 16),
     ]
     for name, source in sources.items():
-        cubin, log = compile_cubin(source, [include_dir()], name=name)
-        assert "warning" not in log, (name, log)
-        assert_spill_free(log, disassemble(cubin))
+        spill_free_sass(source, [include_dir()], name)
 
 
 def test_every_source_of_the_rows_spec_compiles():
     """The pass, its offsets check (reading the index) and the WGRAD."""
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")
-    from nvrtc_helper import assert_spill_free, compile_cubin, disassemble
+    from nvrtc_helper import spill_free_sass
 
     _, prog = program(OPTIONS["rows_weight"])
     sources = prog.sources()
     assert any(name.endswith("_check.cu") for name in sources)
     for name, source in sources.items():
-        cubin, log = compile_cubin(source, [include_dir()], name=name)
-        assert "warning" not in log, (name, log)
-        assert_spill_free(log, disassemble(cubin))
+        spill_free_sass(source, [include_dir()], name)
