@@ -13,7 +13,10 @@ expand's BF16 `+=`) restores it before every launch, untimed, and is timed by th
 the same inputs (its output checked against gemmspec's first; ragged groups copied once,
 untimed, into the 128-row aligned layout it needs); elsewhere, or with `--no-deepgemm`,
 DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed as recorded
-references.
+references. Where nvidia-smi is on the PATH, each row also shows the SM clock and board
+power sampled while it was timed (a sustained FP8 GEMM runs at the card's power cap, at
+a clock well below the maximum), and each compute-bound case the share of the tensor
+cores' peak at the clock gemmspec's row ran at.
 
     gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png] [--no-deepgemm]
     python -m gemmspec.bench ...
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from . import bench_deepgemm
+from .clocks import PEAK_FLOPS_PER_SM_CYCLE, ClockReading, ClockSampler
 
 # DeepGEMM 2.6.1 on one H200, 2026-11-30 (same shapes; M-grouped rows count its
 # 128-row padding as useful work).
@@ -82,6 +86,11 @@ class Result:
     unit: str  # "TFLOPS" or "TB/s"
     check: str = ""  # how the result was verified, with the error
     samples_ms: list[float] = field(default_factory=list)
+    # The SM clock and board power while it was timed (medians; None without nvidia-smi),
+    # and the share of those samples at the software power cap.
+    sm_mhz: float | None = None
+    power_w: float | None = None
+    power_capped: float | None = None
 
     @property
     def rate(self) -> float:
@@ -95,6 +104,9 @@ class Case:
     target: Target
     run: Callable[..., list[Result]]
     memory_bound: bool = False
+    # The tensor-core peak a compute-bound row is measured against at its clock: "fp8" or
+    # "bf16" (None: memory-bound, or not one kind of GEMM).
+    peak: str | None = None
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -409,19 +421,44 @@ def timed_launches(fn, launches: int, idle_ms: float, before: Callable[[], objec
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> list[float]:
+@dataclass(frozen=True)
+class Timing:
+    samples_ms: list[float]  # the median ms of each repeat
+    clock: ClockReading | None  # the SM clock and power meanwhile
+
+
+SAMPLER: ClockSampler | None = None  # main's clock and power sampler, running while cases run
+
+
+def gpu_id(props) -> str | None:
+    """A device's PCI bus id as nvidia-smi -i takes it, from torch's device properties
+    (device numbers differ where CUDA_VISIBLE_DEVICES reorders them); None if unknown."""
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return None
+    return f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+
+
+def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> Timing:
     """Median ms per `repeat`: do_bench, or the event loop when idling or when `before`
-    must restore the inputs ahead of every launch."""
+    must restore the inputs ahead of every launch; with the clock and power sampled
+    meanwhile (by main's sampler)."""
+    t0 = time.monotonic()
     if IDLE_MS or before is not None:
         launches = IDLE_LAUNCHES if IDLE_MS else RESTORED_LAUNCHES
-        return [timed_launches(fn, launches, IDLE_MS, before) for _ in range(repeat)]
-    from triton.testing import do_bench
+        samples = [timed_launches(fn, launches, IDLE_MS, before) for _ in range(repeat)]
+    else:
+        from triton.testing import do_bench
 
-    return [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
+        samples = [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
+    # (Both end synchronized: the window closes when the GPU work does.)
+    return Timing(samples, SAMPLER.reading(t0, time.monotonic()) if SAMPLER is not None else None)
 
 
-def _result(case, impl, samples, work, unit="TFLOPS", check="") -> Result:
-    return Result(case, impl, statistics.median(samples), work, unit, check, samples)
+def _result(case, impl, timing: Timing, work, unit="TFLOPS", check="") -> Result:
+    c = timing.clock
+    return Result(case, impl, statistics.median(timing.samples_ms), work, unit, check, timing.samples_ms,
+                  c and c.sm_mhz, c and c.power_w, c and c.power_capped)
 
 
 def _deepgemm(name: str, flops: float, repeat: int, make) -> list[Result]:
@@ -972,20 +1009,20 @@ def case_lora_expand(repeat):
 
 
 CASES = [
-    Case("fp8_fwd_G8x4096_N4096_K7168", "FP8 1x128/128x128 M-grouped, 8 x 4096 tokens", Target(1230, 1.2), case_fp8_g8),
-    Case("fp8_fwd_G8x4096_N7168_K2048", "same, N=7168, K=2048", Target(1160, 1.2), case_fp8_g8_k2048),
-    Case("fp8_fwd_G4x8192_N6144_K7168", "same, 4 x 8192 tokens, N=6144", Target(1250, 1.2), case_fp8_g4),
-    Case("fp8_fwd_ragged_T32768_N4096_K7168", f"FP8 ragged unpadded, lengths {RAGGED}", Target(1200), case_fp8_ragged),
-    Case("bf16_fwd_G8x4096_N4096_K7168", "BF16 M-grouped, 8 x 4096 tokens", Target(vs_torch=1.05), case_bf16),
-    Case("fp8_wgrad_G8x4096_N4096_K7168", "FP8 WGRAD K-grouped 128x1, FP32 +=", Target(1040), case_wgrad),
+    Case("fp8_fwd_G8x4096_N4096_K7168", "FP8 1x128/128x128 M-grouped, 8 x 4096 tokens", Target(1230, 1.2), case_fp8_g8, peak="fp8"),
+    Case("fp8_fwd_G8x4096_N7168_K2048", "same, N=7168, K=2048", Target(1160, 1.2), case_fp8_g8_k2048, peak="fp8"),
+    Case("fp8_fwd_G4x8192_N6144_K7168", "same, 4 x 8192 tokens, N=6144", Target(1250, 1.2), case_fp8_g4, peak="fp8"),
+    Case("fp8_fwd_ragged_T32768_N4096_K7168", f"FP8 ragged unpadded, lengths {RAGGED}", Target(1200), case_fp8_ragged, peak="fp8"),
+    Case("bf16_fwd_G8x4096_N4096_K7168", "BF16 M-grouped, 8 x 4096 tokens", Target(vs_torch=1.05), case_bf16, peak="bf16"),
+    Case("fp8_wgrad_G8x4096_N4096_K7168", "FP8 WGRAD K-grouped 128x1, FP32 +=", Target(1040), case_wgrad, peak="fp8"),
     Case("fp8_wgrad_ragged_T32768_N4096_K7168", f"FP8 WGRAD, ragged counts {RAGGED}, segment_major pad 16",
-         Target(1040), case_wgrad_ragged),
-    Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130), case_masked),
+         Target(1040), case_wgrad_ragged, peak="fp8"),
+    Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130), case_masked, peak="fp8"),
     Case("fp8_rowwise_G8x4096_N4096_K7168", "FP8 per-channel scales M-grouped, 8 x 4096 tokens", Target(vs_torch=1.2),
-         case_fp8_rowwise),
+         case_fp8_rowwise, peak="fp8"),
     Case("fp8_gather_G8x4096_N4096_K7168", "FP8 M-grouped, rows gathered through idx (top-2)", Target(vs_torch=1.2),
-         case_gather),
-    Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1), case_dense),
+         case_gather, peak="fp8"),
+    Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1), case_dense, peak="fp8"),
     Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24), case_lora, memory_bound=True),
     Case("ffn_fp8_E8_T32768_H7168_F2048", "expert FFN, FP8 h quantized in the epilogue vs separate launches",
          Target(vs_torch=1.0), case_ffn),
@@ -1011,9 +1048,18 @@ def _verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Re
     return "pass" if ok else "MISS"
 
 
-def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[dict]]:
+def _clock(r: Result) -> str:
+    if r.sm_mhz is None:
+        return f"{'':17}"
+    cap = "*" if r.power_capped is not None and r.power_capped >= 0.5 else " "
+    return f"{r.sm_mhz:5.0f} MHz {r.power_w:4.0f} W{cap}"
+
+
+def report(results: list[Result], failures: dict[str, str], sms: int | None = None) -> tuple[str, list[dict]]:
+    """The table and its JSON summary; `sms`: the GPU's SM count, for each compute-bound
+    row's peak at the clock it ran at."""
     lines = [
-        f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'gemmspec/it':>11}  check",
+        f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'gemmspec/it':>11}  {'clock, power':17}  check",
     ]
     summary = []
     for case in CASES:
@@ -1030,14 +1076,21 @@ def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[d
             ratio = r.ms / ours.ms if r is not ours else 1.0
             lines.append(
                 f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {r.rate:7.1f} {r.unit:>4} "
-                f"{ratio:10.2f}x  {r.check}"
+                f"{ratio:10.2f}x  {_clock(r)}  {r.check}"
             )
         live = any(r.impl.startswith("DeepGEMM") for r in rows)
         dg = None if live else RECORDED_DEEPGEMM.get(case.name)
         if dg:
             lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
         verdict = _verdict(case, ours, torch_row, rows[1:])
-        lines.append(f"{'':36} target {case.target.describe()}: {verdict}")
+        roof = None
+        if case.peak and sms and ours.sm_mhz:
+            roof = PEAK_FLOPS_PER_SM_CYCLE[case.peak] * sms * ours.sm_mhz * 1e6 / 1e12
+        at_clock = (
+            f"; the {case.peak.upper()} peak at {ours.sm_mhz:.0f} MHz is {roof:.0f} TFLOPS: "
+            f"{ours.rate / roof:.0%} of it" if roof else ""
+        )
+        lines.append(f"{'':36} target {case.target.describe()}: {verdict}{at_clock}")
         summary.append(
             {
                 "case": case.name,
@@ -1045,6 +1098,7 @@ def report(results: list[Result], failures: dict[str, str]) -> tuple[str, list[d
                 "target": case.target.describe(),
                 "verdict": verdict,
                 "deepgemm_recorded_tflops": dg,
+                "peak_at_clock_tflops": roof,
                 "rows": [asdict(r) | {"rate": r.rate} for r in rows],
             }
         )
@@ -1103,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
         "depend on what ran before; with a pause every kernel starts from the same state",
     )
     args = ap.parse_args(argv)
-    global FORCED_TILE, IDLE_MS, DEEPGEMM
+    global FORCED_TILE, IDLE_MS, DEEPGEMM, SAMPLER
     if args.idle < 0:
         ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
     IDLE_MS = args.idle
@@ -1126,25 +1180,31 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gemmspec bench: no CUDA device", file=sys.stderr)
         return 2
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
     DEEPGEMM = None if args.no_deepgemm else bench_deepgemm.load()
     if DEEPGEMM is not None:
         print(f"DeepGEMM {bench_deepgemm.version(DEEPGEMM)} found: timed beside gemmspec", file=sys.stderr)
     chosen = selected_cases(args.only)
     results: list[Result] = []
     failures: dict[str, str] = {}
-    for i, case in enumerate(chosen, 1):
-        t0 = time.time()
-        print(f"[{i}/{len(chosen)}] {case.name} ...", file=sys.stderr, flush=True)
-        torch.manual_seed(i)
-        try:
-            results += case.run(args.repeat)
-        except Exception as e:  # noqa: BLE001 - a failing case is reported, the rest still run
-            failures[case.name] = f"{type(e).__name__}: {e}"
-        torch.cuda.empty_cache()
-        print(f"      {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
-    text, summary = report(results, failures)
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    with ClockSampler(gpu_id(props)) as SAMPLER:
+        for i, case in enumerate(chosen, 1):
+            t0 = time.time()
+            print(f"[{i}/{len(chosen)}] {case.name} ...", file=sys.stderr, flush=True)
+            torch.manual_seed(i)
+            try:
+                results += case.run(args.repeat)
+            except Exception as e:  # noqa: BLE001 - a failing case is reported, the rest still run
+                failures[case.name] = f"{type(e).__name__}: {e}"
+            torch.cuda.empty_cache()
+            print(f"      {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    SAMPLER = None
+    sms = props.multi_processor_count
+    text, summary = report(results, failures, sms)
+    print(f"GPU: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}")
     print(text)
+    if any(r.sm_mhz is not None for r in results):
+        print("clock, power: medians of nvidia-smi samples while each row was timed; * at the power cap")
     if args.json:
         with open(args.json, "w") as f:
             deepgemm = bench_deepgemm.version(DEEPGEMM) if DEEPGEMM is not None else None

@@ -7,7 +7,8 @@ ring depth, programmatic dependent launch after the builder, and for the LoRA sh
 where the offsets check runs), plus the same tiles *without* FP8 promotion (an unscaled kernel: its output
 is not the spec's result, it only shows what the load pipeline and wgmma sustain without
 the per-K-block promotion). Every variant that computes the spec's result is checked
-against the default configuration's output. Prints one line per variant.
+against the default configuration's output. Prints one line per variant, with the SM
+clock and board power sampled while it was timed (where nvidia-smi is on the PATH).
 
     python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather] [--idle MS]
 """
@@ -15,7 +16,9 @@ against the default configuration's output. Prints one line per variant.
 from __future__ import annotations
 
 import argparse
+import atexit
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +39,7 @@ from gemmspec.bench import (  # noqa: E402
     timed_launches,
     with_directive,
 )
+from gemmspec.clocks import ClockSampler  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -233,6 +237,8 @@ def main() -> int:
     offs = _offsets([m] * e)
     flops = 2.0 * t * n * k
     reference = None
+    sampler = ClockSampler().__enter__()  # the SM clock and power while each variant is timed
+    atexit.register(sampler.__exit__)
     for label, changes in variants.items():
         if not any(part in label for part in args.only.split(",")):
             continue
@@ -264,12 +270,15 @@ def main() -> int:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
             check = f"rel diff {diff:.1e}" if torch.isfinite(diff) else "NOT WRITTEN"
+        t0 = time.monotonic()
         if args.idle:
             ms = timed_launches(run.enqueue, 60, args.idle)
         else:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
+        clock = sampler.reading(t0, time.monotonic())
         rate = f"{ms * 1e3:8.1f} us" if args.lora or args.expand else f"{flops / ms / 1e9:8.1f} TFLOPS"
-        print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {rate} {check}", flush=True)
+        print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {rate} {check}{'  ' + clock.describe() if clock else ''}",
+              flush=True)
     return 0
 
 

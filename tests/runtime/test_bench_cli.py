@@ -117,8 +117,8 @@ def test_restored_launches_restore_before_each_flush_and_launch(monkeypatch):
     monkeypatch.setattr(bench, "_torch", lambda: _FakeTorch(log))
     monkeypatch.setattr(bench, "IDLE_MS", 0.0)
     monkeypatch.setattr(bench, "RESTORED_LAUNCHES", 3)
-    samples = bench._time(lambda: log.append("fn"), 2, before=lambda: log.append("restore"))
-    assert samples == [0.5, 0.5]
+    timing = bench._time(lambda: log.append("fn"), 2, before=lambda: log.append("restore"))
+    assert timing.samples_ms == [0.5, 0.5]
     one = ["restore", "fn"] + ["restore", "flush", "record", "fn", "record"] * 3 + ["sync"]
     assert log == one * 2
 
