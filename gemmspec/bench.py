@@ -14,9 +14,9 @@ the same inputs (its output checked against gemmspec's first; ragged groups copi
 untimed, into the 128-row aligned layout it needs); elsewhere, or with `--no-deepgemm`,
 DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed as recorded
 references. Where nvidia-smi is on the PATH, each row also shows the SM clock and board
-power sampled while it was timed (a sustained FP8 GEMM runs at the card's power cap, at
-a clock well below the maximum), and each compute-bound case the share of the tensor
-cores' peak at the clock gemmspec's row ran at.
+power of its kernel kept running for a second after it is timed (a sustained FP8 GEMM
+runs at the card's power cap, at a clock well below the maximum), and each compute-bound
+case the share of the tensor cores' peak at the clock gemmspec's row ran at.
 
     gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png] [--no-deepgemm]
     python -m gemmspec.bench ...
@@ -441,9 +441,8 @@ def gpu_id(props) -> str | None:
 
 def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> Timing:
     """Median ms per `repeat`: do_bench, or the event loop when idling or when `before`
-    must restore the inputs ahead of every launch; with the clock and power sampled
-    meanwhile (by main's sampler)."""
-    t0 = time.monotonic()
+    must restore the inputs ahead of every launch; then, where main's sampler runs, the
+    clock and power of `fn` kept running (untimed) for CLOCK_RUN_S."""
     if IDLE_MS or before is not None:
         launches = IDLE_LAUNCHES if IDLE_MS else RESTORED_LAUNCHES
         samples = [timed_launches(fn, launches, IDLE_MS, before) for _ in range(repeat)]
@@ -451,8 +450,29 @@ def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> Timing
         from triton.testing import do_bench
 
         samples = [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
-    # (Both end synchronized: the window closes when the GPU work does.)
-    return Timing(samples, SAMPLER.reading(t0, time.monotonic()) if SAMPLER is not None else None)
+    return Timing(samples, _sustained_clock(fn, before))
+
+
+# nvidia-smi's readings trail the card by a few hundred milliseconds, more than a row's
+# timing lasts: the clock is read while the row's launches keep running for CLOCK_RUN_S,
+# from the samples of its last CLOCK_READ_S.
+CLOCK_RUN_S = 1.0
+CLOCK_READ_S = 0.5
+
+
+def _sustained_clock(fn, before: Callable[[], object] | None) -> ClockReading | None:
+    if SAMPLER is None:
+        return None
+    torch = _torch()
+    start = time.monotonic()
+    while time.monotonic() - start < CLOCK_RUN_S:
+        for _ in range(8):
+            if before is not None:
+                before()
+            fn()
+        torch.cuda.synchronize()
+    end = time.monotonic()
+    return SAMPLER.reading(end - CLOCK_READ_S, end)
 
 
 def _result(case, impl, timing: Timing, work, unit="TFLOPS", check="") -> Result:

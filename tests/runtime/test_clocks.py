@@ -91,3 +91,33 @@ def test_gpu_id_is_the_pci_bus_id():
 
     assert bench.gpu_id(Props()) == "00000000:19:00.0"
     assert bench.gpu_id(object()) is None
+
+
+def test_the_bench_reads_the_clock_of_a_sustained_run(monkeypatch):
+    # After timing, the row's launches keep running (each after its restore) and the clock
+    # is read from the last CLOCK_READ_S of that run.
+    log, windows = [], []
+
+    class Cuda:
+        def synchronize(self):
+            log.append("sync")
+
+    class Torch:
+        cuda = Cuda()
+
+    class Sampler:
+        def reading(self, t0, t1):
+            windows.append((t0, t1))
+            return ClockReading(1500.0, 700.0, 1.0, 10)
+
+    monkeypatch.setattr(bench, "_torch", lambda: Torch())
+    monkeypatch.setattr(bench, "SAMPLER", Sampler())
+    monkeypatch.setattr(bench, "CLOCK_RUN_S", 0.05)
+    start = time.monotonic()
+    reading = bench._sustained_clock(lambda: log.append("fn"), lambda: log.append("restore"))
+    assert reading.sm_mhz == 1500.0
+    assert log[:17] == ["restore", "fn"] * 8 + ["sync"] and log[-1] == "sync"
+    ((t0, t1),) = windows
+    assert t1 - t0 == bench.CLOCK_READ_S and t1 - start >= 0.05
+    monkeypatch.setattr(bench, "SAMPLER", None)
+    assert bench._sustained_clock(lambda: None, None) is None
