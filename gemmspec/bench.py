@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from . import bench_deepgemm
-from .clocks import PEAK_FLOPS_PER_SM_CYCLE, ClockReading, ClockSampler
+from .clocks import ClockReading, ClockSampler, peak_tflops
 
 # DeepGEMM 2.6.1 on one H200, 2026-11-30 (same shapes; M-grouped rows count its
 # 128-row padding as useful work).
@@ -1105,7 +1105,7 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
         verdict = _verdict(case, ours, torch_row, rows[1:])
         roof = None
         if case.peak and sms and ours.sm_mhz:
-            roof = PEAK_FLOPS_PER_SM_CYCLE[case.peak] * sms * ours.sm_mhz * 1e6 / 1e12
+            roof = peak_tflops(case.peak, sms, ours.sm_mhz)
         at_clock = (
             f"; the {case.peak.upper()} peak at {ours.sm_mhz:.0f} MHz is {roof:.0f} TFLOPS: "
             f"{ours.rate / roof:.0%} of it" if roof else ""

@@ -53,7 +53,12 @@ class ClockReading:
 
     def peak_tflops(self, kind: str, sms: int) -> float:
         """The dense tensor-core peak of `sms` SMs at this clock (kind "fp8" or "bf16")."""
-        return PEAK_FLOPS_PER_SM_CYCLE[kind] * sms * self.sm_mhz * 1e6 / 1e12
+        return peak_tflops(kind, sms, self.sm_mhz)
+
+
+def peak_tflops(kind: str, sms: int, sm_mhz: float) -> float:
+    """The dense tensor-core peak of `sms` SMs at `sm_mhz` (kind "fp8" or "bf16")."""
+    return PEAK_FLOPS_PER_SM_CYCLE[kind] * sms * sm_mhz * 1e6 / 1e12
 
 
 def parse_samples(lines: list[str]) -> ClockReading | None:
