@@ -146,7 +146,7 @@ def _run_on_cpu(monkeypatch, broken_fused: bool = False):
             before()
             fn()
         timed.append(fn)
-        return [1e-3] * repeat
+        return bench.Timing([1e-3] * repeat, None)
 
     monkeypatch.setattr(bench, "_time", time)
     with _OnCpu():
