@@ -231,9 +231,9 @@ class RowPass:
     target's 16-bit type. `= scatter_add(A, rows = IDX)`: target[s, c] = sum over the t
     with IDX[t] == s of A[t, c], added in ascending t in float32 and rounded once (a row
     no t names is zero, an entry outside the target's rows adds nothing): the gradient of
-    rows read through an index. All run after every launch (so they may read what
-    statements write) and write a tensor of the call's outputs, not an operand of a
-    statement."""
+    rows read through an index. Each runs once every step that writes what it reads has
+    run (after every launch unless a pre-pass reads its target) and writes a tensor of the
+    call's outputs, not an operand of a statement."""
 
     op: str  # "rowdot", "rowscale" or "scatter_add"
     source: str

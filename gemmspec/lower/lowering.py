@@ -418,13 +418,14 @@ def lower(spec: Spec, decision: NestDecision) -> Schedule:
             rp.op, rp.source, t.name, rp.other,
             other.scale.name if other is not None and other.scale else None, rp.weight, rp.index,
         ))
-        reasons.append(f"row pass: {t.name} = {rp} after every launch")
-    schedule = Schedule(
-        spec.name, decision.decision, tuple(reasons), tuple(prepasses), launches, tuple(postpasses)
-    )
+    schedule = Schedule(spec.name, decision.decision, (), tuple(prepasses), launches, tuple(postpasses))
     order = step_order(spec, schedule)
+    # A row pass runs after every launch unless a pre-pass waits for it: then where the
+    # order puts it.
+    where = "once the steps that write what it reads have run (see the order)" if order else "after every launch"
+    reasons += [f"row pass: {t.name} = {t.row_pass} {where}" for t in spec.row_passes]
     if not order:
-        return schedule
+        return replace(schedule, reasons=tuple(reasons))
     reasons.append(
         "order: " + ", ".join(f"{kind} {i}" for kind, i in order)
         + " (a pre-pass reads what a launch or a post-pass writes)"

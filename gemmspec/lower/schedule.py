@@ -482,8 +482,9 @@ class PrePass:
 
 @dataclass(frozen=True)
 class PostPass:
-    """A row pass after every launch, on rows of 2-D tensors the caller passes or the
-    statements write; its target is an output of the call.
+    """A row pass on rows of 2-D tensors the caller passes or the statements write, run
+    after every launch unless a pre-pass waits for it (Schedule.order says where); its
+    target is an output of the call.
 
     kind "rowdot": target[r] = sum over c of source[r, c] * other[r, c] (other FP8 with
     [1, 128] scales `other_scale`, dequantized, or unscaled), float32 accumulation in a
@@ -511,18 +512,15 @@ class PostPass:
             return (
                 f"scatter_add {self.source} -> {self.target}: row t added into row {self.index}[t] "
                 "(entries outside the rows skipped), in ascending t in float32 through an inverse "
-                f"index of {self.index} (deterministic), after every launch"
+                f"index of {self.index} (deterministic)"
             )
         if self.kind == "rowdot":
             scaled = f" (dequantized with {self.other_scale})" if self.other_scale else ""
             return (
                 f"rowdot {self.source} . {self.other}{scaled} -> {self.target}: one float32 dot "
-                "product per row, summed in a fixed order, after every launch"
+                "product per row, summed in a fixed order"
             )
-        return (
-            f"rowscale {self.source} -> {self.target}: row r times {self.weight}[r], "
-            "after every launch"
-        )
+        return f"rowscale {self.source} -> {self.target}: row r times {self.weight}[r]"
 
     def __str__(self) -> str:
         return self.describe()

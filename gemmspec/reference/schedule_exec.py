@@ -243,8 +243,8 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
 
 
 def run_postpass(spec: Spec, rt: Runtime, p: PostPass, flat: dict[str, np.ndarray]) -> None:
-    """A row pass on the flat buffers, after every launch: its operands read through their
-    layouts, its target written through its own."""
+    """A row pass on the flat buffers, where the schedule's order puts it: its operands read
+    through their layouts, its target written through its own."""
     data = {}
     for name in (p.source, p.other, p.weight, p.index):
         if name is None:

@@ -41,8 +41,7 @@ def test_valid_forms_lower_to_row_passes_after_the_launches():
     assert "row pass: dx = scatter_add(dxr, rows = src) after every launch" in schedule.reasons
     assert str(schedule).splitlines()[-2] == (
         "postpass 0: scatter_add dxr -> dx: row t added into row src[t] (entries outside the rows "
-        "skipped), in ascending t in float32 through an inverse index of src (deterministic), after "
-        "every launch"
+        "skipped), in ascending t in float32 through an inverse index of src (deterministic)"
     )
 
 

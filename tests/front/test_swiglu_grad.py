@@ -100,6 +100,10 @@ def test_explain_prints_the_order(tmp_path, capsys):
     assert main(["explain", str(path)]) == 0
     out = capsys.readouterr().out
     assert "order: launch 0, launch 1, postpass 0, prepass 0, launch 2" in out
+    # The row pass runs before launch 2, so its reason does not say "after every launch".
+    assert "once the steps that write what it reads have run (see the order)" in out
+    assert "after every launch" not in out
+    assert "row passes (in the order above):" in out
     assert "swiglu_grad gu (gate, up interleaved), dh -> dgu" in out
     assert main(["explain", "--json", str(path)]) == 0
     (doc,) = json.loads(capsys.readouterr().out)
