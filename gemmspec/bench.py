@@ -450,7 +450,7 @@ def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> Timing
         from triton.testing import do_bench
 
         samples = [do_bench(fn, warmup=50, rep=300, return_mode="median") for _ in range(repeat)]
-    return Timing(samples, _sustained_clock(fn, before))
+    return Timing(samples, sustained_clock(SAMPLER, fn, before))
 
 
 # nvidia-smi's readings trail the card by a few hundred milliseconds, more than a row's
@@ -460,8 +460,11 @@ CLOCK_RUN_S = 1.0
 CLOCK_READ_S = 0.5
 
 
-def _sustained_clock(fn, before: Callable[[], object] | None) -> ClockReading | None:
-    if SAMPLER is None:
+def sustained_clock(sampler: ClockSampler | None, fn, before: Callable[[], object] | None = None) -> ClockReading | None:
+    """`fn`'s clock and power under sustained load: its launches (each after `before`) run
+    for CLOCK_RUN_S, read from `sampler`'s samples of the last CLOCK_READ_S (None without a
+    sampler)."""
+    if sampler is None:
         return None
     torch = _torch()
     start = time.monotonic()
@@ -472,7 +475,7 @@ def _sustained_clock(fn, before: Callable[[], object] | None) -> ClockReading | 
             fn()
         torch.cuda.synchronize()
     end = time.monotonic()
-    return SAMPLER.reading(end - CLOCK_READ_S, end)
+    return sampler.reading(end - CLOCK_READ_S, end)
 
 
 def _result(case, impl, timing: Timing, work, unit="TFLOPS", check="") -> Result:

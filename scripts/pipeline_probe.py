@@ -8,7 +8,8 @@ where the offsets check runs), plus the same tiles *without* FP8 promotion (an u
 is not the spec's result, it only shows what the load pipeline and wgmma sustain without
 the per-K-block promotion). Every variant that computes the spec's result is checked
 against the default configuration's output. Prints one line per variant, with the SM
-clock and board power sampled while it was timed (where nvidia-smi is on the PATH).
+clock and board power of its kernel kept running for a second after its timing (where
+nvidia-smi is on the PATH; as `gemmspec bench` reads them).
 
     python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather] [--idle MS]
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from gemmspec.bench import (  # noqa: E402
     _scales,
     moe_spec,
     nested_offsets,
+    sustained_clock,
     timed_launches,
     with_directive,
 )
@@ -237,7 +238,7 @@ def main() -> int:
     offs = _offsets([m] * e)
     flops = 2.0 * t * n * k
     reference = None
-    sampler = ClockSampler().__enter__()  # the SM clock and power while each variant is timed
+    sampler = ClockSampler().__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
     for label, changes in variants.items():
         if not any(part in label for part in args.only.split(",")):
@@ -270,12 +271,11 @@ def main() -> int:
                 reference = y.float().clone()
             diff = (y.float() - reference).norm() / reference.norm()
             check = f"rel diff {diff:.1e}" if torch.isfinite(diff) else "NOT WRITTEN"
-        t0 = time.monotonic()
         if args.idle:
             ms = timed_launches(run.enqueue, 60, args.idle)
         else:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
-        clock = sampler.reading(t0, time.monotonic())
+        clock = sustained_clock(sampler, run.enqueue)
         rate = f"{ms * 1e3:8.1f} us" if args.lora or args.expand else f"{flops / ms / 1e9:8.1f} TFLOPS"
         print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {rate} {check}{'  ' + clock.describe() if clock else ''}",
               flush=True)
