@@ -86,8 +86,9 @@ class Result:
     unit: str  # "TFLOPS" or "TB/s"
     check: str = ""  # how the result was verified, with the error
     samples_ms: list[float] = field(default_factory=list)
-    # The SM clock and board power while it was timed (medians; None without nvidia-smi),
-    # and the share of those samples at the software power cap.
+    # The SM clock and board power of its launches kept running right after they were
+    # timed (medians; None without nvidia-smi; see sustained_clock), and the share of those
+    # samples at the software power cap.
     sm_mhz: float | None = None
     power_w: float | None = None
     power_capped: float | None = None
@@ -424,7 +425,7 @@ def timed_launches(fn, launches: int, idle_ms: float, before: Callable[[], objec
 @dataclass(frozen=True)
 class Timing:
     samples_ms: list[float]  # the median ms of each repeat
-    clock: ClockReading | None  # the SM clock and power meanwhile
+    clock: ClockReading | None  # the SM clock and power under sustained load, right after
 
 
 SAMPLER: ClockSampler | None = None  # main's clock and power sampler, running while cases run
