@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from . import bench_deepgemm
-from .clocks import ClockReading, ClockSampler, peak_tflops
+from .clocks import ClockReading, ClockSampler, at_power_cap, gpu_id, peak_tflops
 
 # DeepGEMM 2.6.1 on one H200, 2026-11-30 (same shapes; M-grouped rows count its
 # 128-row padding as useful work).
@@ -429,15 +429,6 @@ class Timing:
 
 
 SAMPLER: ClockSampler | None = None  # main's clock and power sampler, running while cases run
-
-
-def gpu_id(props) -> str | None:
-    """A device's PCI bus id as nvidia-smi -i takes it, from torch's device properties
-    (device numbers differ where CUDA_VISIBLE_DEVICES reorders them); None if unknown."""
-    bus = getattr(props, "pci_bus_id", None)
-    if bus is None:
-        return None
-    return f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
 def _time(fn, repeat: int, before: Callable[[], object] | None = None) -> Timing:
@@ -1075,7 +1066,7 @@ def _verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Re
 def _clock(r: Result) -> str:
     if r.sm_mhz is None:
         return f"{'':17}"
-    cap = "*" if r.power_capped is not None and r.power_capped >= 0.5 else " "
+    cap = "*" if r.power_capped is not None and at_power_cap(r.power_capped) else " "
     return f"{r.sm_mhz:5.0f} MHz {r.power_w:4.0f} W{cap}"
 
 

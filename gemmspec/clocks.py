@@ -48,12 +48,26 @@ class ClockReading:
     samples: int
 
     def describe(self) -> str:
-        cap = " at the power cap" if self.power_capped >= 0.5 else ""
+        cap = " at the power cap" if at_power_cap(self.power_capped) else ""
         return f"{self.sm_mhz:.0f} MHz, {self.power_w:.0f} W{cap}"
 
     def peak_tflops(self, kind: str, sms: int) -> float:
         """The dense tensor-core peak of `sms` SMs at this clock (kind "fp8" or "bf16")."""
         return peak_tflops(kind, sms, self.sm_mhz)
+
+
+def at_power_cap(share: float) -> bool:
+    """A row counts as power-capped where most of its samples had the cap active."""
+    return share >= 0.5
+
+
+def gpu_id(props) -> str | None:
+    """A device's PCI bus id as nvidia-smi -i takes it, from torch's device properties
+    (device numbers differ where CUDA_VISIBLE_DEVICES reorders them); None if unknown."""
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return None
+    return f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
 def peak_tflops(kind: str, sms: int, sm_mhz: float) -> float:

@@ -40,7 +40,7 @@ from gemmspec.bench import (  # noqa: E402
     timed_launches,
     with_directive,
 )
-from gemmspec.clocks import ClockSampler  # noqa: E402
+from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -238,7 +238,7 @@ def main() -> int:
     offs = _offsets([m] * e)
     flops = 2.0 * t * n * k
     reference = None
-    sampler = ClockSampler().__enter__()  # each variant's clock and power under sustained load
+    sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
     for label, changes in variants.items():
         if not any(part in label for part in args.only.split(",")):
