@@ -182,6 +182,13 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
         parts.append("CTA pairs along M multicasting B" if cfg.multicast_b else "CTA pairs multicasting A")
     if cfg.ctas_per_sm > 1:
         parts.append(f"{cfg.ctas_per_sm} blocks per SM (memory-bound tile)")
+    if cfg.k_atoms > 1:
+        parts.append(
+            f"{cfg.tile_k} of K per stage ({cfg.k_atoms} TMA boxes per operand: the memory-bound stream is paced by "
+            "its barrier round trips per stage)"
+        )
+    if cfg.mma_lag > 1:
+        parts.append(f"{cfg.mma_lag} earlier K blocks' wgmma left running")
     if cfg.split_k and cfg.memory_bound:
         parts.append(
             f"split K: K blocks of all tiles (whole ones where they fill the blocks) dealt evenly to the blocks "

@@ -86,10 +86,11 @@ BF16_VARIANTS = {
 }
 
 
-# The memory-bound nested LoRA shrink (64 x 16 tiles, two blocks per SM): how its time
-# depends on the ring depth and the blocks per SM (a latency-bound stream slows with a
-# shallower ring), on split K (the default: every block an equal run of K blocks) and on
-# the launch sequence. `fuse_check` False runs the check as a kernel of its own.
+# The memory-bound nested LoRA shrink (64 x 16 tiles, two 128-byte rows of K per stage, two
+# blocks per SM): how its time depends on the K per stage, the ring depth and the blocks
+# per SM (a latency-bound stream slows with a shallower ring), on split K (the default:
+# every block an equal run of K blocks) and on the launch sequence. `fuse_check` False
+# runs the check as a kernel of its own.
 LORA_VARIANTS = {
     "as compiled": {},
     "whole tiles, round robin (no split K)": {"split_k": False},
@@ -103,6 +104,12 @@ LORA_VARIANTS = {
     "builder, GEMM launched the ordinary way (no PDL)": {"inline_tables": False, "programmatic": False},
     "check a kernel of its own, PDL": {"fuse_check": False},
     "check a kernel of its own, no PDL (3 launches)": {"fuse_check": False, "programmatic": False},
+    "one swizzle row of K per stage (3.21)": {"tile_k": 64},
+    "one swizzle row of K per stage, whole tiles (3.21)": {"tile_k": 64, "split_k": False},
+    "wgmma of two earlier K blocks left running": {"mma_lag": 2},
+    "whole tiles, wgmma lag 2": {"mma_lag": 2, "split_k": False},
+    "four swizzle rows of K per stage": {"tile_k": 256},
+    "four swizzle rows of K per stage, one block per SM": {"tile_k": 256, "ctas_per_sm": 1},
     "as compiled (again: drift over the run)": {},
 }
 

@@ -353,11 +353,36 @@ def _k_block(sig: KernelSignature, block: tuple[int, int]) -> int:
 def gemm_config(launch: Launch) -> GemmKernelConfig:
     """The kernel configuration a launch's signature implies; where the leaves share one K
     and the kernel can, it splits K (split_k): memory-bound tiles over all blocks (with
-    their epilogue from registers), others past the last whole waves."""
+    their epilogue from registers), others past the last whole waves. Memory-bound tiles
+    on a long K take two 128-byte swizzle rows of K per ring stage (see _k_atoms)."""
     cfg = _signature_config(launch)
+    atoms = _k_atoms(cfg, launch.problems)
+    if atoms > 1:
+        cfg = replace(cfg, **_DERIVED, tile_k=atoms * cfg.atom_k)
     if _one_k(launch.problems) and cfg.split_by_default():
         return replace(cfg, **_DERIVED, split_k=True)
     return cfg
+
+
+# A memory-bound tile's stages hold two swizzle rows of K where every leaf's K, known when
+# the spec is compiled, spans at least this many (a last stage of zeros past K is then at
+# most a sixteenth of the tile's loads).
+K_ATOMS_MIN_ROWS = 16
+
+
+def _k_atoms(cfg: GemmKernelConfig, pg: ProblemGenerator) -> int:
+    """Swizzle rows of K per ring stage. A memory-bound tile's stream is bound per block by
+    its K-block round trip (full barrier, wgmma, release: about 460 cycles per 10 KB stage
+    of the LoRA shrink's 64 x 16 tile); two rows per stage (20 KB, half the stages) moved
+    the shrink on the H200 from 28.1 to 22.2 us at 4096 tokens and 23.2 to 22.5 at 2048, level
+    at 8192 and 16384 (29.8 / 29.9, 51.7 / 51.5). Four rows leave two stages per block
+    (33 us at 8192)."""
+    if not cfg.memory_bound or cfg.blockwise or cfg.cluster != 1 or cfg.gather:
+        return 1
+    k = pg.extents[2]
+    if k.kind != "fixed" or not k.size.is_const or k.size.value < K_ATOMS_MIN_ROWS * cfg.atom_k:
+        return 1
+    return 2
 
 
 def _one_k(pg: ProblemGenerator) -> bool:
@@ -717,8 +742,8 @@ _DERIVED = {
 def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **changes) -> EmittedProgram:
     """`program` with launch `index` re-emitted under its kernel configuration changed by
     `changes` (its leaf-table builder follows; the derived fields, and split K where the
-    launch splits by default, are worked out again unless `changes` sets them): kernel
-    variants for probes and tests of kernel options."""
+    launch splits by default, and the K per stage, are worked out again unless `changes` sets
+    them): kernel variants for probes and tests of kernel options."""
     x = program.launches[index]
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
     inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
@@ -726,6 +751,10 @@ def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **ch
         inline = {"inline_table": 0, "inline_static": 0}
     base = gemm_config(x.launch)
     fields = {**_DERIVED, **inline, **changes}
+    if "tile_k" not in changes:
+        # The K per stage follows the variant's tile (see _k_atoms).
+        one_row = replace(base, **{**fields, "tile_k": 0, "split_k": False})
+        fields["tile_k"] = _k_atoms(one_row, x.launch.problems) * one_row.atom_k
     if "split_k" not in changes and base.split_k:
         # Split K is the default only where the variant's kernel can take it.
         unsplit = replace(base, **{**fields, "split_k": False})

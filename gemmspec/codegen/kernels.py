@@ -108,6 +108,8 @@ INLINE_STATIC_BYTES = 1024
 INLINE_MAX_BLOCKS = 320
 INLINE_MAX_LEAVES = 32
 MAX_STAGES = 12
+# Swizzle rows of K a ring stage may hold (tile_k / its one-row value).
+K_ATOMS = (1, 2, 4)
 # A staged epilogue is worth its shared memory only while the ring stays this deep.
 MIN_STAGES_WITH_STAGING = 3
 # Columns of one wgmma batch when a blockwise tile runs its K block in parts (mma_parts).
@@ -130,7 +132,12 @@ SPLIT_WORK_BYTES = 64
 class GemmKernelConfig:
     """Everything a grouped GEMM kernel fixes at compile time.
 
-    ``tile_k`` 0 means "one 128-byte swizzle row of K" (128 for FP8, 64 for 16-bit);
+    ``tile_k`` 0 means "one 128-byte swizzle row of K" (128 for FP8, 64 for 16-bit) per
+    ring stage; unscaled kernels of one CTA per tile may take 2 or 4 swizzle rows (each
+    stage then loads as many TMA boxes per operand, and each barrier round trip moves
+    that many times the bytes: what a memory-bound stream needs, see ``k_atoms``);
+    ``mma_lag`` is how many earlier K blocks' wgmma batches the unscaled main loop leaves
+    running when it issues one (their stages are released that much later);
     ``stages`` 0 means as many ring stages as shared memory holds (at most MAX_STAGES);
     ``store_tma`` None means "stage the epilogue in shared memory and store it by TMA
     when the tile allows it and the ring keeps at least MIN_STAGES_WITH_STAGING stages";
@@ -179,6 +186,7 @@ class GemmKernelConfig:
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 0
+    mma_lag: int = 1
     stages: int = 0
     raster: int = 8
     cluster: int = 1
@@ -335,6 +343,8 @@ class GemmKernelConfig:
                 f"{self.stages} stages of a {self.tile_m}x{self.tile_n} tile need "
                 f"{self.smem_bytes} B of shared memory (limit {self.smem_limit} B, 2..{MAX_STAGES} stages)"
             )
+        if self.mma_lag >= self.stages:
+            raise ValueError(f"mma_lag {self.mma_lag} holds every one of {self.stages} stages")
         if not self.name:
             object.__setattr__(self, "name", gemm_kernel_name(self))
 
@@ -357,9 +367,9 @@ class GemmKernelConfig:
         if self.scaled:
             if a not in FP8_TYPES:
                 raise ValueError("block scales are only supported on FP8 operands")
-            if self.tile_k != 128 or not (self.sa_bk == self.sb_bk and self.sa_bk in (0, 128)):
+            if not (self.sa_bk == self.sb_bk and self.sa_bk in (0, 128)) or (self.sa_bk and self.tile_k != 128):
                 raise ValueError(
-                    "scaled kernels need tile_k == 128 and sa_bk == sb_bk, 128 (blockwise) or 0 "
+                    "scaled kernels need sa_bk == sb_bk, 128 (blockwise, with tile_k == 128) or 0 "
                     "(the whole of K: per-channel)"
                 )
             if self.sa_bm < 1 or self.sb_bn < 1:
@@ -372,8 +382,15 @@ class GemmKernelConfig:
             # Blockwise: two accumulator tiles (256 columns only as two wgmma halves, see
             # mma_parts); per-channel: the scale loads beside a 256-wide accumulator tile spill.
             raise ValueError("scaled kernels: tile_n must be <= 192, or 256 for blockwise scales")
-        if self.tile_k <= 0 or self.tile_k * ELEMENT_BYTES[a] != SWIZZLE_BYTES:
-            raise ValueError("tile_k must fill exactly one 128-byte swizzle row")
+        atoms = self.tile_k * ELEMENT_BYTES[a] // SWIZZLE_BYTES
+        if self.tile_k <= 0 or atoms * SWIZZLE_BYTES != self.tile_k * ELEMENT_BYTES[a] or atoms not in K_ATOMS:
+            raise ValueError(f"tile_k must fill {', '.join(map(str, K_ATOMS))} 128-byte swizzle rows")
+        if atoms > 1 and (self.blockwise or self.cluster != 1 or self.gather):
+            raise ValueError(
+                "more than one swizzle row of K per stage: no blockwise scales, one CTA per tile, rows not gathered"
+            )
+        if not 1 <= self.mma_lag <= 2 or (self.mma_lag != 1 and self.blockwise):
+            raise ValueError("mma_lag must be 1, or 2 in an unscaled main loop")
         if self.raster < 1:
             raise ValueError("raster must be positive")
         if self.cluster not in (1, 2):
@@ -630,8 +647,18 @@ class GemmKernelConfig:
         return self._stages_beside(self._tile_d_bytes) >= MIN_STAGES_WITH_STAGING
 
     @property
+    def atom_k(self) -> int:
+        """K elements of one 128-byte swizzle row (a TMA box's contiguous extent)."""
+        return SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type]
+
+    @property
+    def k_atoms(self) -> int:
+        """128-byte swizzle rows of K per ring stage (one TMA box per operand each)."""
+        return self.tile_k * ELEMENT_BYTES[self.a_type] // SWIZZLE_BYTES
+
+    @property
     def stage_bytes(self) -> int:
-        return (self.tile_m + self.tile_n) * SWIZZLE_BYTES
+        return (self.tile_m + self.tile_n) * SWIZZLE_BYTES * self.k_atoms
 
     @property
     def scale_bytes(self) -> int:
@@ -685,9 +712,9 @@ def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
     multicasts) its share of A's rows."""
     # A gathered by TMA: a box of one row, one load per tile row.
     maps = (
-        MapSpec("a", cfg.a_type, cfg.tile_k,
+        MapSpec("a", cfg.a_type, cfg.atom_k,
                 1 if cfg.gather_tma else cfg.tile_m // (1 if cfg.multicast_b else cfg.cluster)),
-        MapSpec("b", cfg.b_type, cfg.tile_k, cfg.tile_n // (cfg.cluster if cfg.multicast_b else 1)),
+        MapSpec("b", cfg.b_type, cfg.atom_k, cfg.tile_n // (cfg.cluster if cfg.multicast_b else 1)),
     )
     # The staged epilogue stores each consumer warpgroup's 64 rows one box at a time.
     return maps + (MapSpec("d", cfg.d_type, cfg.box_cols, 64),) if cfg.store_tma else maps
@@ -725,6 +752,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_hints" if cfg.cache_hints else "_nohints"
     if cfg.split_k:
         staged += "_splitk"
+    if cfg.mma_lag != 1:
+        staged += f"_lag{cfg.mma_lag}"
     if cfg.inline_table:
         staged += "_inl"
     elif not cfg.programmatic:
@@ -941,6 +970,8 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         tile_m=cfg.tile_m,
         tile_n=cfg.tile_n,
         tile_k=cfg.tile_k,
+        k_atoms=cfg.k_atoms,
+        mma_lag=cfg.mma_lag,
         stages=cfg.stages,
         raster=cfg.raster,
         cluster=cfg.cluster,

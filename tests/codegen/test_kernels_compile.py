@@ -22,6 +22,7 @@ from gemmspec.codegen.kernels import (
     RequantKernelConfig,
     TransposeKernelConfig,
     include_dir,
+    map_specs,
     render_gemm,
     render_quantize,
     render_requant,
@@ -141,6 +142,15 @@ GEMM_CONFIGS = {
         "e4m3", "e4m3", "f32", scaled=True, sa_bm=128, sb_bn=128, tile_n=192, gather=True, scatter=True
     ),
     "bf16_m64_gather": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, gather=True),
+    # Stages of two and four 128-byte swizzle rows of K (one TMA box per row and operand),
+    # the unscaled loop leaving two earlier K blocks' wgmma running: the memory-bound tile,
+    # a wide staged BF16 tile, per-channel FP8.
+    "bf16_m64_two_rows_lag2": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, tile_k=128, mma_lag=2),
+    "bf16_m64_four_rows": GemmKernelConfig("bf16", "bf16", "f32", tile_m=64, tile_n=16, tile_k=256),
+    "bf16_two_rows_staged": GemmKernelConfig("bf16", "bf16", "bf16", tile_n=128, tile_k=128, mma_lag=2),
+    "e4m3_rowwise_two_rows": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=128, tile_k=256
+    ),
 }
 
 
@@ -356,6 +366,17 @@ def test_smem_bytes_matches_layout() -> None:
     sw = GEMM_CONFIGS["e4m3_swiglu_bf16"]
     assert not sw.store_tma and sw.staging_bytes == 0 and sw.stages == 6
     assert sw.smem_bytes == 1024 + 6 * (256 * 128 + 128 * 4 + 16)  # staged products, one per row
+    # Two swizzle rows of K per stage: twice the operand bytes per stage, half the stages
+    # in the same shared memory (two blocks per SM: half of it each).
+    two = GEMM_CONFIGS["bf16_m64_two_rows_lag2"]
+    one = GEMM_CONFIGS["bf16_skinny_m64"]
+    assert (two.k_atoms, two.stage_bytes, one.stage_bytes) == (2, 80 * 128 * 2, 80 * 128)
+    assert two.smem_bytes == 1024 + two.stages * (80 * 256 + 16) and two.stages == one.stages // 2
+    # Each TMA box stays one swizzle row wide.
+    assert {m.box_inner for m in map_specs(two)} == {64}
+    loads = [m for m in map_specs(GEMM_CONFIGS["e4m3_rowwise_two_rows"]) if m.operand in "ab"]
+    assert [m.box_inner for m in loads] == [128, 128]
+    assert "x128_" in two.name and two.name.endswith("_lag2")
     # The deepest ring is capped; every ring fits the 227 KB a block may use.
     assert dataclasses.replace(GEMM_CONFIGS["bf16_skinny_m64"], name="", stages=0, ctas_per_sm=1).stages == 12
     assert all(c.smem_bytes <= 232448 for c in GEMM_CONFIGS.values())
@@ -389,6 +410,16 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_m=96),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", tile_m=256),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_k=32),
+        # Several swizzle rows of K per stage: 2 or 4, no blockwise scales, one CTA per
+        # tile, rows not gathered; a lagging release keeps a stage for the producer.
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_k=192),
+        dict(a_type="bf16", b_type="bf16", d_type="f32", tile_m=64, tile_n=16, tile_k=512),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sb_bn=128, tile_k=256),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", tile_k=128, cluster=2),
+        dict(a_type="bf16", b_type="bf16", d_type="f32", tile_m=64, tile_n=16, tile_k=128, gather=True),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sb_bn=128, mma_lag=2),
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", mma_lag=3),
+        dict(a_type="bf16", b_type="bf16", d_type="f32", tile_m=64, tile_n=16, tile_k=256, mma_lag=2, stages=2),
         # 256 scaled columns only as two blockwise wgmma halves, with one or two B scales.
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bk=0, sb_bk=0, sb_bn=1, tile_n=256),
         dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sb_bn=64, tile_n=256),
