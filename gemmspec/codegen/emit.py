@@ -377,7 +377,7 @@ def _k_atoms(cfg: GemmKernelConfig, pg: ProblemGenerator) -> int:
     the shrink on the H200 from 28.1 to 22.2 us at 4096 tokens and 23.2 to 22.5 at 2048, level
     at 8192 and 16384 (29.8 / 29.9, 51.7 / 51.5). Four rows leave two stages per block
     (33 us at 8192)."""
-    if not cfg.memory_bound or cfg.blockwise or cfg.cluster != 1 or cfg.gather:
+    if not (cfg.memory_bound and cfg.several_rows_possible):
         return 1
     k = pg.extents[2]
     if k.kind != "fixed" or not k.size.is_const or k.size.value < K_ATOMS_MIN_ROWS * cfg.atom_k:

@@ -284,7 +284,7 @@ class GemmKernelConfig:
             for f in ("sa_bm", "sa_bk", "sb_bn", "sb_bk"):
                 object.__setattr__(self, f, 1)
         if self.tile_k == 0 and self.a_type in ELEMENT_BYTES:
-            object.__setattr__(self, "tile_k", SWIZZLE_BYTES // ELEMENT_BYTES[self.a_type])
+            object.__setattr__(self, "tile_k", self.atom_k)
         if self.ctas_per_sm == 0:
             object.__setattr__(self, "ctas_per_sm", 2 if self.memory_bound else 1)
         if self.split_k and not self.split_possible():
@@ -382,10 +382,9 @@ class GemmKernelConfig:
             # Blockwise: two accumulator tiles (256 columns only as two wgmma halves, see
             # mma_parts); per-channel: the scale loads beside a 256-wide accumulator tile spill.
             raise ValueError("scaled kernels: tile_n must be <= 192, or 256 for blockwise scales")
-        atoms = self.tile_k * ELEMENT_BYTES[a] // SWIZZLE_BYTES
-        if self.tile_k <= 0 or atoms * SWIZZLE_BYTES != self.tile_k * ELEMENT_BYTES[a] or atoms not in K_ATOMS:
+        if self.tile_k <= 0 or self.tile_k % self.atom_k or self.k_atoms not in K_ATOMS:
             raise ValueError(f"tile_k must fill {', '.join(map(str, K_ATOMS))} 128-byte swizzle rows")
-        if atoms > 1 and (self.blockwise or self.cluster != 1 or self.gather):
+        if self.k_atoms > 1 and not self.several_rows_possible:
             raise ValueError(
                 "more than one swizzle row of K per stage: no blockwise scales, one CTA per tile, rows not gathered"
             )
@@ -654,7 +653,13 @@ class GemmKernelConfig:
     @property
     def k_atoms(self) -> int:
         """128-byte swizzle rows of K per ring stage (one TMA box per operand each)."""
-        return self.tile_k * ELEMENT_BYTES[self.a_type] // SWIZZLE_BYTES
+        return self.tile_k // self.atom_k
+
+    @property
+    def several_rows_possible(self) -> bool:
+        """A ring stage may hold more than one swizzle row of K: no blockwise promotion
+        (its K block is one row), one CTA per tile, rows not gathered (one-row boxes)."""
+        return not self.blockwise and self.cluster == 1 and not self.gather
 
     @property
     def stage_bytes(self) -> int:

@@ -9,20 +9,20 @@ with a staged epilogue, and per-channel FP8 (the unscaled loop on FP8 operands).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 import gemmspec
 from gemmspec import bench
 from gemmspec.runtime.verify import run_random
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The split-K tests' nested ragged leaves (0, 1, 127, 129 rows) and their LoRA shrink.
+from test_split_k_gpu import EDGE_LENGTHS, report_ok, shrink  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-
-EDGE_COUNTS = [[0, 1, 127, 129, 300], [64, 65, 0, 2, 511]]
-EDGE_LENGTHS = {"lora": [sum(c) for c in EDGE_COUNTS], "expert": [c for row in EDGE_COUNTS for c in row]}
-
-
-def shrink(k: int) -> str:
-    return bench.LORA.format(k=k, r=16, l=2, e=5)
 
 
 def variant(text: str, inline: bool = True, **changes):
@@ -36,11 +36,6 @@ def variant(text: str, inline: bool = True, **changes):
     for key, value in changes.items():
         assert getattr(cfg, key) == value, (key, cfg.name)
     return exe
-
-
-def report_ok(report) -> None:
-    print(report.describe())
-    assert report.ok, report.describe()
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split K", "whole tiles"])
