@@ -206,9 +206,17 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     if cfg.inline_table:
         parts.append("leaf table built by each block (no builder kernel: one launch per call)")
     if cfg.staged_add:
-        parts.append("old output tile loaded into the staging by TMA, added to and stored by TMA")
+        parts.append(
+            "old output tile loaded into the staging by TMA, added to and stored by TMA where a leaf's rows end "
+            "on 16-byte boundaries (else from registers, masked per element)"
+        )
+    elif cfg.store_tma:
+        parts.append(
+            "output staged and stored by TMA where a leaf's rows end on 16-byte boundaries (else from registers, "
+            "masked per element)"
+        )
     else:
-        parts.append("output staged and stored by TMA" if cfg.store_tma else "output stored from registers")
+        parts.append("output stored from registers")
     pg = launch.problems
     if cfg.gather:
         how = "rows loaded by TMA, a one-row box each" if cfg.gather_tma else "rows copied by the producer"

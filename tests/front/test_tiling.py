@@ -84,7 +84,8 @@ def test_explain_names_the_emitted_kernel_and_its_configuration():
     text = exe.explain()
     assert f"kernel {launch.gemm.name} (128x192 tiles, {launch.gemm.stages} stages" in text
     assert (
-        "output staged and stored by TMA, two B scales per tile and K block, staged by the producer as SA x SB "
+        "output staged and stored by TMA where a leaf's rows end on 16-byte boundaries (else from registers, masked "
+        "per element), two B scales per tile and K block, staged by the producer as SA x SB "
         "products, K loop in rounds "
         f"of {launch.gemm.stages} blocks with their stages fixed at compile time)"
     ) in text

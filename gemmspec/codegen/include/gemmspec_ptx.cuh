@@ -370,6 +370,18 @@ __device__ __forceinline__ bool gs_tma_describable(const void* base, long long o
          (rows == 1 || (stride_bytes > 0 && stride_bytes % 16 == 0 && stride_bytes < (1ll << 40)));
 }
 
+// A leaf's output for TMA stores (and a staged add's TMA load of the old tile): describable,
+// and each row's end on a 16-byte boundary. A TMA store bounded by the map's width still
+// writes the whole 16-byte chunk that holds a row's last element, so a row whose end is not
+// aligned would have its chunk's tail written over the next row's first elements (packed
+// rows) or the padding between rows. Such leaves are stored from registers, masked per
+// element.
+__device__ __forceinline__ bool gs_tma_store_describable(const void* base, long long off, long long row_stride,
+                                                         long long n_stride, int rows, int n, int element_bytes) {
+  return gs_tma_describable(base, off, row_stride, n_stride, rows, n, element_bytes) &&
+         (static_cast<long long>(n) * element_bytes) % 16 == 0;
+}
+
 // Copies the template into the thread's shared `slot`, patches the leaf's base address,
 // extents and row stride into it and publishes it to `out` (the writer then releases it
 // with gs_tensormap_release, and each thread that loads or stores through it acquires it).
