@@ -61,6 +61,7 @@ QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOC
 # Derivations whose pre-pass writes the target's scales.
 SCALING_OPS = frozenset({"requantize", "quantize"})
 GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choices
+ACCUMULATION_MODES = ("promoted", "fast")  # the accumulate(...) directive's choices
 # `T = copy(S)`: a second FP8 output of the statement writing S, not a pre-pass.
 COPY_OP = "copy"
 # `= swiglu_grad(GU, DH)`: a pre-pass that may read what statements and row passes write.
@@ -2946,6 +2947,7 @@ class _Checker:
         target = "sm_90a"
         tile = None
         gather_rows = "auto"
+        accumulation = None
         scaled = any(t.scale is not None for t in self.ast.tensors)
         for d in self.ast.directives:
             if d.kind in ("flatten", "split"):
@@ -3030,8 +3032,26 @@ class _Checker:
                 if gather_rows != "auto" and mode != gather_rows:
                     raise self.error(f"gather({mode}) contradicts the earlier gather({gather_rows})", d.pos)
                 gather_rows = mode
+            elif d.kind == "accumulate":
+                mode = d.args[0]
+                if mode not in ACCUMULATION_MODES:
+                    raise self.error(
+                        f"accumulate({mode}) is not a way to sum FP8 products: use "
+                        + " or ".join(f"accumulate({m})" for m in ACCUMULATION_MODES),
+                        d.pos,
+                    )
+                if not any(self.tensors[g.a.tensor].dtype in FP8_TYPES and self._per_channel(g) for g in gemms):
+                    raise self.error(
+                        f"accumulate({mode}): no statement multiplies FP8 operands whose scales are "
+                        "constant along K (per-channel or per-tensor); blockwise scales are applied, "
+                        "and so promoted into f32, every 128 of K, and 16-bit operands accumulate in f32",
+                        d.pos,
+                    )
+                if accumulation is not None and mode != accumulation:
+                    raise self.error(f"accumulate({mode}) contradicts the earlier accumulate({accumulation})", d.pos)
+                accumulation = mode
         where = self.where(force_pos) if force_pos is not None else None
-        return Directives(force, target, tile, gather_rows, force_where=where)
+        return Directives(force, target, tile, gather_rows, accumulation or "promoted", force_where=where)
 
 
 def _fp8_out_block(rank: int) -> str:

@@ -40,6 +40,7 @@ def _launch_json(launch: Launch) -> dict:
             "multicast_b": sig.multicast_b,
             "swiglu": sig.swiglu,
             "d_scale_pow2": sig.d_scale_pow2,
+            "fast_accum": sig.fast_accum,
         },
         "extents": {e.role: str(e) for e in pg.extents},
         "operands": {
@@ -235,7 +236,8 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     if cfg.mma_parts > 1:
         parts.append(f"each K block's wgmma in {cfg.mma_parts} batches of {cfg.tile_n // cfg.mma_parts} columns")
     if cfg.per_channel:
-        parts.append("per-channel scales: the unscaled main loop, SA(row) * SB(column) in the epilogue")
+        how = "promoted into f32 every 128 of K" if cfg.promotes else "fast accumulation: the whole of K in the tensor cores' accumulator"
+        parts.append(f"per-channel scales: the unscaled main loop ({how}), SA(row) * SB(column) in the epilogue")
     elif cfg.scaled:
         count = ("one B scale per tile", "two B scales per tile", "a B scale per column")[cfg.sb_mode]
         where = "staged by the producer" + (" as SA x SB products" if cfg.staged_products else "")

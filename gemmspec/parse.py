@@ -368,6 +368,10 @@ class _ToAst(Transformer_NonRecursive):
     def gather_rows(self, meta, items):
         return ("directive", ast.Directive("gather", _meta_pos(meta), (str(items[0]),)))
 
+    @v_args(meta=True)
+    def accumulation(self, meta, items):
+        return ("directive", ast.Directive("accumulate", _meta_pos(meta), (str(items[0]),)))
+
     def spec(self, items):
         name = _name(items[0])
         dims, groups, tensors, statements, directives = [], [], [], [], []

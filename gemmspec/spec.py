@@ -458,6 +458,10 @@ class Directives:
     # How a gathered A's rows are read: "auto" (gemmspec/gather_plan.py decides),
     # "fused" (the GEMM gathers them in its loads) or "prepass" (a pass copies them first).
     gather_rows: str = "auto"
+    # How FP8 products without scales per K block (per-channel, per-tensor) are summed:
+    # "promoted" (into f32 every 128 of K, the default) or "fast" (the whole of K in the
+    # tensor cores' accumulator, about 14 bits of mantissa).
+    accumulation: str = "promoted"
     force_where: SourceLocation | None = field(default=None, compare=False)
 
 

@@ -416,6 +416,7 @@ def _signature_config(launch: Launch) -> GemmKernelConfig:
         d_scale_pow2=sig.d_scale_pow2,
         copy=sig.copy,
         copy_pow2=sig.copy_scale_pow2,
+        fast_accum=sig.fast_accum,
     )
 
 

@@ -169,9 +169,11 @@ class GemmKernelConfig:
     (``_nopdl`` in the name) and the manifest launches it the ordinary way.
 
     ``sa_bk == sb_bk == 0`` (scaled) means one scale along the whole of K: per-channel
-    scales. Such a kernel runs the unscaled main loop (no promotion per K block, one
-    accumulator tile, no scales staged) and multiplies the finished accumulators by
-    SA(row) * SB(column) before the epilogue.
+    scales. Such a kernel runs the unscaled main loop (no scales staged) and multiplies the
+    finished accumulators by SA(row) * SB(column) before the epilogue. With FP8 operands
+    that loop still adds each 128-wide K block's products into the f32 result from a fresh
+    accumulator (``promotes``), unless ``fast_accum`` keeps the whole of K in the tensor
+    cores' accumulator (about 14 bits of mantissa; ``_fastacc`` in the name).
     """
 
     a_type: str
@@ -187,6 +189,9 @@ class GemmKernelConfig:
     tile_n: int = 128
     tile_k: int = 0
     mma_lag: int = 1
+    # FP8 without scales per K block: one accumulator over the whole of K (the language's
+    # `accumulate(fast)`), instead of a promotion into f32 every 128 of K.
+    fast_accum: bool = False
     stages: int = 0
     raster: int = 8
     cluster: int = 1
@@ -325,7 +330,7 @@ class GemmKernelConfig:
         elif not self.blockwise:
             object.__setattr__(self, "ring_rounds", False)  # the unscaled loop has no rounds
         if self.lean_registers is None:
-            object.__setattr__(self, "lean_registers", self.bias_crowds_registers())
+            object.__setattr__(self, "lean_registers", self.lean_by_default())
         if self.store_tma is None:
             object.__setattr__(self, "store_tma", self._store_tma_pays())
         elif self.store_tma and self.scatter:
@@ -388,8 +393,10 @@ class GemmKernelConfig:
             raise ValueError(
                 "more than one swizzle row of K per stage: no blockwise scales, one CTA per tile, rows not gathered"
             )
-        if not 1 <= self.mma_lag <= 2 or (self.mma_lag != 1 and self.blockwise):
-            raise ValueError("mma_lag must be 1, or 2 in an unscaled main loop")
+        if not 1 <= self.mma_lag <= 2 or (self.mma_lag != 1 and (self.blockwise or self.promotes)):
+            raise ValueError("mma_lag must be 1, or 2 in an unscaled main loop that does not promote")
+        if self.fast_accum and (self.a_type not in FP8_TYPES or self.blockwise):
+            raise ValueError("fast accumulation is for FP8 operands without scales per K block")
         if self.raster < 1:
             raise ValueError("raster must be positive")
         if self.cluster not in (1, 2):
@@ -534,6 +541,13 @@ class GemmKernelConfig:
         return self.smem_scales and self.sb_mode == 2
 
     @property
+    def promotes(self) -> bool:
+        """FP8 products without scales per K block still go into f32 every 128 of K (each
+        K block's wgmma into a fresh accumulator, added into the result), as DeepSeek-V3's
+        recipe does and torch's FP8 GEMMs do by default; not with ``fast_accum``."""
+        return self.a_type in FP8_TYPES and not self.blockwise and not self.fast_accum
+
+    @property
     def blockwise(self) -> bool:
         """Scales per 128-wide K block: the main loop promotes after every K block."""
         return self.scaled and not self.per_channel
@@ -628,10 +642,18 @@ class GemmKernelConfig:
         return self.blockwise and not self.consumer_scales and not self.epilogue
 
     def bias_crowds_registers(self) -> bool:
-        """A scaled tile wider than 128 columns with a fused bias: its consumers hold two
+        """A promoting tile wider than 128 columns with a fused bias: its consumers hold two
         accumulator tiles and the bias, with no registers left for staging addresses,
         scales loaded ahead or wgmma descriptors kept across the tile."""
-        return self.blockwise and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
+        return (self.blockwise or self.promotes) and self.tile_n > 128 and any(k == "bias" for k, _ in self.epilogue)
+
+    def lean_by_default(self) -> bool:
+        """Descriptors rebuilt per instruction (``lean_registers``) where the registers are
+        short: a fused bias beside two accumulator tiles, or a per-channel tile wider than
+        128 columns that promotes and reduce-adds into an f32 D (its second accumulator
+        tile, the channel scales and the staging addresses spilled 8 bytes otherwise)."""
+        crowded = self.promotes and self.per_channel and self.tile_n > 128 and self.accumulate
+        return self.bias_crowds_registers() or crowded
 
     def _store_tma_pays(self) -> bool:
         if not self.store_tma_possible or self.swiglu or self.scatter or self.fp8_out:
@@ -737,7 +759,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_consumerscales"
     if cfg.consumer_scales and not cfg.prefetch_scales:
         staged += "_inplacescales"
-    if cfg.lean_registers != cfg.bias_crowds_registers():  # not the default: named apart
+    if cfg.lean_registers != cfg.lean_by_default():  # not the default: named apart
         staged += "_lean" if cfg.lean_registers else "_roomy"
     if cfg.epilogue:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
@@ -759,6 +781,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_splitk"
     if cfg.mma_lag != 1:
         staged += f"_lag{cfg.mma_lag}"
+    if cfg.fast_accum:
+        staged += "_fastacc"
     if cfg.inline_table:
         staged += "_inl"
     elif not cfg.programmatic:
@@ -977,6 +1001,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         tile_k=cfg.tile_k,
         k_atoms=cfg.k_atoms,
         mma_lag=cfg.mma_lag,
+        promote=cfg.promotes,
         stages=cfg.stages,
         raster=cfg.raster,
         cluster=cfg.cluster,

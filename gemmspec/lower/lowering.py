@@ -14,7 +14,7 @@ from dataclasses import replace
 from ..analyse import LaunchPlan, NestDecision
 from ..errors import GemmspecError
 from ..expr import ZERO, Poly
-from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
+from ..spec import FP8_TYPES, KERNEL_K_BLOCK, Access, Gemm, Spec, Tensor
 from .schedule import (
     COPY_BLOCK_START,
     EpilogueMap,
@@ -258,6 +258,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
         d_scale_pow2=sd is not None and spec.tensor(d.tensor).scale.pow2,
         copy=c is not None,
         copy_scale_pow2=c is not None and spec.tensor(c.tensor).scale.pow2,
+        fast_accum=fp8 and spec.directives.accumulation == "fast" and sa is not None and sa.block[1] != KERNEL_K_BLOCK,
     )
     return Launch(index, gemm.index, gemm.text, sig, problems, plan.why)
 

@@ -316,6 +316,9 @@ class KernelSignature:
     # per segment (power-of-two scales when copy_scale_pow2 is set).
     copy: bool = False
     copy_scale_pow2: bool = False
+    # FP8 without scales per K block: the whole of K in the tensor cores' accumulator
+    # (`accumulate(fast)`), not promoted into f32 every 128 of K.
+    fast_accum: bool = False
 
     @property
     def epilogue_name(self) -> str:
@@ -344,7 +347,7 @@ class KernelSignature:
         return (
             f"gs_sm90a_{self.a_type}{self.b_type}_{self.d_type}_{scale}_{majors}_"
             f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{cluster_suffix(self.cluster, self.multicast_b)}_{mode}"
-            f"{self.epilogue_name}"
+            f"{self.epilogue_name}{'_fastacc' if self.fast_accum else ''}"
         )
 
     def __str__(self) -> str:

@@ -151,6 +151,14 @@ GEMM_CONFIGS = {
     "e4m3_rowwise_two_rows": GemmKernelConfig(
         "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=128, tile_k=256
     ),
+    # accumulate(fast): per-channel FP8 summed over the whole of K in one accumulator.
+    "e4m3_rowwise_fast": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=192, fast_accum=True
+    ),
+    "e4m3_rowwise_two_rows_fast": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sa_bk=0, sb_bn=1, sb_bk=0, tile_n=128, tile_k=256,
+        fast_accum=True,
+    ),
 }
 
 
@@ -445,6 +453,10 @@ def test_sources_include_only_toolkit_headers() -> None:
         dict(a_type="e4m3", b_type="e4m3", d_type="e4m3", scaled=True, tile_n=192),
         dict(a_type="e4m3", b_type="e4m3", d_type="e5m2", scaled=True, tile_n=128, swiglu=True),
         dict(a_type="bf16", b_type="bf16", d_type="bf16", d_scale_pow2=True),
+        # Fast accumulation: FP8 without scales per K block only; a promoting loop has no lag.
+        dict(a_type="bf16", b_type="bf16", d_type="bf16", fast_accum=True),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, fast_accum=True),
+        dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bk=0, sb_bk=0, sb_bn=1, mma_lag=2),
     ],
 )
 def test_bad_configs_are_rejected(kwargs) -> None:
@@ -466,3 +478,18 @@ def test_every_boundary_column_has_its_main_loop(tile_n, sb_bn):
         first = (sb_bn - n0 % sb_bn) // 8
         compiled = first if first in cfg.sb_splits[:-1] else cfg.sb_splits[-1]
         assert compiled == min(first, tile_n // 8), (n0, first, cfg.sb_splits)
+
+
+@pytest.mark.parametrize("key", ["e4m3_rowwise_wide", "e4m3_rowwise_two_rows", "e4m3_rowwise_fast"])
+def test_per_channel_fp8_promotes_unless_fast(compiled, key: str) -> None:
+    """Promoting: a fresh accumulator per 128 of K (a QGMMA batch whose first instruction
+    does not read the accumulator: no `.DISABLE_INPUT`-free chain over the stage's rows)
+    and an f32 add of it; fast: one accumulator chain over the whole stage."""
+    cfg = GEMM_CONFIGS[key]
+    source, _, sass = compiled(key, render_gemm(cfg))
+    assert cfg.promotes == (not cfg.fast_accum)
+    assert ("mma_k_atom" in source) == cfg.promotes
+    # Promoting kernels wait for every row's batch (depth 0) before adding it; the fast
+    # loop keeps one batch in flight (depth 1).
+    depths = set(re.findall(r"\bWARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", sass))
+    assert ("1" in depths) == (not cfg.promotes), depths
