@@ -113,8 +113,10 @@ def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(NUMPY_TYPES[dtype]).astype(np.float64)
 
 
-def requantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize real values with `target`'s scale blocks: (fp8 values, scale grid)."""
+def quantize_real_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Real (float64) values quantized with `target`'s scale blocks: (fp8 values, scale
+    grid), the scales amax / FP8 max in float64. For making FP8 test data from real values;
+    not what any kernel computes (requantize(SOURCE) is `requantize_values`)."""
     sc = target.scale
     assert sc is not None
     shape = scale_grid_shape(spec, rt, target)
@@ -161,6 +163,16 @@ def requantize_rows_values(
         grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
         ratio = np.clip(real / grid[np.ix_(*blocks)], -fp8_max, fp8_max)
     return ratio.astype(NUMPY_TYPES[target.dtype]).astype(np.float64), grid
+
+
+def requantize_values(
+    spec: Spec, rt: Runtime, source: Tensor, data: TensorData, target: Tensor
+) -> tuple[np.ndarray, np.ndarray]:
+    """requantize(SOURCE) (docs/language.md, section 7), as the requantize kernel computes
+    it in float32: each FP8 value times its scale, amax per target block, scale = amax /
+    FP8 max (1 for an all-zero block), (value x scale) / scale rounded to nearest even and
+    saturated to the finite range: requantize with its rows in order and no weight."""
+    return requantize_rows_values(spec, rt, source, data, target, None, None)
 
 
 def pow2_scales(amax: np.ndarray, dtype: str) -> np.ndarray:

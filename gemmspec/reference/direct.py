@@ -6,11 +6,14 @@ ragged, split, uniform and masked groups, and rows read or written through an
 index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an index
 outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
-blocks, with `rows` and `weight` in float32 as data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values;
+blocks, in float32 as the kernel does, with `rows` and `weight` as
+data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values;
 swiglu_grad: as data.swiglu_grad_values says, once what it reads is written).
 Row passes (`rowdot`, `rowscale`, `scatter_add`) run once what they read is written, as data.row_pass_values says.
 An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
-own scale grid (returned under the scale's name beside the values).
+own scale grid (returned under the scale's name beside the values); any other output
+(and a row pass's target) is rounded to its own type, as the kernels store it, so a
+statement that reads it (or adds into it) sees what the device would have stored.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .data import (
     block_index,
     dim_size,
     fp8_output_values,
+    quantize,
     quantize_values,
     real_values,
     requantize_rows_values,
@@ -74,7 +78,7 @@ def _derived(spec: Spec, rt: Runtime, t: Tensor, data: dict[str, TensorData]) ->
         index, weight = (None if n is None else data[n].values for n in (t.derived.index, t.derived.weight))
         q, grid = requantize_rows_values(spec, rt, src, data[src.name], t, index, weight)
     else:
-        q, grid = requantize_values(spec, rt, real_values(spec, rt, src, data[src.name]), t)
+        q, grid = requantize_values(spec, rt, src, data[src.name], t)
     return TensorData(q, grid)
 
 
@@ -299,7 +303,8 @@ def run_direct(
         ready = next((i for i in statements if all(r in data for r in spec.gemms[i].reads)), None)
         if ready is None:
             t = next(t for t in rows if all(r in data for r in t.row_pass.reads))
-            results[t.name] = row_pass_values(spec, rt, t, data)
+            # Stored in the target's type, as the pass stores it (what reads it sees that).
+            results[t.name] = quantize(row_pass_values(spec, rt, t, data), t.dtype)
             data[t.name] = TensorData(results[t.name])
             rows.remove(t)
             continue
@@ -323,7 +328,9 @@ def run_direct(
                 results[gemm.copy], results[c_t.scale.name] = c.values, c.scale_grid
                 data[gemm.copy] = c
             continue
-        results[name] = run_statement(spec, rt, gemm, data, results[name])
+        # Rounded to the output's type as the kernel stores it: a statement that reads the
+        # output (or adds into it) sees the stored values, not the exact ones.
+        results[name] = quantize(run_statement(spec, rt, gemm, data, results[name]), out_t.dtype)
         data[name] = TensorData(results[name])
     return results
 

@@ -34,9 +34,9 @@ from .data import (
     element_offsets,
     gathered_rows,
     pack,
+    quantize,
     quantize_rows,
     quantize_values,
-    real_values,
     requantize_rows_values,
     requantize_values,
     row_pass_values,
@@ -194,10 +194,12 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
             blocks = np.arange(cscales.shape[1])
             sc_where = _gather(np.arange(len(flat[pg.sc.tensor])), pg.sc, env, blocks, rn)
             flat[pg.sc.tensor][sc_where] = cscales.T
+        # Stored in D's type (an FP8 D is quantized above): one rounding of the f32 result,
+        # or of the old value plus it for `+=`.
         if sig.accumulate:
-            flat[pg.d.tensor][where] += acc[d_ok]
+            flat[pg.d.tensor][where] = quantize(flat[pg.d.tensor][where] + acc[d_ok], sig.d_type)
         else:
-            flat[pg.d.tensor][where] = acc[d_ok]
+            flat[pg.d.tensor][where] = acc[d_ok] if pg.sd is not None else quantize(acc[d_ok], sig.d_type)
 
 
 def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]) -> None:
@@ -236,8 +238,7 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
         )
         q, grid = requantize_rows_values(spec, rt, src, TensorData(q_src, grid_src), dst, index, weight)
     else:
-        real = real_values(spec, rt, src, TensorData(q_src, grid_src))
-        q, grid = requantize_values(spec, rt, real, dst)
+        q, grid = requantize_values(spec, rt, src, TensorData(q_src, grid_src), dst)
     flat[dst.name] = pack(dst_off, q)
     flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
 
@@ -254,7 +255,7 @@ def run_postpass(spec: Spec, rt: Runtime, p: PostPass, flat: dict[str, np.ndarra
         grid = flat[t.scale.name][scale_offsets(spec, rt, t)] if t.scale is not None else None
         data[name] = TensorData(values, grid)
     dst = spec.tensor(p.target)
-    flat[dst.name][element_offsets(spec, rt, dst)] = row_pass_values(spec, rt, dst, data)
+    flat[dst.name][element_offsets(spec, rt, dst)] = quantize(row_pass_values(spec, rt, dst, data), dst.dtype)
 
 
 def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ from gemmspec.reference.data import (
     TensorData,
     dim_size,
     element_offsets,
+    quantize_real_values,
     random_inputs,
     random_runtime,
     requantize_rows_values,
@@ -118,9 +119,13 @@ def test_without_rows_or_weight_the_rows_are_in_order_with_weight_one():
     plain, plain_grid = requantize_rows_values(spec, rt, src, TensorData(q, sx), dst, None, None)
     want, want_grid = formula(q, sx, np.arange(t), np.ones(t), counts, 448.0, ml_dtypes.float8_e4m3fn)
     assert np.array_equal(plain, want) and np.array_equal(plain_grid, want_grid)
-    # The plain requantize (float64) agrees with it to FP8 rounding: one step at most.
+    # The plain requantize is the same float32 rule, bit for bit.
+    same, same_grid = requantize_values(spec, rt, src, TensorData(q, sx), dst)
+    assert np.array_equal(same, plain) and np.array_equal(same_grid, plain_grid)
+    # The same quantization in float64 differs where a value lands within float32's error
+    # of an FP8 rounding midpoint: at most one step.
     real = q * np.repeat(sx.astype(np.float64), 128, axis=1)[:, :264]
-    q64, grid64 = requantize_values(spec, rt, real, dst)
+    q64, grid64 = quantize_real_values(spec, rt, real, dst)
     assert np.allclose(grid64, plain_grid, rtol=1e-6)
     assert (np.abs(q64 - plain) <= np.abs(plain) * 2**-3 + 2**-9).all()
 
@@ -222,7 +227,7 @@ def backward_case(counts, seed=0):
         "route_w": TensorData(route_w.astype(np.float64)),
     }
     for name, real in (("dy", dy_real), ("w_down", w_real), ("h_t", h), ("h", h)):
-        q, grid = requantize_values(spec, rt, real, spec.tensor(name))
+        q, grid = quantize_real_values(spec, rt, real, spec.tensor(name))
         data[name] = TensorData(q, grid)
     # float64 gradients of y[dst[t], n] = route_w[t] * sum[f] h[t, f] * w_down[e(t), n, f],
     # from the FP8 values the backward reads (dy and w_down as stored) and the real h.
@@ -238,7 +243,7 @@ def backward_case(counts, seed=0):
     # read through src with repeats, and w_up.
     n_dim = spec.dim("N").size
     for name, real in (("x", rng.standard_normal((t, h_dim))), ("w_up", rng.standard_normal((e, n_dim, h_dim)) / 16)):
-        q, grid = requantize_values(spec, rt, real, spec.tensor(name))
+        q, grid = quantize_real_values(spec, rt, real, spec.tensor(name))
         data[name] = TensorData(q, grid)
     data["src"] = TensorData(rng.integers(0, max(t, 1), t).astype(np.float64))
     init = {n: np.full(tuple(rt.dims.get(d) or spec.dim(d).size for d in spec.tensor(n).dims), np.nan) for n in spec.written}
