@@ -821,6 +821,9 @@ class Executable:
                 self.manifest, run, ptrs, bound.dims, num_sms(run.device), self._step_kernel(run),
                 lambda name, axis: bound.arrays[name].shape[axis],
             )
+        # Every workspace by its manifest name (`prepass0.x_q` ...): what reads a derived
+        # tensor or a scale grid back after a call, as the tests of the passes do.
+        run.buffers = buffers
         check = self.manifest.offsets_check
         if check is not None:
             run.flags, run.checks = buffers[CHECK_FLAGS], check.checks
@@ -858,6 +861,7 @@ class PreparedRun:
     executable: object = None
     dims: dict = field(default_factory=dict)
     names: tuple = ()  # the arguments, in the order of the pointers `launch` takes
+    buffers: dict = field(default_factory=dict)  # the workspaces by manifest name
     guard: _PointerGuard | None = None  # the pointer checks of a cached plan
     # The cells of the pointers, the launches that read them, with their parameters
     # packed for this run's stream, and the switch to the run's device (made when first

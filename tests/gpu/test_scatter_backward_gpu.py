@@ -21,8 +21,8 @@ from gemmspec.reference.data import (
     Runtime,
     TensorData,
     element_offsets,
+    quantize_real_values,
     requantize_rows_values,
-    requantize_values,
     scale_grid_shape,
     scale_offsets,
 )
@@ -207,7 +207,7 @@ def test_the_example_backward_matches_float64(counts, gather):
     dst = rng.permutation(t).astype(np.int32)
     data = {}
     for name, real in (("dy", dy_real), ("w_down", w_real), ("h_t", h), ("h", h)):
-        qv, grid = requantize_values(spec, rt, real, spec.tensor(name))
+        qv, grid = quantize_real_values(spec, rt, real, spec.tensor(name))
         data[name] = TensorData(qv, grid)
 
     keep = {}
@@ -242,7 +242,7 @@ def test_the_example_backward_matches_float64(counts, gather):
     # tests/gpu/test_ffn_backward_gpu.py) runs in the same call: its inputs, poisoned outputs.
     n_dim = spec.dim("N").size
     for name, real in (("x", rng.standard_normal((t, h_dim))), ("w_up", rng.standard_normal((e, n_dim, h_dim)) / 16)):
-        qv, sgrid = requantize_values(spec, rt, real, spec.tensor(name))
+        qv, sgrid = quantize_real_values(spec, rt, real, spec.tensor(name))
         sc = spec.tensor(name).scale.name
         args[name] = upload(_fp8_bytes(qv), qv.shape, "e4m3", name)
         args[sc] = upload(sgrid.astype(np.float32), sgrid.shape, "f32", sc)
