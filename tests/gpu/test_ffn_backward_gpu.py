@@ -66,11 +66,12 @@ def run_op(o, inputs: dict) -> dict[str, GuardedTensor]:
 # Against float64 from the unquantized inputs, the kernels' FP8 operands (1x128 and
 # 128x128 blocks, the backward's own requantizations, FP8 intermediates) are part of the
 # difference: a few percent of every term, whose largest among millions of elements
-# reaches a good part of the row's rms (on the CPU, with the reference for the kernels:
-# up to 0.15 of it, and 0.4 of an expert's weight gradient, whose terms are products of
-# two quantized values). Bounds twice that, beside each output's norm.
-FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 0.3}
-WGRAD_FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 1.0}
+# reaches a good part of the row's rms (on the CPU, with the reference for the kernels,
+# at smaller dims: up to 0.16 of it, and 0.6 of an expert's weight gradient, whose terms
+# are products of two quantized values; slowly more at larger dims). Bounds about twice
+# that, beside each output's norm.
+FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 0.4}
+WGRAD_FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 1.5}
 
 
 def per_expert(x):

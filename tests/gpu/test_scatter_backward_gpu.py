@@ -190,7 +190,7 @@ def test_an_index_outside_the_source_is_caught_and_never_followed():
 # elements reaches a good part of the row's rms (an expert's weight gradient: of the
 # expert's whole matrix, its terms being products of two rounded values). As in
 # test_ffn_backward_gpu.py, beside each output's norm.
-FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 0.3}
+FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 0.4}
 WGRAD_FP8_VS_UNQUANTIZED = {"rtol": 2.0**-3, "atol": 1.0}
 
 
