@@ -253,3 +253,15 @@ def test_an_empty_storage_still_has_its_guards(host_memory):
     assert buf.nbytes == 0 and buf.view((0, 4), "f32").shape == (0, 4)
     buf.buffer.data[GUARD_BYTES] ^= 1
     assert buf.changed_outside().tolist() == [0]
+
+
+def test_a_view_at_an_offset_must_fit_and_start_on_an_element():
+    from gemmspec.errors import ArgumentError
+
+    memory = HostMemory(np.zeros(64, np.uint8))
+    assert memory.view((4, 4), "f32", offset=0).ptr == memory.ptr
+    assert memory.view((3, 4), "f32", offset=16).ptr == memory.ptr + 16
+    with pytest.raises(ArgumentError, match="needs 68 bytes"):
+        memory.view((4, 4), "f32", offset=4)
+    with pytest.raises(ArgumentError, match="cannot start 2 bytes into"):
+        memory.view((2,), "f32", offset=2)
