@@ -66,7 +66,7 @@ def _spec_lines(label: str, text: str) -> list[str]:
     return out
 
 
-def _collect(target: Path, paths: list[str]) -> int:
+def _collect(target: Path, paths: list[str], fast: bool = False) -> int:
     import jinja2
     import pytest
 
@@ -88,6 +88,25 @@ def _collect(target: Path, paths: list[str]) -> int:
 
     parse_mod.parse = recording_parse
     jinja2.Template.render = recording_render
+    if fast:
+        # Specs are parsed and kernels rendered before anything compiles: with NVRTC and
+        # the C++ compiler stubbed out (the tests that need them fail), the run takes
+        # minutes, not the suite's half hour.
+        import subprocess
+
+        import gemmspec.runtime.nvrtc as nvrtc
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("compilation stubbed out while collecting")
+
+        import gemmspec.runtime.executor  # noqa: F401  (imports compile_cubin by name)
+        import gemmspec.runtime.quantize  # noqa: F401
+
+        original = nvrtc.compile_cubin
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "compile_cubin", None) is original:
+                mod.compile_cubin = refuse
+        subprocess.run = refuse
     # Modules that imported `parse` by name before this point keep the original: patch
     # them too.
     for name, mod in list(sys.modules.items()):
@@ -106,10 +125,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, help="a file of spec texts, one JSON string per line")
     ap.add_argument("--collect", type=Path, help="run pytest over PATHS and record spec texts here")
+    ap.add_argument("--fast", action="store_true", help="with --collect: stub out NVRTC and nvcc")
     ap.add_argument("paths", nargs="*")
     args = ap.parse_args()
     if args.collect is not None:
-        return _collect(args.collect, args.paths or ["tests"])
+        return _collect(args.collect, args.paths or ["tests"], args.fast)
     lines: list[str] = []
     for path in sorted((ROOT / "examples").glob("*.gspec")):
         lines.extend(_spec_lines(f"examples/{path.name}", path.read_text()))

@@ -382,20 +382,30 @@ class DeviceBuffer:
         return _read_back(self.ptr, self.device, host)
 
     def view(
-        self, shape: tuple[int, ...], dtype: str, strides: tuple[int, ...] | None = None
+        self,
+        shape: tuple[int, ...],
+        dtype: str,
+        strides: tuple[int, ...] | None = None,
+        offset: int = 0,
     ) -> DeviceArray:
-        """A DeviceArray over this buffer (C-contiguous unless `strides` are given, in elements)."""
+        """A DeviceArray over this buffer (C-contiguous unless `strides` are given, in
+        elements), its first element `offset` bytes into the buffer (a whole number of
+        elements: a tensor between guard bytes, say)."""
         itemsize = numpy_dtype(dtype).itemsize
         strides = _contiguous_strides(shape) if strides is None else strides
         if len(strides) != len(shape):
             raise ArgumentError(f"strides {strides} do not match shape {shape}")
-        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True) if n > 0)
-        if 0 not in shape and extent * itemsize > self.nbytes:
+        if offset < 0 or offset % itemsize or offset > self.nbytes:
             raise ArgumentError(
-                f"a {dtype}{list(shape)} view needs {extent * itemsize} bytes; "
-                f"the buffer has {self.nbytes}"
+                f"a {dtype} view cannot start {offset} bytes into a {self.nbytes}-byte buffer"
             )
-        return DeviceArray(self.ptr, tuple(shape), tuple(strides), dtype, self.device, self)
+        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, strides, strict=True) if n > 0)
+        if 0 not in shape and offset + extent * itemsize > self.nbytes:
+            raise ArgumentError(
+                f"a {dtype}{list(shape)} view {offset} bytes in needs {offset + extent * itemsize} "
+                f"bytes; the buffer has {self.nbytes}"
+            )
+        return DeviceArray(self.ptr + offset, tuple(shape), tuple(strides), dtype, self.device, self)
 
 
 def copy_to_host(array: DeviceArray, shape: tuple[int, ...]) -> np.ndarray:

@@ -154,7 +154,8 @@ def test_a_spec_error_is_located_in_the_users_file(tmp_path):
 
 # ---------------------------------------------------------------------------- measuring
 def _report(ok: bool = True, flops: float = 2e12) -> RunReport:
-    check = OutputCheck("y", 1e-3 if ok else 0.5, 0, 0, 4e-3)
+    check = OutputCheck("y", 2.0**-7, 1e-2, elements=1024, max_abs_error=1e-3 if ok else 0.5,
+                        over_bound=0 if ok else 3)
     return RunReport("moe_bf16", {"T": 1024}, (check,), 0.0, flops)
 
 
@@ -198,14 +199,14 @@ def test_fastest_is_suggested_and_failures_are_not_timed():
     ]
     assert "tile(64, 256)" not in fake.timed and len(fake.timed) == 3
     failed = report.outcomes[2]
-    assert not failed.ok and failed.ms is None and "rel error 5.000e-01" in failed.check
+    assert not failed.ok and failed.ms is None and "max abs error 5.000e-01, 3 of 1024 over" in failed.check
     assert not report.ok
     assert report.fastest.candidate.tile == (128, 160)
     assert report.suggestion == "tile(128, 160)"
     assert report.ratio(report.fastest) == pytest.approx(1.25)
     assert report.advice.startswith("add this line to the spec: tile(128, 160)")
     table = report.table()
-    assert "FAILED: y: rel error" in table and "1.250x" in table
+    assert "FAILED: y: max abs error" in table and "1.250x" in table
     head = table.splitlines()[0].split()
     assert head == ["candidate", "ms", "TFLOPS", "vs", "default", "check"]
     # 2e12 useful FLOPs in 0.8 ms

@@ -35,7 +35,7 @@ from gemmspec.reference.data import (
     storage_elements,
 )
 from gemmspec.runtime.arrays import DeviceBuffer
-from gemmspec.runtime.verify import run_random
+from gemmspec.runtime.verify import GuardedBuffer, run_random
 
 pytestmark = pytest.mark.gpu
 RAGGED = [0, 1, 127, 129, 300]
@@ -97,11 +97,24 @@ def _upload(values: np.ndarray, dtype: str, keep: list):
     return _upload_bytes(host, keep).view(values.shape, dtype)
 
 
+def _outputs(keep: list, **storage: np.ndarray) -> dict[str, GuardedBuffer]:
+    """Each output's storage between guard bytes (kept alive in `keep`)."""
+    bufs = {name: GuardedBuffer(values) for name, values in storage.items()}
+    keep.extend(bufs.values())
+    return bufs
+
+
+def _guards_kept(bufs: dict[str, GuardedBuffer]) -> None:
+    for name, buf in bufs.items():
+        assert buf.changed_outside().size == 0, f"{name}: a guard byte changed"
+
+
 def run(exe, rt: Runtime, data, scale_rows_extra: int = 0):
     """One call with every output poisoned: y and the scales NaN, the copy's bytes 0xFF
-    (padding included). Returns the raw bits and scales as the device left them: y's
-    values (uint8), y's scales, the copy's whole storage (uint8) and its scale buffer,
-    `scale_rows_extra` rows longer than the segments need."""
+    (padding included), each between guard bytes that must come back unchanged. Returns
+    the raw bits and scales as the device left them: y's values (uint8), y's scales, the
+    copy's whole storage (uint8) and its scale buffer, `scale_rows_extra` rows longer
+    than the segments need."""
     spec = exe.spec
     keep: list = []
     args = {}
@@ -114,20 +127,24 @@ def run(exe, rt: Runtime, data, scale_rows_extra: int = 0):
         args[name] = _upload(v, "i32", keep)
     y, y_t = spec.tensor("y"), spec.tensor("y_t")
     shape = tuple(dim_size(spec, rt, d) for d in y.dims)
-    args["y"] = _upload(np.full(shape, np.nan), y.dtype, keep)
-    y_buf = keep[-1]
-    args["y_scale"] = _upload(np.full(scale_grid_shape(spec, rt, y), np.nan), "f32", keep)
-    ys_buf = keep[-1]
     store = storage_elements(spec, rt, y_t)
-    storage_shape = y_t.layout.storage_shape(shape)
-    c_buf = _upload_bytes(np.full(store, 0xFF, np.uint8), keep)
-    args["y_t"] = c_buf.view(storage_shape, y_t.dtype)
     grid = scale_grid_shape(spec, rt, y_t)
     grid = (grid[0] + scale_rows_extra, grid[1])
-    args["y_t_scale"] = _upload(np.full(grid, np.nan), "f32", keep)
-    cs_buf = keep[-1]
+    bufs = _outputs(
+        keep,
+        y=np.full(shape, np.nan).astype(NUMPY_TYPES[y.dtype]),
+        y_scale=np.full(scale_grid_shape(spec, rt, y), np.nan, np.float32),
+        y_t=np.full(store, 0xFF, np.uint8),
+        y_t_scale=np.full(grid, np.nan, np.float32),
+    )
+    y_buf, ys_buf, c_buf, cs_buf = bufs.values()
+    args["y"] = y_buf.view(shape, y.dtype)
+    args["y_scale"] = ys_buf.view(scale_grid_shape(spec, rt, y), "f32")
+    args["y_t"] = c_buf.view(y_t.layout.storage_shape(shape), y_t.dtype)
+    args["y_t_scale"] = cs_buf.view(grid, "f32")
     args = {n: a for n, a in args.items() if n in exe.argument_names()}
     exe(**args)
+    _guards_kept(bufs)
     return (
         y_buf.to_numpy(shape, np.uint8),
         ys_buf.to_numpy(scale_grid_shape(spec, rt, y), np.float32),
@@ -149,11 +166,12 @@ def run_bf16(exe, rt: Runtime, data) -> np.ndarray:
         args[name] = _upload(v, "i32", keep)
     y = spec.tensor("y")
     shape = tuple(dim_size(spec, rt, d) for d in y.dims)
-    args["y"] = _upload(np.full(shape, np.nan), "bf16", keep)
-    y_buf = keep[-1]
+    bufs = _outputs(keep, y=np.full(shape, np.nan).astype(NUMPY_TYPES["bf16"]))
+    args["y"] = bufs["y"].view(shape, "bf16")
     args = {n: a for n, a in args.items() if n in exe.argument_names()}
     exe(**args)
-    return y_buf.to_numpy(shape, NUMPY_TYPES["bf16"]).astype(np.float64)
+    _guards_kept(bufs)
+    return bufs["y"].to_numpy(shape, NUMPY_TYPES["bf16"]).astype(np.float64)
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["exact-scale-rows", "most-scale-rows"])

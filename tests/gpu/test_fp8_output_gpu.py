@@ -13,6 +13,7 @@ Skipped without a Hopper GPU (conftest.py)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,10 @@ from gemmspec.reference.data import (
 )
 from gemmspec.reference.direct import run_direct, statement_result
 from gemmspec.runtime.arrays import DeviceBuffer
-from gemmspec.runtime.verify import run_random
+from gemmspec.runtime.verify import GuardedBuffer, run_random
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from judge import assert_close_elementwise  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 RAGGED = [0, 1, 127, 129]
@@ -125,21 +129,25 @@ def _inputs(spec, rt: Runtime, data) -> dict[str, tuple[np.ndarray, str]]:
 
 
 def run(exe, rt: Runtime, data) -> tuple[np.ndarray, np.ndarray | None]:
-    """One call with y (and its scales) poisoned with NaN first: y's raw bits (uint8 for
-    FP8, uint16 for bf16) and the scales (float32), as the device left them."""
+    """One call with y (and its scales) poisoned with NaN first, each between guard bytes
+    that must come back unchanged: y's raw bits (uint8 for FP8, uint16 for bf16) and the
+    scales (float32), as the device left them."""
     spec = exe.spec
     y = spec.tensor("y")
     shape = tuple(dim_size(spec, rt, d) for d in y.dims)
     keep: list = []
     args = {name: _upload(v, dtype, keep) for name, (v, dtype) in _inputs(spec, rt, data).items()}
     args = {n: a for n, a in args.items() if n in exe.argument_names()}
-    args["y"] = _upload(np.full(shape, np.nan), y.dtype, keep)
-    y_buf = keep[-1]
+    y_buf = GuardedBuffer(np.full(shape, np.nan).astype(NUMPY_TYPES[y.dtype]))
+    args["y"] = y_buf.view(shape, y.dtype)
     s_buf = None
     if y.scale is not None:
-        args[y.scale.name] = _upload(np.full(scale_grid_shape(spec, rt, y), np.nan), "f32", keep)
-        s_buf = keep[-1]
+        grid = scale_grid_shape(spec, rt, y)
+        s_buf = GuardedBuffer(np.full(grid, np.nan, np.float32))
+        args[y.scale.name] = s_buf.view(grid, "f32")
     exe(**args)
+    for name, buf in (("y", y_buf), ("y_scale", s_buf)):
+        assert buf is None or buf.changed_outside().size == 0, f"{name}: a guard byte changed"
     bits = np.uint8 if y.dtype in ("e4m3", "e5m2") else np.uint16
     values = y_buf.to_numpy(shape, NUMPY_TYPES[y.dtype]).view(bits)
     scales = s_buf.to_numpy(scale_grid_shape(spec, rt, y), np.float32) if s_buf is not None else None
@@ -182,6 +190,13 @@ def test_fp8_output_matches_the_float64_rule(case):
         assert err <= 1.25 * err_ref + 1e-3
         assert np.linalg.norm(deq[written] - deq_ref[written]) / norm < 3e-2
         assert (deq[written] != deq_ref[written]).mean() < 0.05
+        # Element by element: within one FP8 step of the reference's value and of the exact
+        # result; what no leaf writes keeps the poison's very bytes.
+        poison = np.full(shape, np.nan).astype(NUMPY_TYPES[y.dtype])
+        assert_close_elementwise(deq, np.where(written, deq_ref, np.nan), dtype=y.dtype, name=f"{case} seed {seed}",
+                                 got_raw=bits, before=poison)
+        assert_close_elementwise(deq, np.where(written, exact, np.nan), dtype=y.dtype,
+                                 name=f"{case} seed {seed} against the exact result")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -236,14 +251,15 @@ def quantize_pass_on_device(values: np.ndarray, dtype: str, pow2: bool, written:
         QUANTIZE_PASS.format(dtype=dtype, n=n, suffix="_pow2" if pow2 else "", pow2=", pow2" if pow2 else "")
     )
     keep: list = []
+    z_buf = GuardedBuffer(np.full((t, n), np.nan, np.float32))
     args = {
         "yb": _upload(np.where(written, values, 0.0), "bf16", keep),
         "eye": _upload(np.eye(n), "e4m3", keep),
         "eye_scale": _upload(np.ones((n // 128, n // 128)), "f32", keep),
-        "z": _upload(np.full((t, n), np.nan), "f32", keep),
+        "z": z_buf.view((t, n), "f32"),
     }
-    z_buf = keep[-1]
     exe(**args)
+    assert z_buf.changed_outside().size == 0, "z: a guard byte changed"
     return z_buf.to_numpy((t, n), np.float32)
 
 

@@ -71,6 +71,9 @@ def call_arguments(spec, lengths, seed, poison=True):
 
 
 def read(outputs) -> dict[str, np.ndarray]:
+    """The outputs' values; their guard bytes (and bytes of no element) must be as uploaded."""
+    for n, (buf, _) in outputs.items():
+        assert buf.changed_outside().size == 0, f"{n}: a guard byte changed"
     return {n: buf.to_numpy(host.shape, host.dtype).astype(np.float64) for n, (buf, host) in outputs.items()}
 
 

@@ -7,6 +7,7 @@ torch's current stream orders the work around a call. Skipped elsewhere, with a 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,9 @@ import gemmspec
 from gemmspec.bench import moe_spec
 from gemmspec.reference.data import dim_size, random_inputs, random_runtime
 from gemmspec.runtime.verify import device_arguments, run_random
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from judge import GuardedTensor, assert_close_elementwise  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +57,7 @@ def outputs_of(exe, lengths, seed):
     args, keep, outs = device_arguments(spec, rt, data, init)
     exe(check=True, **args)
     got = {n: buf.to_numpy(host.shape, host.dtype).astype(np.float64) for n, (buf, host) in outs.items()}
+    assert all(buf.changed_outside().size == 0 for buf, _ in outs.values()), "a guard byte changed"
     del keep
     return got
 
@@ -83,11 +88,12 @@ def test_a_gemm_reads_the_table_of_its_own_call():
     w = torch.randn(4, 256, 256, device=dev).to(torch.bfloat16)
     sets = [[0, 4096, 4096, 8000, t], [0, 0, 129, 8191, t]]
     offs = torch.tensor(sets[0], dtype=torch.int32, device=dev)
-    y = torch.zeros(t, 256, device=dev)
+    guarded = GuardedTensor((t, 256), torch.float32, fill=0.0)
+    y = guarded.tensor
     expected = []
     for s in sets:
         expected.append(
-            torch.cat([x[a:b].float() @ w[e].float().T for e, (a, b) in enumerate(zip(s[:-1], s[1:]))])
+            torch.cat([x[a:b].double() @ w[e].double().T for e, (a, b) in enumerate(zip(s[:-1], s[1:]))])
         )
     staged = [torch.tensor(s, dtype=torch.int32, device=dev) for s in sets]
     exe(x=x, w=w, y=y, offs=offs)  # plans
@@ -98,7 +104,8 @@ def test_a_gemm_reads_the_table_of_its_own_call():
         results.append(y.clone())
     torch.cuda.synchronize()
     for i, got in enumerate(results):
-        torch.testing.assert_close(got, expected[i % 2], rtol=2e-2, atol=2e-1, msg=f"call {i}")
+        assert_close_elementwise(got, expected[i % 2], dtype="f32", name=f"call {i}")
+    assert guarded.changed_outside().size == 0
 
 
 def _programmatic_edges(graph) -> int:
@@ -149,6 +156,7 @@ def test_a_capture_records_the_programmatic_edge_and_replays(pdl, monkeypatch):
     replay = {n: buf.to_numpy(host.shape, host.dtype).astype(np.float64) for n, (buf, host) in outs.items()}
     for n in eager:
         assert np.array_equal(eager[n], replay[n]), n
+    assert all(buf.changed_outside().size == 0 for buf, _ in outs.values()), "a guard byte changed"
     driver.cuGraphExecDestroy(instance)
     driver.cuGraphDestroy(graph)
     del keep

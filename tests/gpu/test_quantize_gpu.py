@@ -19,7 +19,7 @@ from gemmspec.reference.data import (
     random_runtime,
 )
 from gemmspec.runtime.arrays import DeviceBuffer
-from gemmspec.runtime.verify import run_random
+from gemmspec.runtime.verify import GuardedBuffer, run_random
 
 pytestmark = pytest.mark.gpu
 RAGGED = [0, 1, 127, 129]
@@ -90,12 +90,15 @@ def _upload(values: np.ndarray, dtype: str, keep: list) -> object:
 
 
 def _run(exe, tensors: dict[str, tuple[np.ndarray, str]], out_shape: tuple[int, ...]) -> np.ndarray:
-    """y's raw bf16 bits after one call (y poisoned with NaN first)."""
+    """y's raw bf16 bits after one call (y poisoned with NaN first, between guard bytes
+    that must come back unchanged)."""
     keep: list = []
     args = {name: _upload(v, dtype, keep) for name, (v, dtype) in tensors.items()}
-    args["y"] = _upload(np.full(out_shape, np.nan), "bf16", keep)
+    y = GuardedBuffer(np.full(out_shape, np.nan).astype(NUMPY_TYPES["bf16"]))
+    args["y"] = y.view(out_shape, "bf16")
     exe(**args)
-    return keep[-1].to_numpy(out_shape, NUMPY_TYPES["bf16"]).view(np.uint16)
+    assert y.changed_outside().size == 0, "y: a guard byte changed"
+    return y.to_numpy(out_shape, NUMPY_TYPES["bf16"]).view(np.uint16)
 
 
 @pytest.mark.parametrize("k", [1024])

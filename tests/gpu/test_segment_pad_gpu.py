@@ -7,12 +7,18 @@ Skipped elsewhere, with a reason."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import gemmspec
 from gemmspec.runtime.arrays import DeviceBuffer
 from gemmspec.runtime.verify import run_random
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from judge import assert_close_elementwise  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -188,10 +194,12 @@ def test_derived_backward_with_unaligned_counts():
     o = offs.tolist()
     yd = torch.cat([xd[a:b] @ wd[g].T for g, (a, b) in enumerate(zip(o[:-1], o[1:]))])
     yd.backward(dy.double())
+    # Against float64 of the unrounded inputs: every operand rounded to e4m3 on the way (a
+    # few percent of every term: up to 0.25 of a row's rms on the CPU, the reference for
+    # the kernels). A bound twice that, element by element, beside the norm.
     for name, got, want in (("y", y, yd.detach()), ("dx", x.grad, xd.grad), ("dw", w.grad, wd.grad)):
-        err = ((got.double() - want).norm() / want.norm()).item()
-        print(f"{name}: rel err {err:.3e}")
-        assert err < 0.09, (name, err)
+        assert_close_elementwise(got, want, dtype="f32" if name == "dw" else "bf16", name=name,
+                                 rtol=2.0**-3, atol=0.5, rel_norm_limit=0.09)
     assert (w.grad[counts.index(0)] == 0).all()
     # The WGRAD launch of the backward spec: every leaf with tokens loaded A and B by TMA.
     bexe = fn.backward_op.exe

@@ -22,13 +22,11 @@ from gemmspec.pipeline import lower_file  # noqa: E402
 from gemmspec.reference.data import Runtime, expand_scales, random_runtime, swiglu_grad_values  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from judge import GuardedTensor, assert_close_elementwise  # noqa: E402
 from swiglu_grad_spec import SWIGLU_GRAD_SPEC, SWIGLU_GRAD_WGRAD_SPEC  # noqa: E402
 
 DEVICE = "cuda"
-
-
-def _rel(got, want) -> float:
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
 def _deq(q, s):
@@ -56,26 +54,32 @@ def test_swiglu_grad_between_launches_matches_float64_and_repeats(rows):
     }
 
     def call():
+        """Fresh outputs poisoned with NaN, each between guard bytes."""
         outs = {
-            s.name: torch.full(size, float("nan"), device=DEVICE).to(gt.torch_dtype(s.dtype))
+            s.name: GuardedTensor(size, gt.torch_dtype(s.dtype), device=DEVICE)
             for s, size in zip(o.shapes, o.output_sizes(inputs))
         }
-        o(**inputs, **outs)
+        o(**inputs, **{n: g.tensor for n, g in outs.items()})
         return outs
 
-    first, again = call(), call()
+    guarded, again = call(), call()
     torch.cuda.synchronize()
+    first = {n: g.tensor for n, g in guarded.items()}
     for name in ("gu", "dh_pre", "dh", "dx"):
         assert not first[name].isnan().any(), name
-        assert torch.equal(first[name], again[name]), name  # deterministic
+        assert torch.equal(first[name], again[name].tensor), name  # deterministic
+        assert guarded[name].changed_outside().size == 0, name
     assert first["dx"].shape == (rows, 256)
     if rows == 0:
         return
     xr, wr, wtr = _deq(x, xs), _deq(w, ws.repeat_interleave(128, dim=0)), _deq(wt, wts.repeat_interleave(128, dim=0))
-    assert _rel(first["gu"], xr @ wr.T) < 1e-2
+    # The FP8 values the kernels read: each output within its own rounding.
+    assert_close_elementwise(first["gu"], xr @ wr.T, dtype="bf16", name="gu", rel_norm_limit=1e-2)
     g = first["dh_pre"].double()
-    assert _rel(g, inputs["dy"].double() @ inputs["wd"].double().T) < 1e-2
-    assert _rel(first["dh"], inputs["rw"].double()[:, None] * g) < 4e-3
+    assert_close_elementwise(g, inputs["dy"].double() @ inputs["wd"].double().T, dtype="bf16", name="dh_pre",
+                             rel_norm_limit=1e-2)
+    assert_close_elementwise(first["dh"], inputs["rw"].double()[:, None] * g, dtype="bf16", name="dh",
+                             rel_norm_limit=4e-3)
     # dgu by the reference rule from the device's gu and dh, then the DGRAD in float64.
     (low,) = lower_file(SWIGLU_GRAD_SPEC)
     rt = random_runtime(low.spec, np.random.default_rng(0), dims={"T": rows})
@@ -84,9 +88,7 @@ def test_swiglu_grad_between_launches_matches_float64_and_repeats(rows):
         first["gu"].double().cpu().numpy(), "bf16", first["dh"].double().cpu().numpy(), "bf16",
     )
     dgu = torch.from_numpy(q * np.repeat(grid, 128, axis=1)).to(DEVICE)
-    err = _rel(first["dx"], dgu @ wtr.T)
-    print(f"rows {rows}: dx rel err {err:.3e}")
-    assert err < 1e-2
+    assert_close_elementwise(first["dx"], dgu @ wtr.T, dtype="bf16", name=f"rows {rows}: dx", rel_norm_limit=1e-2)
 
 
 @pytest.mark.gpu
@@ -104,13 +106,15 @@ def test_the_wgrad_form_feeds_a_k_grouped_wgrad(counts):
     }
 
     def call():
-        dw = torch.full((4, 512, 256), float("nan"), device=DEVICE)
-        o(**inputs, dw=dw)
+        dw = GuardedTensor((4, 512, 256), torch.float32, device=DEVICE)
+        o(**inputs, dw=dw.tensor)
         return dw
 
-    first, again = call(), call()
+    guarded, again = call(), call()
     torch.cuda.synchronize()
-    assert not first.isnan().any() and torch.equal(first, again)
+    first = guarded.tensor
+    assert not first.isnan().any() and torch.equal(first, again.tensor)
+    assert guarded.changed_outside().size == 0
     # The 128x1 gradients by the reference rule, dequantized; x as the kernel reads it
     # (its 1x128 FP8 values: the WGRAD's requantized xq is within FP8 rounding of them).
     (low,) = lower_file(SWIGLU_GRAD_WGRAD_SPEC)
@@ -128,5 +132,7 @@ def test_the_wgrad_form_feeds_a_k_grouped_wgrad(counts):
             assert (first[e] == 0).all()
             continue
         want = dgu[a:b].T @ xr[a:b]
-        err = _rel(first[e], want)
-        assert err < 0.05, (e, err)  # xq's 128x1 requantization of x bounds it
+        # xq's 128x1 requantization of x bounds it: a few percent of each term, up to 0.12
+        # of a row's rms (the spec's reference for the kernels, on the CPU); twice that.
+        assert_close_elementwise(first[e], want, dtype="f32", name=f"dw[{e}]", rtol=2.0**-3, atol=0.25,
+                                 rel_norm_limit=0.05)

@@ -1,7 +1,8 @@
 """Host stand-ins for the device in the reference tests of GPU cases: a DeviceBuffer in
-host memory, and an executable call computed by the flat-schedule executor on those
-buffers, so a GPU test's own bookkeeping (parameters, buffers, poison, shapes,
-tolerances) runs on the CPU with the reference where the kernels would be."""
+host memory (views may start past a guard region), and an executable call computed by the
+flat-schedule executor on those buffers (FP8 outputs' scales included), so a GPU test's
+own bookkeeping (parameters, buffers, poison, shapes, tolerances) runs on the CPU with
+the reference where the kernels would be."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ class HostBuffer:
     def from_numpy(cls, array: np.ndarray) -> HostBuffer:
         return cls(np.ascontiguousarray(array).view(np.uint8).reshape(-1).copy())
 
-    def view(self, shape, dtype, strides=None):
-        return HostView(self, tuple(shape), dtype, strides)
+    def view(self, shape, dtype, strides=None, offset=0):
+        return HostView(self, tuple(shape), dtype, strides, offset)
 
     def to_numpy(self, shape, dtype):
         n = int(np.prod(shape))
@@ -27,8 +28,16 @@ class HostBuffer:
 
 
 class HostView:
-    def __init__(self, buf, shape, dtype, strides=None):
-        self.buf, self.shape, self.dtype, self.strides = buf, shape, dtype, strides
+    """A view `offset` bytes into a HostBuffer (past a guard region, say)."""
+
+    def __init__(self, buf, shape, dtype, strides=None, offset=0):
+        self.buf, self.shape, self.dtype, self.strides, self.offset = buf, shape, dtype, strides, offset
+
+    def flat(self, dtype) -> np.ndarray:
+        """The buffer from the view's first byte on, as `dtype` (a view: writes go through)."""
+        data = self.buf.data[self.offset:]
+        size = np.dtype(dtype).itemsize
+        return data[: data.size // size * size].view(dtype)
 
 
 def run_on_host(exe, check=None, **args):
@@ -54,11 +63,13 @@ def run_on_host(exe, check=None, **args):
     for g in spec.groups:
         if g.tensor:
             v = args[g.tensor]
-            rt.tensors[g.tensor] = v.buf.to_numpy(v.shape, np.int32).astype(np.int64)
+            n = int(np.prod(v.shape))
+            rt.tensors[g.tensor] = v.flat(np.int32)[:n].reshape(v.shape).astype(np.int64)
 
     def flat(name, dtype, offsets):
         n = int(offsets.max(initial=-1)) + 1
-        return args[name].buf.data.view(NUMPY_TYPES[dtype])[:n].astype(np.float64)
+        with np.errstate(invalid="ignore"):  # bytes of no element: any pattern
+            return args[name].flat(NUMPY_TYPES[dtype])[:n].astype(np.float64)
 
     written = set(spec.written)
     data, init = {}, {}
@@ -76,7 +87,13 @@ def run_on_host(exe, check=None, **args):
             grid = flat(t.scale.name, "f32", soff)[soff]
         data[t.name] = TensorData(values, grid)
     out = run_schedule(spec, rt, exe.schedule, data, init)
+    scales = {t.scale.name: t for t in spec.tensors if t.scale is not None}
     for name, values in out.items():
+        if name in scales:  # an FP8 output's scales: those it writes (NaN: none)
+            stored = ~np.isnan(values)
+            grid = args[name].flat(np.float32)
+            grid[scale_offsets(spec, rt, scales[name])[stored]] = values[stored].astype(np.float32)
+            continue
         t = spec.tensor(name)
-        buf = args[name].buf.data.view(NUMPY_TYPES[t.dtype])
+        buf = args[name].flat(NUMPY_TYPES[t.dtype])
         buf[element_offsets(spec, rt, t)] = values.astype(NUMPY_TYPES[t.dtype])

@@ -81,7 +81,7 @@ SMALL = {"H = 7168": "H = 384", "N = 4096": "N = 512", "F = 2048": "F = 256"}
 @pytest.mark.parametrize("counts", [cases.COUNTS * 2], ids=["up"])
 def test_the_example_backward_case_on_the_flat_executor(counts, gather, monkeypatch, tmp_path):
     """The example's own statements at smaller compile-time dims."""
-    from gemmspec.runtime import arrays
+    from gemmspec.runtime import arrays, verify
     from gemmspec.runtime.executor import Executable
 
     text = cases.EXAMPLE.read_text()
@@ -91,6 +91,7 @@ def test_the_example_backward_case_on_the_flat_executor(counts, gather, monkeypa
     small.write_text(text)
     monkeypatch.setattr(cases, "EXAMPLE", small)
     monkeypatch.setattr(arrays, "DeviceBuffer", HostBuffer)
+    monkeypatch.setattr(verify, "DeviceBuffer", HostBuffer)  # the outputs' guarded buffers
     monkeypatch.setattr(Executable, "__call__", run_on_host)
     cases.test_the_example_backward_matches_float64(counts, gather)
 

@@ -18,7 +18,7 @@ import gemmspec.torch as gt  # noqa: E402
 _PATH = Path(__file__).resolve().parents[1] / "gpu" / "test_ffn_backward_gpu.py"
 _SPEC = importlib.util.spec_from_file_location("ffn_backward_gpu_cases", _PATH)
 cases = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(cases)
+_SPEC.loader.exec_module(cases)  # puts tests/gpu on the path: its judge module too
 
 
 @pytest.fixture
@@ -33,9 +33,15 @@ def on_cpu(monkeypatch):
             kernels.registered.add(o.name)
         return o
 
-    def fresh(o, inputs):  # the reference writes fresh outputs (no poison to keep)
+    def fresh(o, inputs):
+        """The reference writes fresh outputs: copied into guarded ones, as a kernel
+        would write them (every element, no guard byte)."""
         outs = o(**inputs)
-        return dict(zip(o.outputs, outs if isinstance(outs, tuple) else (outs,)))
+        written = {}
+        for name, value in zip(o.outputs, outs if isinstance(outs, tuple) else (outs,)):
+            written[name] = cases.GuardedTensor(value.shape, value.dtype, device="cpu")
+            written[name].tensor.copy_(value)
+        return written
 
     monkeypatch.setattr(cases, "DEVICE", "cpu")
     monkeypatch.setattr(cases, "run_op", fresh)
