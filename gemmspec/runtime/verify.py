@@ -437,9 +437,11 @@ class RandomCall:
 
 
 def check_random(exe: Executable, dims: dict[str, int] | None = None, lengths: dict | None = None, seed: int = 0,
-                 reference_memo: dict | None = None) -> RandomCall:
+                 reference_memo: dict | None = None, rtol: float | None = None,
+                 atol: float | None = None) -> RandomCall:
     """Random inputs quantized with the spec's scales, `=` outputs poisoned, one call,
-    every output compared with the float64 reference (see the module's note).
+    every output compared with the float64 reference (see the module's note). `rtol` and
+    `atol` replace the output type's tolerances (`TOLERANCES`) where given.
 
     `reference_memo`, a dict shared by calls of specs that differ only in their tiles (same
     dims, lengths and seed: the same inputs), keeps the float64 reference of the first so
@@ -510,7 +512,7 @@ def check_random(exe: Executable, dims: dict[str, int] | None = None, lengths: d
         writer = next((g.a.tensor for g in spec.gemms if name in g.writes), None)
         a_t = spec.tensor(writer if writer is not None else t.row_pass.source)
         after, before = stored[name]
-        check = compare_output(name, got, ref, dtype=t.dtype, operand_dtype=a_t.dtype,
+        check = compare_output(name, got, ref, dtype=t.dtype, operand_dtype=a_t.dtype, rtol=rtol, atol=atol,
                                got_raw=after, initial_raw=before, guards=guards[name])
         if scale_clobbered:
             check = replace(check, clobbered=check.clobbered + scale_clobbered)
