@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import ast
-from .aliasing import ENUMERATE_LIMIT, UNDECIDED, element_collision
-from .errors import SourceLocation, SpecError, locate, source_lines
-from .expr import ONE, Poly
-from .spec import (
+from .. import ast
+from ..aliasing import ENUMERATE_LIMIT, UNDECIDED, element_collision
+from ..errors import SpecError, locate, source_lines
+from ..expr import ONE, Poly
+from ..spec import (
     ELEMENT_BYTES,
     EPILOGUE_KINDS,
     EPILOGUE_TYPES,
@@ -53,23 +53,18 @@ from .spec import (
     Spec,
     Tensor,
 )
-from .tiling import MAX_BIAS_WIDTH
-
-# What quantize(...) reads and the scale blocks its kernel writes (on the last two dims).
-QUANTIZE_SOURCE_TYPES = frozenset({"bf16", "f16", "f32"})
-QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
-# Derivations whose pre-pass writes the target's scales.
-SCALING_OPS = frozenset({"requantize", "quantize"})
-GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choices
-# `T = copy(S)`: a second FP8 output of the statement writing S, not a pre-pass.
-COPY_OP = "copy"
-# `= swiglu_grad(GU, DH)`: a pre-pass that may read what statements and row passes write.
-SWIGLU_GRAD_OP = "swiglu_grad"
-# quantize(SOURCE, pow2): the pass writes power-of-two scales (its only option).
-QUANTIZE_POW2 = "pow2"
-# requantize(SOURCE, rows = IDX, weight = W): row t of the target is W[t] times row
-# IDX[t] of SOURCE (its two keywords, each optional).
-REQUANTIZE_ROWS, REQUANTIZE_WEIGHT = "rows", "weight"
+from ..tiling import MAX_BIAS_WIDTH
+from .context import (
+    COPY_OP,
+    GROUP_KINDS_THAT_PARTITION,
+    QUANTIZE_POW2,
+    QUANTIZE_SOURCE_TYPES,
+    REQUANTIZE_ROWS,
+    REQUANTIZE_WEIGHT,
+    SWIGLU_GRAD_OP,
+    Context,
+    row_major,
+)
 
 # Names a spec may not use: they reach emitted C++ as parameter and symbol names.
 CXX_RESERVED = frozenset(
@@ -88,19 +83,19 @@ CXX_RESERVED = frozenset(
 )
 RESERVED_PREFIXES = ("gs_", "GS_", "__", "cu", "nv")
 
-GROUP_KINDS_THAT_PARTITION = ("ragged", "split", "uniform")
-
-_RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"
-_FIXED_PART = " with every run-time dim at 1"
-
 # Stride and size expressions fold to polynomials; these bounds keep the folding
 # cheap whatever is written (a product of sums multiplies term counts).
 MAX_POLY_TERMS = 64
 MAX_POLY_DEGREE = 8
 
+_RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"
+_FIXED_PART = " with every run-time dim at 1"
+
+# The scale blocks the quantize kernel writes (on the last two dims).
+QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
 
 @dataclass(frozen=True)
-class _Pair:
+class SwigluPair:
     """Where a SwiGLU's weight pairs its rows: index `var` at position `axis` of the
     second factor, written `gate` (2*var) and `up` (2*var + 1)."""
 
@@ -109,33 +104,13 @@ class _Pair:
     gate: ast.IndexExpr
     up: ast.IndexExpr
 
+# Derivations whose pre-pass writes the target's scales.
+SCALING_OPS = frozenset({"requantize", "quantize"})
 
-class _Checker:
-    def __init__(self, file: ast.FileAst, spec: ast.SpecAst, lines: list[str]):
-        self.file = file
-        self.ast = spec
-        self.lines = lines  # split once per file, shared by every spec in it
-        self.dims: dict[str, Dim] = {}
-        self.dim_pos: dict[str, ast.Pos] = {}
-        self.groups: dict[str, Group] = {}
-        self.group_order: list[str] = []
-        self.group_depth: dict[str, int] = {}  # 0 for a group not declared `within`
-        self.group_rank: dict[str, int] = {}  # declaration order
-        self.masked_by_count_dim: dict[str, str] = {}  # count dim -> first masked group
-        self.tensors: dict[str, Tensor] = {}
-        self.tensor_ast: dict[str, ast.TensorDecl] = {}
-        self.names: dict[str, tuple[str, ast.Pos]] = {}  # every run-time-visible name
-        # The largest value of every symbol a size or stride may hold: run-time dims
-        # and the block counts of run-time dims cut into scale blocks.
-        self.worst: dict[str, int] = {}
+GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choices
 
-    # ---- diagnostics -------------------------------------------------------------
-    def error(self, message: str, pos: ast.Pos, note: str | None = None) -> SpecError:
-        return SpecError(message, self.where(pos), note)
 
-    def where(self, pos: ast.Pos) -> SourceLocation:
-        return locate(self.file.path, self.lines, pos.line, pos.column)
-
+class _Checker(Context):
     def check_identifier(self, name: ast.Name, what: str) -> None:
         text = name.text
         if len(text) > MAX_NAME_LENGTH:
@@ -169,8 +144,7 @@ class _Checker:
             )
         self.names[name.text] = (what, name.pos)
 
-    # ---- entry ---------------------------------------------------------------------
-    def run(self) -> Spec:
+    def check_spec(self) -> Spec:
         self.check_identifier(self.ast.name, "spec")
         for d in self.ast.dims:
             self.declare_dim(d.name, d.size)
@@ -206,7 +180,6 @@ class _Checker:
             where=self.where(self.ast.name.pos),
         )
 
-    # ---- dims and groups ---------------------------------------------------------
     def declare_dim(self, name: ast.Name, size: int | None) -> None:
         if name.text in self.dims:
             old = self.dims[name.text]
@@ -413,7 +386,6 @@ class _Checker:
         if k.kind == "masked":
             self.masked_by_count_dim.setdefault(g.count_dim.text, g.name.text)
 
-    # ---- tensors --------------------------------------------------------------------
     def declare_tensor(self, t: ast.TensorDecl) -> None:
         if t.name.text in self.tensors:
             raise self.error(f"tensor '{t.name.text}' is declared twice", t.name.pos)
@@ -432,10 +404,10 @@ class _Checker:
                     f"dim '{n.text}' appears twice in the shape of '{t.name.text}'", n.pos
                 )
             seen.add(n.text)
-        layout = self.layout(t.layout, t.shape, t.name.text, ELEMENT_BYTES[t.dtype.text], t.name.pos)
+        layout = self.check_layout(t.layout, t.shape, t.name.text, ELEMENT_BYTES[t.dtype.text], t.name.pos)
         if t.dtype.text == INDEX_TYPE:
             self.check_index_tensor(t, layout)
-        scale = self.scale(t) if t.scale else None
+        scale = self.check_scale(t) if t.scale else None
         derived = None
         copy_of = None
         row_pass = None
@@ -486,7 +458,7 @@ class _Checker:
                 "drop the layout",
             )
 
-    def layout(
+    def check_layout(
         self,
         decl: ast.LayoutDecl | None,
         shape: tuple[ast.Name, ...],
@@ -551,7 +523,7 @@ class _Checker:
                 )
             # Inside a segment the other dims' strides are scaled by its (padded) length.
             self.check_dense_strides(owner, [sizes[i] for i in others] + [rows], None, where)
-            other_strides = _row_major([sizes[i] for i in others], None)
+            other_strides = row_major([sizes[i] for i in others], None)
             text = f"segment_major({gname})" + (f" pad {pad}" if decl.pad is not None else "")
             return Layout(
                 "segment_major", text, group=gname, seg_axis=axis,
@@ -583,7 +555,7 @@ class _Checker:
                 )
             text += f" pad {pad}"
         self.check_dense_strides(owner, [sizes[i] for i in order], pad, where)
-        ordered = _row_major([sizes[i] for i in order], pad)
+        ordered = row_major([sizes[i] for i in order], pad)
         strides = [Poly()] * len(shape)
         for pos, axis in enumerate(order):
             strides[axis] = ordered[pos]
@@ -619,7 +591,6 @@ class _Checker:
             )
         return pad, pad_rows
 
-    # ---- sizes the kernels' integer types can hold ----------------------------------
     # Two bounds. A stride is a number the kernels multiply by an index: it must fit
     # 64 bits for any run-time dims the kernels accept (each below 2^31). A tensor's
     # bytes must fit 64 bits for the part fixed at compile time (run-time dims at 1);
@@ -676,7 +647,7 @@ class _Checker:
                 pos,
             )
 
-    def scale(self, t: ast.TensorDecl) -> Scale:
+    def check_scale(self, t: ast.TensorDecl) -> Scale:
         s = t.scale
         assert s is not None
         if t.dtype.text not in FP8_TYPES:
@@ -767,7 +738,7 @@ class _Checker:
                 grid.append(Poly.sym(sym))
         if s.layout is not None and s.layout.kind == "segment_major":
             raise self.error("scales cannot be segment_major; use row_major or major(...)", s.layout.pos)
-        layout = self.layout(s.layout, t.shape, f"{t.name.text}'s scale", 4, s.pos, grid)
+        layout = self.check_layout(s.layout, t.shape, f"{t.name.text}'s scale", 4, s.pos, grid)
         for stride in layout.strides:
             blocked = sorted(sym for sym in stride.symbols if sym in blocked_dim)
             if blocked:
@@ -918,7 +889,7 @@ class _Checker:
                     f"{op} reads tensors passed in or written by statements, but '{x.name}' is {what}",
                     ref.pos,
                 )
-            self._check_rows_contiguous(op, x, ref.pos)
+            self.check_rows_contiguous(op, x, ref.pos)
         if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
             what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
             raise self.error(
@@ -982,7 +953,7 @@ class _Checker:
                 t.name.pos,
             )
 
-    def _check_rows_contiguous(self, op: str, x: Tensor, pos: ast.Pos) -> None:
+    def check_rows_contiguous(self, op: str, x: Tensor, pos: ast.Pos) -> None:
         """The passes that work on whole rows read 2-D tensors with contiguous rows."""
         if x.rank != 2 or x.layout.kind != "strided" or x.layout.contiguous_axis() != 1:
             raise self.error(
@@ -1022,7 +993,7 @@ class _Checker:
                 raise self.error(
                     f"swiglu_grad reads unscaled bf16, f16 or f32 tensors, but '{x.name}' is {what}", ref.pos
                 )
-            self._check_rows_contiguous("swiglu_grad", x, ref.pos)
+            self.check_rows_contiguous("swiglu_grad", x, ref.pos)
         pairs, cols = self.dims[gu.dims[1]].size, self.dims[dh.dims[1]].size
         if dh.dims[0] != gu.dims[0] or pairs is None or cols is None or pairs != 2 * cols:
             raise self.error(
@@ -1031,19 +1002,19 @@ class _Checker:
                 f"are [{', '.join(gu.dims)}] and [{', '.join(dh.dims)}]",
                 other.pos,
             )
-        sizes = [self._size_poly(x) for x in target.dims]
+        sizes = [self.size_poly(x) for x in target.dims]
         if (
             target.dtype in FP8_TYPES and target.scale is not None and target.dims == gu.dims
             and target.scale.block == (KERNEL_K_BLOCK, 1) and not target.scale.pow2
         ):
             # The WGRAD's form: tokens contiguous per segment, 128x1 blocks per segment.
-            self._check_token_major_target(f"swiglu_grad({gu.name}, {dh.name})", target, t.name.pos)
+            self.check_token_major_target(f"swiglu_grad({gu.name}, {dh.name})", target, t.name.pos)
         elif (
             target.dtype not in FP8_TYPES or target.scale is None or target.dims != gu.dims
             or target.scale.block != (1, KERNEL_K_BLOCK) or target.scale.anchor is not None
             or target.scale.pow2 or target.layout.kind != "strided"
-            or target.layout.strides != tuple(_row_major(sizes, None))
-            or target.scale.layout.strides != tuple(_row_major(self._scale_grid(target), None))
+            or target.layout.strides != tuple(row_major(sizes, None))
+            or target.scale.layout.strides != tuple(row_major(self.scale_grid(target), None))
         ):
             raise self.error(
                 f"swiglu_grad writes an FP8 [{', '.join(gu.dims)}] tensor, row_major, with "
@@ -1146,7 +1117,7 @@ class _Checker:
                 f"scatter_add reads a tensor passed in or written by a statement, but '{source.name}' is {what}",
                 d.source.pos,
             )
-        self._check_rows_contiguous("scatter_add", source, d.source.pos)
+        self.check_rows_contiguous("scatter_add", source, d.source.pos)
         if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
             what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
             raise self.error(
@@ -1359,7 +1330,7 @@ class _Checker:
                 sd.anchor.pos if sd.anchor is not None else sd.pos,
                 f"declare `scale f32 [{KERNEL_K_BLOCK}, 1] per {group}`",
             )
-        if scale.layout.kind != "strided" or scale.layout.strides != (self._size_poly(t.dims[1]), ONE):
+        if scale.layout.kind != "strided" or scale.layout.strides != (self.size_poly(t.dims[1]), ONE):
             raise self.error(
                 f"copy({src}) writes the scales of '{t.name}' row-major (a row of {t.dims[1]} "
                 f"per block of {KERNEL_K_BLOCK} rows); its scale layout is {scale.layout}",
@@ -1512,13 +1483,12 @@ class _Checker:
             f"declare `... = {op}({root})`",
         )
 
-    # ---- statements -----------------------------------------------------------------
     def check_statement(self, index: int, s: ast.Statement) -> Gemm:
         text = str(s)
         self.check_index_exprs(s)
         # SwiGLU: checked as one GEMM over the weight's interleaved rows, its second factor
         # indexed by the output's column index `j` where the gate wrote `2*j`.
-        pair: _Pair | None = None
+        pair: SwigluPair | None = None
         if s.up is not None:
             s, pair = self.check_swiglu_form(s)
         # The GEMM's three references, then the epilogue operands (bound and checked alike).
@@ -1767,7 +1737,7 @@ class _Checker:
                     f"declare '{out_t.name}' as bf16 (or f32)",
                 )
         epilogue = self.check_epilogue(s, k_var, role_of, batch_use, k_group_axis, access)
-        if epilogue and self._per_channel(gemm):
+        if epilogue and self.per_channel(gemm):
             first = (s.factors + ((s.bias,) if s.bias is not None else ()))[0]
             raise self.error(
                 f"epilogue operand '{first.tensor.text}' beside per-channel scales is not "
@@ -1776,7 +1746,7 @@ class _Checker:
                 first.tensor.pos,
                 "apply the epilogue in a separate pass, or use 128-wide scale blocks along K",
             )
-        if pair is not None and self._per_channel(gemm):
+        if pair is not None and self.per_channel(gemm):
             raise self.error(
                 "a SwiGLU beside per-channel scales is not supported yet: their two epilogues "
                 "have not been built into one kernel",
@@ -1785,7 +1755,6 @@ class _Checker:
             )
         return replace(gemm, epilogue=epilogue) if epilogue else gemm
 
-    # ---- gathered rows and scattered outputs -------------------------------------------
     def index_tensor(self, idx: ast.Index) -> Tensor:
         """The tensor of `idx[t]`: a declared i32 tensor of one dim."""
         assert idx.via is not None
@@ -1888,7 +1857,7 @@ class _Checker:
                 f"drop `per {sc.anchor}`: the scale of {t.name}[{shown}, k] is "
                 f"{sc.name}[{shown} / {sc.block[axis]}, k / 128]",
             )
-        if self._per_channel(gemm):
+        if self.per_channel(gemm):
             raise self.error(
                 f"'{t.name}' has per-channel scales (one along the whole of K), which a {what} "
                 "operand does not support yet",
@@ -1897,7 +1866,6 @@ class _Checker:
                 "the same index",
             )
 
-    # ---- SwiGLU ------------------------------------------------------------------------
     def check_index_exprs(self, s: ast.Statement) -> None:
         """Index expressions (`2*j + 1`) stand only where a SwiGLU reads its weight's gate
         and up rows; anywhere else a position is an index variable or a group reference."""
@@ -1922,7 +1890,7 @@ class _Checker:
                         "sum[k] x[t, k] * w[e, 2*j + 1, k]`",
                     )
 
-    def check_swiglu_form(self, s: ast.Statement) -> tuple[ast.Statement, _Pair]:
+    def check_swiglu_form(self, s: ast.Statement) -> tuple[ast.Statement, SwigluPair]:
         """`silu(GATE) * UP` must be one GEMM whose weight rows come in gate/up pairs: the
         two products equal but for one position of the second factor, `2*j` in the gate and
         `2*j + 1` in the up product. Returns the statement as that GEMM (the gate's product,
@@ -2007,7 +1975,7 @@ class _Checker:
                 indices = list(w.indices)
                 indices[axis] = ast.Index(ast.Name(var, g_idx.pos))
                 view = replace(s, rhs=replace(w, indices=tuple(indices)))
-                return view, _Pair(var, axis, g_idx, u_idx)
+                return view, SwigluPair(var, axis, g_idx, u_idx)
             if gate == 2 * j + 1 and upp == 2 * j:
                 raise self.error(
                     f"the gate (inside silu) reads rows {_short(g_idx)} of '{w.tensor.text}' and the up "
@@ -2056,7 +2024,7 @@ class _Checker:
 
         return fold(idx.expr)
 
-    def check_swiglu_dims(self, s: ast.Statement, pair: _Pair, binding) -> str:
+    def check_swiglu_dims(self, s: ast.Statement, pair: SwigluPair, binding) -> str:
         """The output's column dim holds the pairs of the weight's gate/up dim: both fixed,
         the weight's even and twice the output's. Returns the weight's dim."""
         w = self.tensors[s.rhs.tensor.text]
@@ -2097,7 +2065,7 @@ class _Checker:
             )
         return rows
 
-    def check_swiglu_columns(self, s: ast.Statement, pair: _Pair, rows: str, cols: str, groups: list[str]) -> None:
+    def check_swiglu_columns(self, s: ast.Statement, pair: SwigluPair, rows: str, cols: str, groups: list[str]) -> None:
         """The paired index is the GEMM's column index, not split by any group."""
         for name in groups:
             g = self.groups[name]
@@ -2109,12 +2077,6 @@ class _Checker:
                     "split the rows (tokens) instead, or write one statement per segment",
                 )
 
-    def _per_channel(self, gemm: Gemm) -> bool:
-        a = self.tensors[gemm.a.tensor]
-        k_axis = gemm.a.axis_of_role("k")
-        return a.scale is not None and k_axis is not None and a.scale.block[k_axis] != KERNEL_K_BLOCK
-
-    # ---- epilogue operands -----------------------------------------------------------------
     def check_epilogue(self, s: ast.Statement, k_var: str, role_of, batch_use, k_group_axis, access) -> tuple[EpilogueOperand, ...]:
         """Classify each epilogue operand by the indices it takes: leaf axes only (a
         per-leaf scalar), the row index (a per-row weight) or, for the added term, the
@@ -2289,7 +2251,6 @@ class _Checker:
         ]
         return RoleDim(role, var, dim, innermost, masked[0] if masked else None)
 
-    # ---- types, majors, scales -----------------------------------------------------------
     def check_types(self, gemm: Gemm, s: ast.Statement) -> None:
         out_t = self.tensors[gemm.out.tensor]
         a_t, b_t = self.tensors[gemm.a.tensor], self.tensors[gemm.b.tensor]
@@ -2389,7 +2350,7 @@ class _Checker:
                     entry.pos,
                     hint,
                 )
-        if decl.scale.layout is not None and t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
+        if decl.scale.layout is not None and t.scale.layout.strides != tuple(row_major(self.scale_grid(t), None)):
             raise self.error(
                 f"the scales of FP8 output '{name}' are stored {t.scale.layout}; the epilogue "
                 "writes them row-major (the default)",
@@ -2404,7 +2365,7 @@ class _Checker:
                 f"drop `per {t.scale.anchor}`",
             )
         if t.layout.kind != "strided" or t.layout.strides != tuple(
-            _row_major([self._size_poly(d) for d in t.dims], None)
+            row_major([self.size_poly(d) for d in t.dims], None)
         ):
             raise self.error(
                 f"FP8 output '{name}' is stored {t.layout}; the epilogue writes FP8 row-major "
@@ -2424,12 +2385,12 @@ class _Checker:
                 f"declare `dim {cols.name} = ...` with a multiple of {FP8_OUT_BLOCK}",
             )
         b_t = self.tensors[gemm.b.tensor]
-        if gemm.swiglu and b_t.scale is not None and not self._per_channel(gemm):
+        if gemm.swiglu and b_t.scale is not None and not self.per_channel(gemm):
             # 128 gate/up pairs per tile: 256 columns, two 128-column wgmma halves, each with
             # one B scale per K block.
             b_axis = gemm.b.axis_of_role("n")
             block = b_t.scale.block[b_axis]
-            if not self._covers(b_t, b_axis) and block % FP8_OUT_BLOCK:
+            if not self.covers(b_t, b_axis) and block % FP8_OUT_BLOCK:
                 raise self.error(
                     f"'{b_t.name}' changes scale every {block} rows along {b_t.dims[b_axis]}; a SwiGLU "
                     f"into FP8 runs tiles of {2 * FP8_OUT_BLOCK} gate/up rows as two "
@@ -2494,14 +2455,7 @@ class _Checker:
         """Whether `t`'s scale, as this statement reads it, is one scale per leaf: one
         block over the whole of every dim but the leaf axes."""
         assert t.scale is not None
-        return all(self._covers(t, i) for i, use in enumerate(acc.uses) if use.kind == "role")
-
-    def _covers(self, t: Tensor, axis: int) -> bool:
-        """Whether one scale block covers the whole of `t`'s dim `axis`: a run-time dim
-        named in the block, or a block at least the fixed dim's size."""
-        assert t.scale is not None
-        size = self.dims[t.dims[axis]].size
-        return t.scale.whole(axis) or (size is not None and t.scale.block[axis] >= size)
+        return all(self.covers(t, i) for i, use in enumerate(acc.uses) if use.kind == "role")
 
     def check_k_major(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
         k_axis = acc.axis_of_role("k")
@@ -2602,10 +2556,10 @@ class _Checker:
                     )
             # One block over the whole of M or N: every row (column) of every leaf reads
             # the same scale, so no block straddles a segment.
-            covers = self._covers(t, axis)
+            covers = self.covers(t, axis)
             if use.role != "k":
                 k_axis = acc.axis_of_role("k")
-                if covers and (sc.block[k_axis] != KERNEL_K_BLOCK or self._covers(t, k_axis)):
+                if covers and (sc.block[k_axis] != KERNEL_K_BLOCK or self.covers(t, k_axis)):
                     # Beside one scale along the whole of K (an invalid K block is reported
                     # at K): the per-channel epilogue (or, with K at most 128, the one K
                     # block's promotion) reads this scale for every row or column, so any
@@ -2666,7 +2620,6 @@ class _Checker:
                         f"'{operand}' is both read and written by one statement", s.out.tensor.pos
                     )
 
-    # ---- what statements and pre-passes write -------------------------------------------
     def check_outputs_do_not_alias(self, gemms: tuple[Gemm, ...]) -> None:
         """Two elements of a written tensor at one address would be a write race (and a
         wrong sum with +=). Decided exactly where it can be: a zero stride or two equal
@@ -2764,10 +2717,6 @@ class _Checker:
             else:
                 self._check_requantize_emittable(src, t, op.pos)
 
-    def _size_poly(self, dim: str) -> Poly:
-        size = self.dims[dim].size
-        return Poly.sym(dim) if size is None else Poly.const(size)
-
     def _check_transpose_emittable(self, src: Tensor, t: Tensor, pos: ast.Pos) -> None:
         # The kernel copies rows along the source's unit-stride dim into rows along the
         # target's, batched over a third dim (any strides).
@@ -2827,20 +2776,20 @@ class _Checker:
                 f"tensor with [1, 128] scales into [128, 1] scales: {'; '.join(wrong)}",
                 pos,
             )
-        self._check_token_major_target(f"requantize({src.name})", t, pos)
-        if self._anchor_along(src, 1) is not None:
+        self.check_token_major_target(f"requantize({src.name})", t, pos)
+        if self.anchor_along(src, 1) is not None:
             raise self.error(
                 f"requantize({src.name}) reads the [1, 128] scales of '{src.name}' in blocks "
                 f"from channel 0, but they are declared per '{src.scale.anchor}'",
                 pos,
             )
 
-    def _check_token_major_target(self, what: str, t: Tensor, pos: ast.Pos) -> None:
+    def check_token_major_target(self, what: str, t: Tensor, pos: ast.Pos) -> None:
         """The [T, C] target of the requantize kernel (`what` names the pass): each segment's
         tokens contiguous ([T, C] with T contiguous, or segment_major on T) and a row-major
         grid of [128, 1] scale blocks restarted at every segment."""
         tokens, channels = t.dims  # the target's rows: the source's, or those an index names
-        dense = (ONE, self._size_poly(tokens))
+        dense = (ONE, self.size_poly(tokens))
         lay = t.layout
         segmented = lay.kind == "segment_major" and lay.seg_axis == 0
         if not segmented and not (lay.kind == "strided" and lay.strides == dense):
@@ -2851,7 +2800,7 @@ class _Checker:
                 pos,
                 f"declare '{t.name}' with layout major({tokens}) or segment_major(GROUP)",
             )
-        anchor = self._anchor_along(t, 0)
+        anchor = self.anchor_along(t, 0)
         if anchor is not None and anchor != (lay.group if segmented else None):
             where = f"the segments of '{lay.group}'" if segmented else "the start of the tensor"
             raise self.error(
@@ -2860,7 +2809,7 @@ class _Checker:
                 pos,
                 f"drop `per {anchor}` or store '{t.name}' as segment_major({anchor})",
             )
-        if t.scale.layout.kind != "strided" or t.scale.layout.strides != (self._size_poly(channels), ONE):
+        if t.scale.layout.kind != "strided" or t.scale.layout.strides != (self.size_poly(channels), ONE):
             raise self.error(
                 f"{what} writes the scales of '{t.name}' row-major (a row of "
                 f"{channels} per block of 128 tokens); its scale layout is {t.scale.layout}",
@@ -2880,15 +2829,15 @@ class _Checker:
         else:
             if src.layout.kind != "strided" or src.layout.contiguous_axis() != rank - 1:
                 wrong.append(f"'{src.name}' is {src.layout}, its last dim {src.dims[-1]} not contiguous")
-            sizes = [self._size_poly(d) for d in t.dims]
-            if t.layout.kind != "strided" or t.layout.strides != tuple(_row_major(sizes, None)):
+            sizes = [self.size_poly(d) for d in t.dims]
+            if t.layout.kind != "strided" or t.layout.strides != tuple(row_major(sizes, None)):
                 wrong.append(f"'{t.name}' is {t.layout}, not row_major without padding")
             block = t.scale.block
             if block[:-2] != (1,) * (rank - 2) or block[-2:] not in QUANTIZE_BLOCKS:
                 wrong.append(f"'{t.name}' has scale blocks {t.scale.block_text}")
             elif t.scale.anchor is not None:
                 wrong.append(f"its scale blocks restart per '{t.scale.anchor}'")
-            elif t.scale.layout.strides != tuple(_row_major(self._scale_grid(t), None)):
+            elif t.scale.layout.strides != tuple(row_major(self.scale_grid(t), None)):
                 wrong.append(f"its scale layout is {t.scale.layout}")
             # Only whole 128-column blocks have run on a GPU: with a short last block
             # (C = 200) the GEMM fed by the pass did not match its reference.
@@ -2918,27 +2867,6 @@ class _Checker:
                 + "; ".join(wrong),
                 pos,
             )
-
-    def _scale_grid(self, t: Tensor) -> list[Poly]:
-        """Blocks per dim of `t`'s scale grid, spelled as `check_scale` spells them."""
-        assert t.scale is not None
-        grid = []
-        for d, b in zip(t.dims, t.scale.block):
-            size = self.dims[d].size
-            if isinstance(b, str):
-                grid.append(ONE)
-            elif size is not None:
-                grid.append(Poly.const(-(-size // b)))
-            else:
-                grid.append(Poly.sym(d if b == 1 else f"ceil({d}/{b})"))
-        return grid
-
-    def _anchor_along(self, t: Tensor, axis: int) -> str | None:
-        """The group whose segments restart `t`'s scale blocks along dim `axis`, if any."""
-        anchor = t.scale.anchor if t.scale else None
-        if anchor is None or self.groups[anchor].dim != t.dims[axis]:
-            return None
-        return anchor
 
     def check_directives(self, gemms: tuple[Gemm, ...]) -> Directives:
         force = None
@@ -3034,6 +2962,12 @@ class _Checker:
         return Directives(force, target, tile, gather_rows, force_where=where)
 
 
+def _least(p: Poly) -> int:
+    """`p` with every run-time symbol at 1: its part fixed at compile time (and an upper
+    bound on each of its coefficients, all of which are non-negative)."""
+    return sum(c for _, c in p.terms)
+
+
 def _fp8_out_block(rank: int) -> str:
     """The scale block of an FP8 output of `rank` dims, as written: `1, 128`."""
     return ", ".join(["1"] * (rank - 1) + [str(FP8_OUT_BLOCK)])
@@ -3043,25 +2977,6 @@ def _short(x: object) -> str:
     """A written index for a message, shortened when it is long."""
     text = str(x)
     return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
-
-
-def _least(p: Poly) -> int:
-    """`p` with every run-time symbol at 1: its part fixed at compile time (and an upper
-    bound on each of its coefficients, all of which are non-negative)."""
-    return sum(c for _, c in p.terms)
-
-
-def _row_major(sizes: list[Poly], pad: int | None) -> list[Poly]:
-    """Row-major strides for `sizes` (outermost first); `pad` rounds the row length up."""
-    strides: list[Poly] = [ONE] * len(sizes)
-    acc = ONE
-    for i in range(len(sizes) - 1, -1, -1):
-        strides[i] = acc
-        size = sizes[i]
-        if i == len(sizes) - 1 and pad is not None:
-            size = Poly.const(-(-size.value // pad) * pad)
-        acc = acc * size
-    return strides
 
 
 def check(file: ast.FileAst) -> tuple[Spec, ...]:
@@ -3077,7 +2992,7 @@ def check(file: ast.FileAst) -> tuple[Spec, ...]:
                 locate(file.path, lines, s.name.pos.line, s.name.pos.column),
             )
         seen[s.name.text] = s.name.pos
-        specs.append(_Checker(file, s, lines).run())
+        specs.append(_Checker(file, s, lines).check_spec())
     if not specs:
         raise SpecError("no `gemm NAME { ... }` spec in this file", locate(file.path, lines, 1, 1))
     return tuple(specs)
