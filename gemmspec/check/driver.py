@@ -29,7 +29,6 @@ from ..spec import (
     MAX_EXTENT,
     MAX_FIXED_SEGMENTS,
     MAX_LEAVES_PER_LAUNCH,
-    MAX_NAME_LENGTH,
     MAX_OFFSET,
     MAX_RANK,
     MAX_SCALE_BLOCK,
@@ -40,7 +39,6 @@ from ..spec import (
     Access,
     AxisUse,
     Derivation,
-    Dim,
     Directives,
     EpilogueOperand,
     Gemm,
@@ -65,28 +63,16 @@ from .context import (
     Context,
     row_major,
 )
-
-# Names a spec may not use: they reach emitted C++ as parameter and symbol names.
-CXX_RESERVED = frozenset(
-    """
-    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
-    char16_t char32_t class compl concept const consteval constexpr constinit const_cast
-    continue co_await co_return co_yield decltype default delete do double dynamic_cast
-    else enum explicit export extern false float for friend goto if inline int long
-    mutable namespace new noexcept not not_eq nullptr operator or or_eq private protected
-    public register reinterpret_cast requires return short signed sizeof static
-    static_assert static_cast struct switch template this thread_local throw true try
-    typedef typeid typename union unsigned using virtual void volatile wchar_t while xor
-    xor_eq main NULL threadIdx blockIdx blockDim gridDim warpSize half float2 float4 int2
-    int4 dim3 size_t
-    """.split()
+from .names import (
+    MAX_POLY_DEGREE,
+    MAX_POLY_TERMS,
+    check_identifier,
+    claim,
+    const_expr,
+    declare_dim,
+    need_dim,
+    poly,
 )
-RESERVED_PREFIXES = ("gs_", "GS_", "__", "cu", "nv")
-
-# Stride and size expressions fold to polynomials; these bounds keep the folding
-# cheap whatever is written (a product of sums multiplies term counts).
-MAX_POLY_TERMS = 64
-MAX_POLY_DEGREE = 8
 
 _RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"
 _FIXED_PART = " with every run-time dim at 1"
@@ -111,43 +97,10 @@ GATHER_MODES = ("auto", "fused", "prepass")  # the gather(...) directive's choic
 
 
 class _Checker(Context):
-    def check_identifier(self, name: ast.Name, what: str) -> None:
-        text = name.text
-        if len(text) > MAX_NAME_LENGTH:
-            raise self.error(
-                f"{what} name '{text[:20]}...' is {len(text)} characters long; names are at "
-                f"most {MAX_NAME_LENGTH} (they become C++ symbols and file names)",
-                name.pos,
-            )
-        if text in CXX_RESERVED:
-            raise self.error(
-                f"{what} name '{text}' is reserved in C++/CUDA and would reach emitted code",
-                name.pos,
-                "rename it",
-            )
-        if text.startswith(RESERVED_PREFIXES):
-            raise self.error(
-                f"{what} name '{text}' uses a prefix reserved for generated code "
-                f"({', '.join(RESERVED_PREFIXES)})",
-                name.pos,
-            )
-
-    def claim(self, name: ast.Name, what: str) -> None:
-        """Dims, groups, tensors and run-time tensors share one namespace."""
-        self.check_identifier(name, what)
-        if name.text in self.names:
-            other_what, other_pos = self.names[name.text]
-            raise self.error(
-                f"{what} '{name.text}' collides with the {other_what} declared at "
-                f"{other_pos.line}:{other_pos.column}",
-                name.pos,
-            )
-        self.names[name.text] = (what, name.pos)
-
     def check_spec(self) -> Spec:
-        self.check_identifier(self.ast.name, "spec")
+        check_identifier(self, self.ast.name, "spec")
         for d in self.ast.dims:
-            self.declare_dim(d.name, d.size)
+            declare_dim(self, d.name, d.size)
         for g in self.ast.groups:
             self.declare_group(g)
         for t in self.ast.tensors:
@@ -179,75 +132,6 @@ class _Checker(Context):
             directives=directives,
             where=self.where(self.ast.name.pos),
         )
-
-    def declare_dim(self, name: ast.Name, size: int | None) -> None:
-        if name.text in self.dims:
-            old = self.dims[name.text]
-            first = self.dim_pos[name.text]
-            if old.size != size:
-                was = "known at run time" if old.size is None else f"{old.size}"
-                now = "known at run time" if size is None else f"{size}"
-                raise self.error(
-                    f"dim '{name.text}' is given two sizes: {now} here, {was} at "
-                    f"{first.line}:{first.column}",
-                    name.pos,
-                )
-            raise self.error(f"dim '{name.text}' is declared twice", name.pos)
-        if size is not None and size <= 0:
-            raise self.error(f"dim '{name.text}' must be positive, not {size}", name.pos)
-        if size is not None and size > MAX_EXTENT:
-            raise self.error(
-                f"dim '{name.text}' is {size}, more than {MAX_EXTENT} (2^31 - 1): the kernels "
-                "index rows, columns and K with 32-bit signed integers",
-                name.pos,
-            )
-        self.claim(name, "dim")
-        self.dims[name.text] = Dim(name.text, size)
-        if size is None:
-            self.worst[name.text] = MAX_EXTENT
-        self.dim_pos[name.text] = name.pos
-
-    def need_dim(self, name: ast.Name) -> Dim:
-        if name.text not in self.dims:
-            raise self.error(f"unknown dim '{name.text}'", name.pos, self._suggest_dim())
-        return self.dims[name.text]
-
-    def _suggest_dim(self) -> str:
-        known = ", ".join(self.dims) or "none"
-        return f"declare it with `dim NAME` or `dim NAME = SIZE` (known dims: {known})"
-
-    def const_expr(self, e: ast.Expr, what: str) -> int:
-        p = self.poly(e)
-        if not p.is_const:
-            raise self.error(f"{what} must be known at compile time, not '{p}'", e.pos)
-        return p.value
-
-    def poly(self, e: ast.Expr) -> Poly:
-        """Fold an expression; recursion follows parentheses only (at most
-        parse.MAX_EXPR_DEPTH deep), the operands of a chain are a loop."""
-        if isinstance(e, ast.IntLit):
-            return Poly.const(e.value)
-        if isinstance(e, ast.NameRef):
-            d = self.need_dim(e.name)
-            return Poly.sym(d.name) if d.size is None else Poly.const(d.size)
-        if isinstance(e, ast.Sum):
-            acc = Poly()
-            for term in e.terms:
-                acc = self._bounded(acc + self.poly(term), term)
-            return acc
-        acc = ONE
-        for factor in e.factors:
-            acc = self._bounded(acc * self.poly(factor), factor)
-        return acc
-
-    def _bounded(self, p: Poly, at: ast.Expr) -> Poly:
-        if len(p.terms) > MAX_POLY_TERMS or any(len(m) > MAX_POLY_DEGREE for m, _ in p.terms):
-            raise self.error(
-                f"expression too complex: it expands to more than {MAX_POLY_TERMS} terms or "
-                f"multiplies more than {MAX_POLY_DEGREE} run-time dims",
-                at.pos,
-            )
-        return p
 
     def declare_group(self, g: ast.GroupDecl) -> None:
         if g.name.text in self.groups:
@@ -281,8 +165,8 @@ class _Checker(Context):
                         g.count_dim.pos,
                     )
             else:
-                self.declare_dim(g.count_dim, count)
-        self.claim(g.name, "group")
+                declare_dim(self, g.count_dim, count)
+        claim(self, g.name, "group")
         k = g.kind
         if count > MAX_LEAVES_PER_LAUNCH:
             raise self.error(
@@ -298,7 +182,7 @@ class _Checker(Context):
                 "leaf table; use a ragged group for many segments",
                 g.count_dim.pos,
             )
-        dim = self.need_dim(k.dim)
+        dim = need_dim(self, k.dim)
         within = None
         depth = 0
         sizes: tuple[int, ...] = ()
@@ -328,7 +212,7 @@ class _Checker(Context):
                 )
             within = outer.name
         if k.kind == "split":
-            sizes = tuple(self.const_expr(e, "a split size") for e in k.sizes)
+            sizes = tuple(const_expr(self, e, "a split size") for e in k.sizes)
             if len(sizes) != count:
                 raise self.error(
                     f"split gives {len(sizes)} sizes for {count} groups", k.pos
@@ -368,7 +252,7 @@ class _Checker(Context):
                 k.pos,
             )
         if k.tensor is not None:
-            self.claim(k.tensor, "offsets tensor" if k.kind == "ragged" else "counts tensor")
+            claim(self, k.tensor, "offsets tensor" if k.kind == "ragged" else "counts tensor")
         self.groups[g.name.text] = Group(
             name=g.name.text,
             kind=k.kind,
@@ -389,14 +273,14 @@ class _Checker(Context):
     def declare_tensor(self, t: ast.TensorDecl) -> None:
         if t.name.text in self.tensors:
             raise self.error(f"tensor '{t.name.text}' is declared twice", t.name.pos)
-        self.claim(t.name, "tensor")
+        claim(self, t.name, "tensor")
         if len(t.shape) > MAX_RANK:
             raise self.error(
                 f"'{t.name.text}' has {len(t.shape)} dims, more than {MAX_RANK}: a statement's "
                 "indices and leaf axes grow with its tensors' dims",
                 t.shape[MAX_RANK].pos,
             )
-        dims = tuple(self.need_dim(n).name for n in t.shape)
+        dims = tuple(need_dim(self, n).name for n in t.shape)
         seen: set[str] = set()
         for n in t.shape:
             if n.text in seen:
@@ -482,7 +366,7 @@ class _Checker(Context):
                     f"{len(shape)} dims of '{owner}'",
                     decl.pos,
                 )
-            strides = tuple(self.poly(e) for e in decl.strides)
+            strides = tuple(poly(self, e) for e in decl.strides)
             for e, stride in zip(decl.strides, strides):
                 if self.worst_case(stride) > MAX_OFFSET:
                     raise self.error(
@@ -716,7 +600,7 @@ class _Checker(Context):
                 f"the {self.names[name.text][0]} of that name; name it with `as OTHER`",
                 s.pos,
             )
-        self.claim(name, "scale tensor")
+        claim(self, name, "scale tensor")
         # The scale grid's own layout is over block indices; its dims are named after
         # the tensor's, so `major(T)` reads naturally. A run-time dim cut into blocks
         # has a run-time block count, which no stride may depend on. Its symbol is
@@ -1503,7 +1387,7 @@ class _Checker(Context):
                     f"e.g. '{var.text.lower() if not var.text.islower() else var.text + '_i'}'",
                     var.pos,
                 )
-            self.check_identifier(var, "index")
+            check_identifier(self, var, "index")
             if var.text in binding and binding[var.text][0] != dim:
                 other_dim, other = binding[var.text]
                 raise self.error(
