@@ -19,26 +19,20 @@ from ..aliasing import ENUMERATE_LIMIT, UNDECIDED, element_collision
 from ..errors import SpecError, locate, source_lines
 from ..expr import ONE, Poly
 from ..spec import (
-    ELEMENT_BYTES,
     EPILOGUE_KINDS,
     EPILOGUE_TYPES,
     FP8_OUT_BLOCK,
     FP8_TYPES,
     INDEX_TYPE,
     KERNEL_K_BLOCK,
-    MAX_EXTENT,
     MAX_FIXED_SEGMENTS,
     MAX_LEAVES_PER_LAUNCH,
-    MAX_OFFSET,
-    MAX_RANK,
-    MAX_SCALE_BLOCK,
     MAX_WITHIN_DEPTH,
     ROW_PASS_OPS,
     SIXTEEN_BIT_TYPES,
     SWIGLU_OUTPUT_TYPES,
     Access,
     AxisUse,
-    Derivation,
     Directives,
     EpilogueOperand,
     Gemm,
@@ -46,8 +40,6 @@ from ..spec import (
     Layout,
     LeafAxis,
     RoleDim,
-    RowPass,
-    Scale,
     Spec,
     Tensor,
 )
@@ -71,11 +63,8 @@ from .names import (
     const_expr,
     declare_dim,
     need_dim,
-    poly,
 )
-
-_RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"
-_FIXED_PART = " with every run-time dim at 1"
+from .tensors import declare_tensor
 
 # The scale blocks the quantize kernel writes (on the last two dims).
 QUANTIZE_BLOCKS = frozenset({(1, KERNEL_K_BLOCK), (KERNEL_K_BLOCK, KERNEL_K_BLOCK)})
@@ -104,7 +93,7 @@ class _Checker(Context):
         for g in self.ast.groups:
             self.declare_group(g)
         for t in self.ast.tensors:
-            self.declare_tensor(t)
+            declare_tensor(self, t)
         for t in self.ast.tensors:
             self.check_derivation(t)
         if not self.ast.statements:
@@ -269,386 +258,6 @@ class _Checker(Context):
         self.group_depth[g.name.text] = depth
         if k.kind == "masked":
             self.masked_by_count_dim.setdefault(g.count_dim.text, g.name.text)
-
-    def declare_tensor(self, t: ast.TensorDecl) -> None:
-        if t.name.text in self.tensors:
-            raise self.error(f"tensor '{t.name.text}' is declared twice", t.name.pos)
-        claim(self, t.name, "tensor")
-        if len(t.shape) > MAX_RANK:
-            raise self.error(
-                f"'{t.name.text}' has {len(t.shape)} dims, more than {MAX_RANK}: a statement's "
-                "indices and leaf axes grow with its tensors' dims",
-                t.shape[MAX_RANK].pos,
-            )
-        dims = tuple(need_dim(self, n).name for n in t.shape)
-        seen: set[str] = set()
-        for n in t.shape:
-            if n.text in seen:
-                raise self.error(
-                    f"dim '{n.text}' appears twice in the shape of '{t.name.text}'", n.pos
-                )
-            seen.add(n.text)
-        layout = self.check_layout(t.layout, t.shape, t.name.text, ELEMENT_BYTES[t.dtype.text], t.name.pos)
-        if t.dtype.text == INDEX_TYPE:
-            self.check_index_tensor(t, layout)
-        scale = self.check_scale(t) if t.scale else None
-        derived = None
-        copy_of = None
-        row_pass = None
-        if t.derived and t.derived.op.text == COPY_OP:
-            copy_of = t.derived.source.text  # a second output of a statement, not a pre-pass
-        elif t.derived and t.derived.op.text in ROW_PASS_OPS:
-            # An output written after the statements, not a pre-pass (check_row_pass).
-            keys = {k.text: v.text for k, v in t.derived.keywords}
-            other = t.derived.options[0].text if t.derived.options else None
-            row_pass = RowPass(
-                t.derived.op.text, t.derived.source.text, other, keys.get(REQUANTIZE_WEIGHT),
-                keys.get(REQUANTIZE_ROWS),
-            )
-        elif t.derived and t.derived.op.text == SWIGLU_GRAD_OP:
-            # A pre-pass reading two tensors (check_swiglu_grad).
-            other = t.derived.options[0].text if t.derived.options else None
-            derived = Derivation(SWIGLU_GRAD_OP, t.derived.source.text, other=other)
-        elif t.derived:
-            pow2 = any(o.text == QUANTIZE_POW2 for o in t.derived.options)  # checked in check_derivation
-            keys = {k.text: v.text for k, v in t.derived.keywords}  # checked in check_derivation
-            derived = Derivation(
-                t.derived.op.text, t.derived.source.text, pow2,
-                index=keys.get(REQUANTIZE_ROWS), weight=keys.get(REQUANTIZE_WEIGHT),
-            )
-        self.tensors[t.name.text] = Tensor(
-            t.name.text, t.dtype.text, dims, layout, scale, derived, t.name.pos.line, copy_of,
-            row_pass,
-        )
-        self.tensor_ast[t.name.text] = t
-
-    def check_index_tensor(self, t: ast.TensorDecl, layout: Layout) -> None:
-        """An i32 tensor is an index tensor: one row number per row of a statement, read
-        through `x[idx[t], k]` or written through `y[idx[t], n] = ...`; contiguous."""
-        usage = f"read rows through it as `x[{t.name.text}[t], k]`"
-        if len(t.shape) != 1:
-            raise self.error(
-                f"'{t.name.text}' is {INDEX_TYPE}, an index tensor, but has {len(t.shape)} dims "
-                f"[{', '.join(n.text for n in t.shape)}]; an index tensor has one: an entry per row",
-                t.shape[min(1, len(t.shape) - 1)].pos,
-                f"declare it `tensor {t.name.text} : {INDEX_TYPE} [T]` over the rows it indexes, "
-                f"and {usage}",
-            )
-        if layout.kind != "strided" or layout.strides != (ONE,):
-            assert t.layout is not None
-            raise self.error(
-                f"index tensor '{t.name.text}' is stored {layout}; index tensors are contiguous",
-                t.layout.pos,
-                "drop the layout",
-            )
-
-    def check_layout(
-        self,
-        decl: ast.LayoutDecl | None,
-        shape: tuple[ast.Name, ...],
-        owner: str,
-        element_bytes: int,
-        owner_pos: ast.Pos,
-        sizes: list[Poly] | None = None,
-    ) -> Layout:
-        dims = [self.dims[n.text] for n in shape]
-        if sizes is None:
-            sizes = [Poly.const(d.size) if d.size is not None else Poly.sym(d.name) for d in dims]
-        where = decl.pos if decl else owner_pos
-        # The element count first: it bounds every stride a dense layout builds.
-        self.check_bytes(owner, [_least(p) for p in sizes], element_bytes, where)
-        kind = decl.kind if decl else "row_major"
-        if kind == "strides":
-            assert decl is not None
-            if len(decl.strides) != len(shape):
-                raise self.error(
-                    f"strides(...) gives {len(decl.strides)} strides for the "
-                    f"{len(shape)} dims of '{owner}'",
-                    decl.pos,
-                )
-            strides = tuple(poly(self, e) for e in decl.strides)
-            for e, stride in zip(decl.strides, strides):
-                if self.worst_case(stride) > MAX_OFFSET:
-                    raise self.error(
-                        f"stride {stride} of '{owner}' can exceed 2^63 - 1"
-                        f"{_RUNTIME_AT_MOST}: the kernels compute offsets in 64-bit signed "
-                        "integers",
-                        e.pos,
-                    )
-            text = "strides(" + ", ".join(str(s) for s in strides) + ")"
-            if decl.pad is not None:
-                raise self.error(
-                    "pad applies to row_major, major(...) and segment_major(...) layouts",
-                    decl.pad_pos or decl.pos,
-                )
-            self.check_span(owner, sizes, strides, element_bytes, decl.pos)
-            return Layout("strided", text, strides=strides)
-        if kind == "segment_major":
-            assert decl is not None and decl.group is not None
-            gname = decl.group.text
-            if gname not in self.groups:
-                raise self.error(f"unknown group '{gname}'", decl.group.pos)
-            group = self.groups[gname]
-            names = [n.text for n in shape]
-            if group.kind not in GROUP_KINDS_THAT_PARTITION or group.dim not in names:
-                raise self.error(
-                    f"segment_major({gname}): group '{gname}' does not split any dim of "
-                    f"'{owner}' ({', '.join(names)})",
-                    decl.group.pos,
-                )
-            axis = names.index(group.dim)
-            others = [i for i in range(len(shape)) if i != axis]
-            pad, pad_rows = self.segment_pad(decl, group, owner)
-            rows = sizes[axis] + pad_rows  # the storage's rows along the segmented dim
-            if pad_rows:
-                self.check_bytes(
-                    owner, [_least(rows if i == axis else p) for i, p in enumerate(sizes)],
-                    element_bytes, where,
-                )
-            # Inside a segment the other dims' strides are scaled by its (padded) length.
-            self.check_dense_strides(owner, [sizes[i] for i in others] + [rows], None, where)
-            other_strides = row_major([sizes[i] for i in others], None)
-            text = f"segment_major({gname})" + (f" pad {pad}" if decl.pad is not None else "")
-            return Layout(
-                "segment_major", text, group=gname, seg_axis=axis,
-                other_strides=tuple(other_strides), pad=pad, pad_rows=pad_rows,
-            )
-        order = list(range(len(shape)))
-        text = "row_major"
-        if kind == "major":
-            assert decl is not None and decl.dim is not None
-            names = [n.text for n in shape]
-            if decl.dim.text not in names:
-                raise self.error(
-                    f"major({decl.dim.text}): '{decl.dim.text}' is not a dim of '{owner}' "
-                    f"({', '.join(names)})",
-                    decl.dim.pos,
-                )
-            axis = names.index(decl.dim.text)
-            order = [i for i in order if i != axis] + [axis]
-            text = f"major({decl.dim.text})"
-        pad = decl.pad if decl else None
-        if pad is not None:
-            if pad <= 0:
-                raise self.error("pad must be positive", decl.pos)
-            inner = dims[order[-1]]
-            if inner.size is None:
-                raise self.error(
-                    f"pad needs the contiguous dim '{inner.name}' to be known at compile time",
-                    decl.pos,
-                )
-            text += f" pad {pad}"
-        self.check_dense_strides(owner, [sizes[i] for i in order], pad, where)
-        ordered = row_major([sizes[i] for i in order], pad)
-        strides = [Poly()] * len(shape)
-        for pos, axis in enumerate(order):
-            strides[axis] = ordered[pos]
-        if pad is not None:  # padding makes the span larger than the element count
-            self.check_span(owner, sizes, strides, element_bytes, where)
-        return Layout("strided", text, strides=tuple(strides))
-
-    def segment_pad(self, decl: ast.LayoutDecl, group: Group, owner: str) -> tuple[int, int]:
-        """`segment_major(G) pad P`: (P, the storage rows the padding adds). Each of G's
-        segments (in flat order, nested ones included) may need up to P - 1 rows more."""
-        if decl.pad is None:
-            return 1, 0
-        pad, pos = decl.pad, decl.pad_pos or decl.pos
-        if pad <= 0 or pad & (pad - 1):
-            raise self.error(
-                f"the pad of a segment_major layout must be a power of two; got {pad}",
-                pos,
-                "pad 16 rounds every segment to whole 16-byte rows of FP8 (8 for 16-bit types), "
-                "which TMA needs to load them",
-            )
-        segments = group.count
-        g = group
-        while g.within is not None:
-            g = self.groups[g.within]
-            segments *= g.count
-        pad_rows = (pad - 1) * segments
-        if pad_rows > MAX_EXTENT - 1:
-            raise self.error(
-                f"segment_major({group.name}) pad {pad} on '{owner}' adds up to {pad_rows} rows "
-                f"({pad - 1} for each of {segments} segments), more than 2^31 - 2: the kernels "
-                "index the padded rows with 32-bit integers",
-                pos,
-            )
-        return pad, pad_rows
-
-    # Two bounds. A stride is a number the kernels multiply by an index: it must fit
-    # 64 bits for any run-time dims the kernels accept (each below 2^31). A tensor's
-    # bytes must fit 64 bits for the part fixed at compile time (run-time dims at 1);
-    # beyond that the tensor passed in is the bound, as no buffer holds 2^63 bytes.
-    def worst_case(self, p: Poly) -> int:
-        """The largest value `p` can take: run-time dims at MAX_EXTENT (all coefficients
-        are non-negative, so that is where a polynomial is largest)."""
-        return p.evaluate(self.worst)
-
-    def check_dense_strides(
-        self, owner: str, ordered: list[Poly], pad: int | None, pos: ast.Pos
-    ) -> None:
-        """The outermost stride of a dense layout (sizes outermost first) is the largest;
-        bounded numerically before any polynomial is built, so that a tensor of many
-        run-time dims cannot make the strides' polynomials large."""
-        stride = 1
-        for i in range(len(ordered) - 1, 0, -1):
-            size = self.worst_case(ordered[i])
-            if i == len(ordered) - 1 and pad is not None:
-                size = -(-size // pad) * pad
-            stride *= size
-            if stride > MAX_OFFSET:
-                raise self.error(
-                    f"a stride of '{owner}' can exceed 2^63 - 1{_RUNTIME_AT_MOST}: the kernels "
-                    "compute offsets in 64-bit signed integers",
-                    pos,
-                )
-
-    def check_bytes(self, owner: str, sizes: list[int], element_bytes: int, pos: ast.Pos) -> None:
-        total = element_bytes
-        for n in sizes:  # stops as soon as it is too large: sizes may be many and huge
-            total *= n
-            if total > MAX_OFFSET:
-                raise self.error(
-                    f"'{owner}' has more than 2^63 - 1 bytes{_FIXED_PART}: the kernels "
-                    "compute element and byte offsets in 64-bit signed integers",
-                    pos,
-                )
-
-    def check_span(
-        self,
-        owner: str,
-        sizes: list[Poly],
-        strides: list[Poly] | tuple[Poly, ...],
-        element_bytes: int,
-        pos: ast.Pos,
-    ) -> None:
-        """The farthest element a strided layout reaches must fit a 64-bit byte offset."""
-        last = sum((_least(n) - 1) * _least(s) for n, s in zip(sizes, strides))
-        if (last + 1) * element_bytes > MAX_OFFSET:
-            raise self.error(
-                f"the layout of '{owner}' reaches past 2^63 - 1 bytes{_FIXED_PART}: the "
-                "kernels compute element and byte offsets in 64-bit signed integers",
-                pos,
-            )
-
-    def check_scale(self, t: ast.TensorDecl) -> Scale:
-        s = t.scale
-        assert s is not None
-        if t.dtype.text not in FP8_TYPES:
-            raise self.error(
-                f"'{t.name.text}' is {t.dtype.text}: scales apply to FP8 (e4m3, e5m2) tensors only",
-                s.pos,
-            )
-        if s.dtype.text != "f32":
-            raise self.error(
-                f"scale type {s.dtype.text} is not supported yet; use f32", s.dtype.pos
-            )
-        if len(s.block) != len(t.shape):
-            raise self.error(
-                f"scale block has {len(s.block)} entries but '{t.name.text}' has "
-                f"{len(t.shape)} dims",
-                s.pos,
-            )
-        sizes = tuple(self.block_size(b) for b in s.block)
-        for b, size, dim in zip(s.block, sizes, t.shape):
-            if isinstance(size, str):
-                # One block over the whole of a run-time dim: only that dim's own position.
-                if size != dim.text:
-                    raise self.error(
-                        f"scale block '{size}' names a dim known only at run time, which stands "
-                        f"for one block over the whole of {size} only at {size}'s own position; "
-                        f"this position of '{t.name.text}' is {dim.text}",
-                        b.pos,
-                        f"write a size here, or {dim.text} for one block over the whole of "
-                        f"{dim.text}",
-                    )
-                continue
-            if size <= 0:
-                raise self.error("scale block sizes must be positive", b.pos)
-            if size > MAX_SCALE_BLOCK:
-                raise self.error(
-                    f"scale block {size} is larger than {MAX_SCALE_BLOCK} (2^20); for one "
-                    "scale along a whole dim use a block at least as large as the dim, up to "
-                    "that limit",
-                    b.pos,
-                )
-        anchor = None
-        if s.anchor is not None:
-            if s.anchor.text not in self.groups:
-                raise self.error(f"unknown group '{s.anchor.text}'", s.anchor.pos)
-            g = self.groups[s.anchor.text]
-            if g.kind not in GROUP_KINDS_THAT_PARTITION or g.dim not in [n.text for n in t.shape]:
-                raise self.error(
-                    f"scale blocks are anchored per '{g.name}', but '{g.name}' does not split "
-                    f"any dim of '{t.name.text}'",
-                    s.anchor.pos,
-                )
-            anchor = g.name
-            axis = [n.text for n in t.shape].index(g.dim)
-            if isinstance(sizes[axis], str):
-                raise self.error(
-                    f"scale blocks are anchored per '{g.name}', but the block along {g.dim} is "
-                    f"the whole of {g.dim} (one scale for all of it), which does not restart at "
-                    "each segment",
-                    s.anchor.pos,
-                    f"drop `per {g.name}`",
-                )
-        name = s.name or ast.Name(f"{t.name.text}_scale", t.name.pos)
-        if s.name is None and name.text in self.names:
-            raise self.error(
-                f"the scale of '{t.name.text}' is passed as '{name.text}', which collides with "
-                f"the {self.names[name.text][0]} of that name; name it with `as OTHER`",
-                s.pos,
-            )
-        claim(self, name, "scale tensor")
-        # The scale grid's own layout is over block indices; its dims are named after
-        # the tensor's, so `major(T)` reads naturally. A run-time dim cut into blocks
-        # has a run-time block count, which no stride may depend on. Its symbol is
-        # spelled `ceil(T/128)`, which no name can be, so it never meets a user's dim.
-        grid: list[Poly] = []
-        blocked_dim: dict[str, str] = {}  # block-count symbol -> its run-time dim
-        for n, b in zip(t.shape, sizes):
-            d = self.dims[n.text]
-            if isinstance(b, str):
-                grid.append(ONE)  # one block over the whole run-time dim, whatever its size
-            elif d.size is not None:
-                grid.append(Poly.const(-(-d.size // b)))
-            elif b == 1:
-                grid.append(Poly.sym(d.name))
-            else:
-                sym = f"ceil({d.name}/{b})"
-                blocked_dim[sym] = d.name
-                self.worst[sym] = -(-MAX_EXTENT // b)
-                grid.append(Poly.sym(sym))
-        if s.layout is not None and s.layout.kind == "segment_major":
-            raise self.error("scales cannot be segment_major; use row_major or major(...)", s.layout.pos)
-        layout = self.check_layout(s.layout, t.shape, f"{t.name.text}'s scale", 4, s.pos, grid)
-        for stride in layout.strides:
-            blocked = sorted(sym for sym in stride.symbols if sym in blocked_dim)
-            if blocked:
-                dim = blocked_dim[blocked[0]]
-                raise self.error(
-                    f"this scale layout needs the number of blocks along the run-time dim "
-                    f"{dim} in a stride; keep {dim}'s blocks outermost (row_major)",
-                    (s.layout or ast.LayoutDecl("row_major", s.pos)).pos,
-                )
-        if len(s.pow2) > 1:
-            raise self.error(f"`pow2` is written twice in the scale of '{t.name.text}'", s.pow2[1])
-        return Scale(name.text, s.dtype.text, sizes, layout, anchor, pow2=bool(s.pow2))
-
-    def block_size(self, b: ast.IntLit | ast.Name) -> int | str:
-        """A scale block entry's size: a literal, or a dim's name standing for the whole
-        dim: its size when fixed, else the name itself (one block over all of it)."""
-        if isinstance(b, ast.IntLit):
-            return b.value
-        if b.text not in self.dims:
-            raise self.error(
-                f"scale block '{b.text}' is not a dim; a block entry is a size or the name "
-                "of a dim (one block over the whole of it)",
-                b.pos,
-            )
-        size = self.dims[b.text].size
-        return b.text if size is None else size
 
     def check_derivation(self, t: ast.TensorDecl) -> None:
         if t.derived is None:
@@ -2844,12 +2453,6 @@ class _Checker(Context):
                 gather_rows = mode
         where = self.where(force_pos) if force_pos is not None else None
         return Directives(force, target, tile, gather_rows, force_where=where)
-
-
-def _least(p: Poly) -> int:
-    """`p` with every run-time symbol at 1: its part fixed at compile time (and an upper
-    bound on each of its coefficients, all of which are non-negative)."""
-    return sum(c for _, c in p.terms)
 
 
 def _fp8_out_block(rank: int) -> str:
