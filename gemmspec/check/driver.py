@@ -25,9 +25,6 @@ from ..spec import (
     FP8_TYPES,
     INDEX_TYPE,
     KERNEL_K_BLOCK,
-    MAX_FIXED_SEGMENTS,
-    MAX_LEAVES_PER_LAUNCH,
-    MAX_WITHIN_DEPTH,
     ROW_PASS_OPS,
     SIXTEEN_BIT_TYPES,
     SWIGLU_OUTPUT_TYPES,
@@ -39,14 +36,12 @@ from ..spec import (
     Group,
     Layout,
     LeafAxis,
-    RoleDim,
     Spec,
     Tensor,
 )
 from ..tiling import MAX_BIAS_WIDTH
 from .context import (
     COPY_OP,
-    GROUP_KINDS_THAT_PARTITION,
     QUANTIZE_POW2,
     QUANTIZE_SOURCE_TYPES,
     REQUANTIZE_ROWS,
@@ -55,15 +50,8 @@ from .context import (
     Context,
     row_major,
 )
-from .names import (
-    MAX_POLY_DEGREE,
-    MAX_POLY_TERMS,
-    check_identifier,
-    claim,
-    const_expr,
-    declare_dim,
-    need_dim,
-)
+from .groups import check_group_ref, check_sum_restriction, declare_group, role_dim
+from .names import MAX_POLY_DEGREE, MAX_POLY_TERMS, check_identifier, declare_dim
 from .tensors import declare_tensor
 
 # The scale blocks the quantize kernel writes (on the last two dims).
@@ -91,7 +79,7 @@ class _Checker(Context):
         for d in self.ast.dims:
             declare_dim(self, d.name, d.size)
         for g in self.ast.groups:
-            self.declare_group(g)
+            declare_group(self, g)
         for t in self.ast.tensors:
             declare_tensor(self, t)
         for t in self.ast.tensors:
@@ -121,143 +109,6 @@ class _Checker(Context):
             directives=directives,
             where=self.where(self.ast.name.pos),
         )
-
-    def declare_group(self, g: ast.GroupDecl) -> None:
-        if g.name.text in self.groups:
-            raise self.error(f"group '{g.name.text}' is declared twice", g.name.pos)
-        # The count dim: declared here (`[E = 8]`) or earlier (`[E]`).
-        if g.count is None:
-            if g.count_dim.text not in self.dims:
-                raise self.error(
-                    f"group '{g.name.text}' needs a group count: write [{g.count_dim.text} = N] "
-                    f"or declare `dim {g.count_dim.text} = N` first",
-                    g.count_dim.pos,
-                )
-            count = self.dims[g.count_dim.text].size
-            if count is None:
-                raise self.error(
-                    f"the number of groups '{g.count_dim.text}' must be known at compile time",
-                    g.count_dim.pos,
-                )
-        else:
-            count = g.count
-            if count <= 0:
-                raise self.error(f"group count must be positive, not {count}", g.count_dim.pos)
-            if g.count_dim.text in self.dims:
-                known = self.dims[g.count_dim.text]
-                if known.size != count:
-                    was = "known at run time" if known.size is None else str(known.size)
-                    raise self.error(
-                        f"dim '{g.count_dim.text}' is given two sizes: {count} here, {was} "
-                        f"at {self.dim_pos[g.count_dim.text].line}:"
-                        f"{self.dim_pos[g.count_dim.text].column}",
-                        g.count_dim.pos,
-                    )
-            else:
-                declare_dim(self, g.count_dim, count)
-        claim(self, g.name, "group")
-        k = g.kind
-        if count > MAX_LEAVES_PER_LAUNCH:
-            raise self.error(
-                f"group '{g.name.text}' has {count} segments, more than {MAX_LEAVES_PER_LAUNCH}: "
-                "each segment is a leaf GEMM, and a launch holds at most "
-                f"{MAX_LEAVES_PER_LAUNCH} leaves",
-                g.count_dim.pos,
-            )
-        if k.kind in ("split", "uniform") and count > MAX_FIXED_SEGMENTS:
-            raise self.error(
-                f"{k.kind} group '{g.name.text}' has {count} segments, more than "
-                f"{MAX_FIXED_SEGMENTS}: each segment's start and size is compiled into the "
-                "leaf table; use a ragged group for many segments",
-                g.count_dim.pos,
-            )
-        dim = need_dim(self, k.dim)
-        within = None
-        depth = 0
-        sizes: tuple[int, ...] = ()
-        if k.within is not None:
-            if k.within.text not in self.groups:
-                raise self.error(f"unknown group '{k.within.text}'", k.within.pos)
-            depth = self.group_depth[k.within.text] + 1
-            if depth > MAX_WITHIN_DEPTH:
-                raise self.error(
-                    f"group '{g.name.text}' nests {depth} deep with `within`, more than "
-                    f"{MAX_WITHIN_DEPTH}: its offsets tensor would need one axis per "
-                    "enclosing group",
-                    k.within.pos,
-                )
-            outer = self.groups[k.within.text]
-            if outer.kind != "ragged":
-                raise self.error(
-                    f"group '{g.name.text}' can nest only within a ragged group; "
-                    f"'{outer.name}' is {outer.kind}",
-                    k.within.pos,
-                )
-            if outer.dim != dim.name:
-                raise self.error(
-                    f"group '{g.name.text}' splits {dim.name} within '{outer.name}', but "
-                    f"'{outer.name}' does not split {dim.name}",
-                    k.within.pos,
-                )
-            within = outer.name
-        if k.kind == "split":
-            sizes = tuple(const_expr(self, e, "a split size") for e in k.sizes)
-            if len(sizes) != count:
-                raise self.error(
-                    f"split gives {len(sizes)} sizes for {count} groups", k.pos
-                )
-            if any(s < 0 for s in sizes):
-                raise self.error("split sizes must not be negative", k.pos)
-            if dim.size is None:
-                raise self.error(
-                    f"split needs '{dim.name}' to be known at compile time; use ragged(...) "
-                    "for run-time segments",
-                    k.dim.pos,
-                )
-            if sum(sizes) != dim.size:
-                raise self.error(
-                    f"split sizes add up to {sum(sizes)} but dim '{dim.name}' is {dim.size}",
-                    k.sizes[0].pos,
-                )
-        elif k.kind == "uniform":
-            if dim.size is None or dim.size % count:
-                raise self.error(
-                    f"uniform({dim.name}) needs '{dim.name}' to be a compile-time multiple of "
-                    f"{count}",
-                    k.dim.pos,
-                )
-            sizes = (dim.size // count,) * count
-        elif k.kind == "masked" and dim.size is None:
-            raise self.error(
-                f"masked({dim.name}): the padded size '{dim.name}' must be known at compile time",
-                k.dim.pos,
-            )
-        if within is not None and k.kind != "ragged":
-            raise self.error("only ragged groups may nest with `within`", k.pos)
-        if k.capacity and within is not None:
-            raise self.error(
-                "a nested group spans its outer segments exactly; only the outermost "
-                "ragged group may be a capacity (`capacity`)",
-                k.pos,
-            )
-        if k.tensor is not None:
-            claim(self, k.tensor, "offsets tensor" if k.kind == "ragged" else "counts tensor")
-        self.groups[g.name.text] = Group(
-            name=g.name.text,
-            kind=k.kind,
-            count_dim=g.count_dim.text,
-            count=count,
-            dim=dim.name,
-            within=within,
-            tensor=k.tensor.text if k.tensor else None,
-            sizes=sizes,
-            capacity=k.capacity,
-        )
-        self.group_rank[g.name.text] = len(self.group_order)
-        self.group_order.append(g.name.text)
-        self.group_depth[g.name.text] = depth
-        if k.kind == "masked":
-            self.masked_by_count_dim.setdefault(g.count_dim.text, g.name.text)
 
     def check_derivation(self, t: ast.TensorDecl) -> None:
         if t.derived is None:
@@ -1058,7 +909,7 @@ class _Checker(Context):
             t = self.tensors[ref.tensor.text]
             for idx, dim in zip(ref.indices, t.dims):
                 if idx.group is not None:
-                    self.check_group_ref(idx, dim, t, binding)
+                    check_group_ref(self, idx, dim, t, binding)
                     group_refs.append((t.name, idx, dim))
         # Pass 3: classify indices.
         out_t = self.tensors[s.out.tensor.text]
@@ -1101,7 +952,7 @@ class _Checker(Context):
                 )
         k_group_axis: tuple[str, str] | None = None  # (group, output var)
         if sm.group is not None:
-            k_group_axis = self.check_sum_restriction(sm, binding, out_v)
+            k_group_axis = check_sum_restriction(self, sm, binding, out_v)
         m_vars = [v for v in out_v if v in lhs_v and v not in rhs_v]
         n_vars = [v for v in out_v if v in rhs_v and v not in lhs_v]
         batch_vars = [v for v in out_v if v in lhs_v and v in rhs_v]
@@ -1171,10 +1022,10 @@ class _Checker(Context):
         if pair is not None:
             self.check_swiglu_columns(s, pair, pair_dim, dims_of[n_var], ordered)
         roles = {
-            "m": self.role_dim("m", m_var, dims_of[m_var], ordered, s),
+            "m": role_dim(self, "m", m_var, dims_of[m_var], ordered, s),
             # A SwiGLU's GEMM runs over the weight's gate/up rows, twice the output's columns.
-            "n": self.role_dim("n", n_var, pair_dim or dims_of[n_var], ordered, s),
-            "k": self.role_dim("k", k_var, dims_of[k_var], ordered, s),
+            "n": role_dim(self, "n", n_var, pair_dim or dims_of[n_var], ordered, s),
+            "k": role_dim(self, "k", k_var, dims_of[k_var], ordered, s),
         }
         role_of = {m_var: "m", n_var: "n", k_var: "k"}
         for n in ordered:
@@ -1654,95 +1505,6 @@ class _Checker(Context):
                 )
             found[kind] = (EpilogueOperand(kind, acc, t.dtype), ref)
         return tuple(found[k][0] for k in EPILOGUE_KINDS if k in found)
-
-    def check_group_ref(self, idx: ast.Index, dim: str, t: Tensor, binding) -> None:
-        assert idx.group is not None
-        gname = idx.group.text
-        if gname not in self.groups:
-            raise self.error(
-                f"unknown group '{gname}'", idx.group.pos,
-                f"declared groups: {', '.join(self.groups) or 'none'}",
-            )
-        g = self.groups[gname]
-        if g.count_dim != dim:
-            raise self.error(
-                f"{gname}({idx.var.text}) gives a group index in 0..{g.count_dim}, but this "
-                f"position of '{t.name}' is dim {dim}",
-                idx.group.pos,
-            )
-        if g.kind == "masked":
-            raise self.error(
-                f"masked group '{gname}' is indexed by a batch index over {g.count_dim}, "
-                f"not as {gname}({idx.var.text})",
-                idx.group.pos,
-            )
-        if idx.var.text not in binding:
-            raise self.error(
-                f"index '{idx.var.text}' in {gname}({idx.var.text}) is not bound by any "
-                "tensor position",
-                idx.var.pos,
-            )
-        vdim = binding[idx.var.text][0]
-        if vdim != g.dim:
-            raise self.error(
-                f"group '{gname}' splits {g.dim}, but '{idx.var.text}' ranges over {vdim}",
-                idx.var.pos,
-            )
-
-    def check_sum_restriction(self, sm: ast.SumIndex, binding, out_vars) -> tuple[str, str]:
-        assert sm.group is not None and sm.group_var is not None
-        gname = sm.group.text
-        if gname not in self.groups:
-            raise self.error(f"unknown group '{gname}'", sm.group.pos)
-        g = self.groups[gname]
-        kdim = binding[sm.var.text][0]
-        if g.kind not in GROUP_KINDS_THAT_PARTITION or g.dim != kdim:
-            raise self.error(
-                f"'{sm.var.text} in {gname}(...)': group '{gname}' does not split {kdim}",
-                sm.group.pos,
-            )
-        ev = sm.group_var.text
-        if ev not in out_vars:
-            raise self.error(
-                f"'{ev}' must index the output: each of the {g.count} segments of '{gname}' "
-                "produces its own output slice",
-                sm.group_var.pos,
-            )
-        if binding[ev][0] != g.count_dim:
-            raise self.error(
-                f"'{ev}' ranges over {binding[ev][0]}, but {gname}(...) takes an index over "
-                f"{g.count_dim}",
-                sm.group_var.pos,
-            )
-        return gname, ev
-
-    def role_dim(self, role: str, var: str, dim: str, groups: list[str], s: ast.Statement) -> RoleDim:
-        splitting = [
-            n for n in groups
-            if self.groups[n].kind in GROUP_KINDS_THAT_PARTITION and self.groups[n].dim == dim
-        ]
-        innermost = None
-        if splitting:
-            # The groups splitting one dim must form one `within` chain: the deepest
-            # is the innermost, and every other one must enclose it.
-            innermost = max(splitting, key=self.group_depth.__getitem__)
-            enclosing = set()
-            g = self.groups[innermost]
-            while g.within:
-                enclosing.add(g.within)
-                g = self.groups[g.within]
-            for o in splitting:
-                if o != innermost and o not in enclosing:
-                    first, second = sorted((o, innermost), key=self.group_rank.__getitem__)
-                    raise self.error(
-                        f"groups '{first}' and '{second}' both split {dim}, but neither is "
-                        "declared within the other",
-                        s.pos,
-                    )
-        masked = [
-            n for n in groups if self.groups[n].kind == "masked" and self.groups[n].dim == dim
-        ]
-        return RoleDim(role, var, dim, innermost, masked[0] if masked else None)
 
     def check_types(self, gemm: Gemm, s: ast.Statement) -> None:
         out_t = self.tensors[gemm.out.tensor]
