@@ -25,7 +25,6 @@ from ..spec import (
     FP8_TYPES,
     INDEX_TYPE,
     KERNEL_K_BLOCK,
-    SIXTEEN_BIT_TYPES,
     SWIGLU_OUTPUT_TYPES,
     Access,
     AxisUse,
@@ -36,15 +35,17 @@ from ..spec import (
     Layout,
     LeafAxis,
     Spec,
-    Tensor,
 )
 from ..tiling import MAX_BIAS_WIDTH
-from .context import SWIGLU_GRAD_OP, Context, row_major
+from .context import SWIGLU_GRAD_OP, Context
 from .copies import check_copies
 from .derivations import check_derivation
 from .emittable import check_derived_emittable
+from .fp8_output import check_pow2_scales
+from .gather import check_gather_positions, index_tensor
 from .groups import check_group_ref, check_sum_restriction, declare_group, role_dim
 from .names import MAX_POLY_DEGREE, MAX_POLY_TERMS, check_identifier, declare_dim
+from .operands import check_types
 from .row_passes import check_row_pass_targets
 from .swiglu_grad import check_no_cycle
 from .tensors import declare_tensor
@@ -87,7 +88,7 @@ class _Checker(Context):
         check_row_pass_targets(self, gemms)
         check_no_cycle(self, gemms)
         self.check_written_once(gemms)
-        self.check_pow2_scales(gemms)
+        check_pow2_scales(self, gemms)
         self.check_outputs_do_not_alias(gemms)
         check_derived_emittable(self, gemms)
         directives = self.check_directives(gemms)
@@ -133,7 +134,7 @@ class _Checker(Context):
                 )
             binding.setdefault(var.text, (dim, var.pos))
 
-        self.check_gather_positions(s, refs)
+        check_gather_positions(self, s, refs)
         # Pass 1: tensors, ranks, plain index bindings.
         for ref in refs:
             if ref.tensor.text not in self.tensors:
@@ -170,7 +171,7 @@ class _Checker(Context):
                         continue  # 2*j and 2*j + 1 range over the weight's rows, j over the output's
                     if idx.via is not None:
                         # `idx[t]`: t ranges over the index tensor's dim, the position over t's own.
-                        bind(idx.var, self.index_tensor(idx).dims[0], f"{idx.via.text}[...]")
+                        bind(idx.var, index_tensor(self, idx).dims[0], f"{idx.via.text}[...]")
                         continue
                     bind(idx.var, dim, f"{t.name}[...]")
         for sm in s.sums:
@@ -346,7 +347,7 @@ class _Checker(Context):
             where=self.where(s.pos),
             swiglu=pair is not None,
         )
-        self.check_types(gemm, s)
+        check_types(self, gemm, s)
         if pair is not None:
             assert n_var == pair.var  # j indexes the output and the weight, not the input
             if out_t.dtype not in SWIGLU_OUTPUT_TYPES:
@@ -374,117 +375,6 @@ class _Checker(Context):
                 "use 128-wide scale blocks along K, or apply the SwiGLU in a separate pass",
             )
         return replace(gemm, epilogue=epilogue) if epilogue else gemm
-
-    def index_tensor(self, idx: ast.Index) -> Tensor:
-        """The tensor of `idx[t]`: a declared i32 tensor of one dim."""
-        assert idx.via is not None
-        name = idx.via.text
-        if name not in self.tensors:
-            raise self.error(
-                f"unknown index tensor '{name}'", idx.via.pos,
-                f"declare it, e.g. `tensor {name} : {INDEX_TYPE} [T]` (one row number per row t)",
-            )
-        t = self.tensors[name]
-        if t.dtype != INDEX_TYPE:
-            raise self.error(
-                f"'{name}' is {t.dtype}, but {name}[{idx.var.text}] reads it as an index tensor; "
-                f"index tensors are {INDEX_TYPE} (int32 row numbers)",
-                idx.via.pos,
-                f"declare `tensor {name} : {INDEX_TYPE} [{', '.join(t.dims)}]`",
-            )
-        return t  # one dim: checked at its declaration
-
-    def check_gather_positions(self, s: ast.Statement, refs) -> None:
-        """`idx[t]` stands only at the row position of the first factor (gathered rows) and
-        of an `=` output (scattered rows), with t the statement's row index. Decided from
-        the indices as written, before any binding, so that the message names the role."""
-
-        def plain(ref: ast.Ref) -> set[str]:
-            return {i.var.text for i in ref.indices if isinstance(i, ast.Index) and i.group is None}
-
-        out_v, lhs_v, rhs_v = plain(s.out), plain(s.lhs), plain(s.rhs)
-        summed = {sm.var.text for sm in s.sums}
-        for ref in refs:
-            for idx in ref.indices:
-                if not isinstance(idx, ast.Index) or idx.via is None:
-                    continue
-                v = idx.var.text
-                shown = f"{idx.via.text}[{v}]"
-                is_row = v in out_v and v in lhs_v and v not in rhs_v and v not in summed
-                if is_row and ref is s.lhs:
-                    continue
-                if is_row and ref is s.out:
-                    if s.accumulate:
-                        raise self.error(
-                            f"'{s.out.tensor.text}' is written through {shown} with +=: rows t "
-                            f"with one {shown} would add into the same elements at once (a race), "
-                            "so scattered outputs are stored with `=` only",
-                            idx.via.pos,
-                            f"store with `=` (the entries of '{idx.via.text}' distinct), or write "
-                            f"'{s.out.tensor.text}' in row order and combine the rows in a separate pass",
-                        )
-                    continue
-                if is_row:
-                    where = f"the epilogue operand '{ref.tensor.text}' along the row index '{v}'"
-                elif v in summed:
-                    where = f"'{ref.tensor.text}' along the contracted index '{v}'"
-                elif v in out_v and v in rhs_v and v in lhs_v:
-                    where = f"'{ref.tensor.text}' along the batch index '{v}'"
-                elif v in out_v and v in rhs_v:
-                    where = f"'{ref.tensor.text}' along the column index '{v}'"
-                else:
-                    where = f"'{ref.tensor.text}' along '{v}'"
-                rows = sorted(out_v & lhs_v - rhs_v - summed)
-                row = rows[0] if len(rows) == 1 else "t"
-                raise self.error(
-                    f"{shown} reads {where}; only rows go through an index tensor: the row "
-                    f"position of the first factor (gathered rows) and of the output (scattered "
-                    f"rows), indexed by the statement's row index",
-                    idx.via.pos,
-                    f"gather the rows of the first factor (e.g. {s.lhs.tensor.text}[{idx.via.text}[{row}], "
-                    f"...]) or index '{ref.tensor.text}' by '{v}' itself",
-                )
-
-    def check_gathered(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
-        """A tensor whose rows go through an index tensor is strided (each row found by its
-        number), and its scales are read through the same index: the scale of x[idx[t], k]
-        is x_scale at row idx[t] (block idx[t] / b along the gathered dim), so blocks must
-        count from the dim's origin (no `per GROUP`) and span K in 128-wide blocks."""
-        axis = acc.axis_of_role("m")
-        assert axis is not None
-        idx = ref.indices[axis]
-        assert isinstance(idx, ast.Index) and idx.via is not None
-        shown = f"{idx.via.text}[{idx.var.text}]"
-        what = "gathered" if acc is gemm.a else "scattered"
-        if t.layout.kind != "strided":
-            raise self.error(
-                f"'{t.name}' is stored {t.layout}, but its rows are {what} through {shown}: a row "
-                "picked by number needs one row stride",
-                ref.tensor.pos,
-                "store it row_major, major(...) or strides(...)",
-            )
-        sc = t.scale
-        if sc is None:
-            return
-        dim = t.dims[axis]
-        decl = self.tensor_ast[t.name].scale
-        if sc.anchor is not None and self.groups[sc.anchor].dim == dim:
-            raise self.error(
-                f"the scale blocks of '{t.name}' restart at each '{sc.anchor}' segment along {dim}, "
-                f"but {shown} reads its rows in another order: the scale of row {shown} could not "
-                f"be found through the same index",
-                decl.anchor.pos,
-                f"drop `per {sc.anchor}`: the scale of {t.name}[{shown}, k] is "
-                f"{sc.name}[{shown} / {sc.block[axis]}, k / 128]",
-            )
-        if self.per_channel(gemm):
-            raise self.error(
-                f"'{t.name}' has per-channel scales (one along the whole of K), which a {what} "
-                "operand does not support yet",
-                idx.via.pos,
-                f"use [1, 128] blocks on '{t.name}': the scale of row {shown} is then read through "
-                "the same index",
-            )
 
     def check_index_exprs(self, s: ast.Statement) -> None:
         """Index expressions (`2*j + 1`) stand only where a SwiGLU reads its weight's gate
@@ -782,359 +672,6 @@ class _Checker(Context):
             found[kind] = (EpilogueOperand(kind, acc, t.dtype), ref)
         return tuple(found[k][0] for k in EPILOGUE_KINDS if k in found)
 
-    def check_types(self, gemm: Gemm, s: ast.Statement) -> None:
-        out_t = self.tensors[gemm.out.tensor]
-        a_t, b_t = self.tensors[gemm.a.tensor], self.tensors[gemm.b.tensor]
-        if out_t.dtype in FP8_TYPES:
-            self.check_fp8_output(gemm, s, out_t)
-        for acc, ref in ((gemm.out, s.out), (gemm.a, s.lhs), (gemm.b, s.rhs)):
-            t = self.tensors[acc.tensor]
-            if t.layout.kind != "segment_major":
-                continue
-            use = acc.uses[t.layout.seg_axis]
-            if use.kind != "role" or gemm.role(use.role).group != t.layout.group:
-                raise self.error(
-                    f"'{t.name}' is stored segment_major({t.layout.group}), but this statement "
-                    f"does not split {t.dims[t.layout.seg_axis]} by '{t.layout.group}' per leaf",
-                    ref.tensor.pos,
-                )
-        if gemm.gather:
-            self.check_gathered(gemm, gemm.a, s.lhs, a_t)
-        if gemm.scatter:
-            self.check_gathered(gemm, gemm.out, s.out, out_t)
-        a_fp8, b_fp8 = a_t.dtype in FP8_TYPES, b_t.dtype in FP8_TYPES
-        if a_t.dtype == "f32" or b_t.dtype == "f32":
-            bad = s.lhs if a_t.dtype == "f32" else s.rhs
-            raise self.error(
-                f"'{bad.tensor.text}' is f32; tensor cores take FP8, BF16 or F16 operands",
-                bad.tensor.pos,
-            )
-        if a_fp8 != b_fp8 or (not a_fp8 and a_t.dtype != b_t.dtype):
-            raise self.error(
-                f"operands '{a_t.name}' ({a_t.dtype}) and '{b_t.name}' ({b_t.dtype}) must both "
-                "be FP8 or both the same 16-bit type",
-                s.rhs.tensor.pos,
-            )
-        assert a_t.dtype in FP8_TYPES + SIXTEEN_BIT_TYPES
-        for acc, ref, t in ((gemm.a, s.lhs, a_t), (gemm.b, s.rhs, b_t)):
-            if t.dtype not in FP8_TYPES:
-                continue
-            if t.scale is None:
-                raise self.error(
-                    f"FP8 operand '{t.name}' has no scale; declare one, e.g. "
-                    f"`scale f32 [{', '.join('1' for _ in t.dims)}]`",
-                    ref.tensor.pos,
-                )
-            # Scale blocks first: a scale that varies along K needs a requantization,
-            # which also fixes the major-ness, so that is the more useful message.
-            self.check_scale_blocks(gemm, acc, ref, t)
-            self.check_k_major(gemm, acc, ref, t)
-        if a_fp8:
-            self.check_same_k_scaling(gemm, a_t, b_t)
-
-    def check_fp8_output(self, gemm: Gemm, s: ast.Statement, t: Tensor) -> None:
-        """An FP8 output is the result rounded to bf16 and quantized in the epilogue, one
-        f32 scale per row and FP8_OUT_BLOCK columns, as the quantize pass would make it:
-        `=` at its own rows, row-major with the columns last, whole blocks of a fixed
-        column dim, scale blocks [1, ..., 1, 128] in the default layout."""
-        name = t.name
-        hint = f"declare `tensor {name} : {t.dtype} [{', '.join(t.dims)}] scale f32 [{_fp8_out_block(t.rank)}]`"
-        if gemm.accumulate:
-            raise self.error(
-                f"'{name}' is {t.dtype}: an FP8 output is stored with `=` (each block's scale comes "
-                "from the finished values); `+=` into FP8 is not supported",
-                s.assign_pos or s.out.tensor.pos,
-                "accumulate into a bf16 or f32 tensor, then quantize it (`= quantize(...)`)",
-            )
-        axis = gemm.out.axis_of_role("m")
-        via = s.out.indices[axis] if axis is not None else None
-        if isinstance(via, ast.Index) and via.via is not None:
-            raise self.error(
-                f"'{name}' is {t.dtype} and its rows are scattered through {via}; an FP8 output "
-                "is stored at its own rows only (not supported yet)",
-                via.via.pos,
-                f"write '{name}' in row order, or scatter a bf16 output",
-            )
-        if t.scale is None:
-            raise self.error(
-                f"FP8 output '{name}' has no scale; the epilogue writes one f32 scale per row and "
-                f"{FP8_OUT_BLOCK} columns",
-                s.out.tensor.pos,
-                hint,
-            )
-        decl = self.tensor_ast[name]
-        n_axis = gemm.out.axis_of_role("n")
-        assert n_axis is not None
-        if n_axis != t.rank - 1:
-            raise self.error(
-                f"FP8 output '{name}' has its columns ({t.dims[n_axis]}) at position {n_axis + 1} of "
-                f"{t.rank}; its scale blocks run along the last dim, so the columns come last",
-                s.out.indices[n_axis].pos,
-                f"index '{name}' with the column index last, e.g. {name}[..., {gemm.n.var}]",
-            )
-        for i, (b, entry) in enumerate(zip(t.scale.block, decl.scale.block)):
-            want = FP8_OUT_BLOCK if i == t.rank - 1 else 1
-            if b != want:
-                raise self.error(
-                    f"FP8 output '{name}' has scale block {t.scale.block_text}; the epilogue "
-                    f"writes one scale per row and {FP8_OUT_BLOCK} columns, [{_fp8_out_block(t.rank)}]",
-                    entry.pos,
-                    hint,
-                )
-        if decl.scale.layout is not None and t.scale.layout.strides != tuple(row_major(self.scale_grid(t), None)):
-            raise self.error(
-                f"the scales of FP8 output '{name}' are stored {t.scale.layout}; the epilogue "
-                "writes them row-major (the default)",
-                decl.scale.layout.pos,
-                "drop the scale's layout",
-            )
-        if t.scale.anchor is not None:
-            raise self.error(
-                f"the scales of FP8 output '{name}' are anchored per '{t.scale.anchor}'; with one "
-                "scale per row they need no anchor",
-                decl.scale.anchor.pos,
-                f"drop `per {t.scale.anchor}`",
-            )
-        if t.layout.kind != "strided" or t.layout.strides != tuple(
-            row_major([self.size_poly(d) for d in t.dims], None)
-        ):
-            raise self.error(
-                f"FP8 output '{name}' is stored {t.layout}; the epilogue writes FP8 row-major "
-                "(the default, no padding)",
-                decl.layout.pos if decl.layout is not None else s.out.tensor.pos,
-                "drop the layout",
-            )
-        cols = self.dims[t.dims[n_axis]]
-        col_pos = s.out.indices[n_axis].pos
-        if cols.size is None or cols.size % FP8_OUT_BLOCK:
-            size = "known only at run time" if cols.size is None else f"{cols.size}"
-            raise self.error(
-                f"FP8 output '{name}' has {cols.name} = {size} columns; the epilogue quantizes "
-                f"whole {FP8_OUT_BLOCK}-column blocks, so {cols.name} must be fixed at compile time "
-                f"and a multiple of {FP8_OUT_BLOCK}",
-                col_pos,
-                f"declare `dim {cols.name} = ...` with a multiple of {FP8_OUT_BLOCK}",
-            )
-        b_t = self.tensors[gemm.b.tensor]
-        if gemm.swiglu and b_t.scale is not None and not self.per_channel(gemm):
-            # 128 gate/up pairs per tile: 256 columns, two 128-column wgmma halves, each with
-            # one B scale per K block.
-            b_axis = gemm.b.axis_of_role("n")
-            block = b_t.scale.block[b_axis]
-            if not self.covers(b_t, b_axis) and block % FP8_OUT_BLOCK:
-                raise self.error(
-                    f"'{b_t.name}' changes scale every {block} rows along {b_t.dims[b_axis]}; a SwiGLU "
-                    f"into FP8 runs tiles of {2 * FP8_OUT_BLOCK} gate/up rows as two "
-                    f"{FP8_OUT_BLOCK}-row halves, each with one scale of '{b_t.name}' per K block",
-                    self.tensor_ast[b_t.name].scale.block[b_axis].pos,
-                    f"use blocks of {FP8_OUT_BLOCK} (or a multiple) along {b_t.dims[b_axis]}",
-                )
-        splitting = [a.group for a in gemm.leaf_axes if a.group and self.groups[a.group].dim == cols.name]
-        if splitting:
-            raise self.error(
-                f"group '{splitting[0]}' splits the columns {cols.name} of FP8 output '{name}'; "
-                "its scale blocks run across whole rows of the output (not supported yet)",
-                col_pos,
-                "split the rows instead, or write one statement per column segment",
-            )
-
-    def check_pow2_scales(self, gemms: tuple[Gemm, ...]) -> None:
-        """`scale f32 [...] pow2` says how the epilogue computes the scales it writes, so it
-        belongs to FP8 outputs; a quantize pass spells it `quantize(SOURCE, pow2)`."""
-        written = {w for g in gemms for w in g.writes}
-        for t in self.tensors.values():
-            if t.scale is None or not t.scale.pow2 or t.name in written:
-                continue
-            pos = self.tensor_ast[t.name].scale.pow2[0]
-            if t.derived is not None and t.derived.op == "quantize":
-                raise self.error(
-                    f"'{t.name}' is quantized by a pre-pass, whose option says how it computes its "
-                    "scales: write it there",
-                    pos,
-                    f"drop this `pow2` and declare `= quantize({t.derived.source}, pow2)`",
-                )
-            raise self.error(
-                f"`pow2` says how gemmspec computes the scales it writes, but no statement writes "
-                f"'{t.name}': its scales are passed in",
-                pos,
-                "drop `pow2` (power-of-two scales passed in need no declaration)",
-            )
-
-    def check_same_k_scaling(self, gemm: Gemm, a_t: Tensor, b_t: Tensor) -> None:
-        """Both operands blockwise (128 along K) or both per-channel (the whole K): the
-        kernel either promotes per K block or scales once in the epilogue, not both."""
-        kinds = []
-        for acc, t in ((gemm.a, a_t), (gemm.b, b_t)):
-            axis = acc.axis_of_role("k")
-            assert axis is not None and t.scale is not None
-            kinds.append((t.scale.block[axis] != KERNEL_K_BLOCK, t, axis, acc))
-        if kinds[0][0] == kinds[1][0]:
-            return
-        (_, whole, axis, whole_acc), (_, blocked, _, _) = sorted(kinds, key=lambda x: not x[0])
-        kdim = whole.dims[axis]
-        raise self.error(
-            f"'{whole.name}' has one scale along the whole contracted dim {kdim} "
-            f"({'per-tensor' if self._per_tensor(whole, whole_acc) else 'per-channel'}), "
-            f"but '{blocked.name}' changes scale every {KERNEL_K_BLOCK} along it (blockwise); "
-            "both operands must be per-channel or per-tensor, or both blockwise",
-            self.tensor_ast[whole.name].scale.block[axis].pos,
-            f"give both the block {kdim} along {kdim} (one scale per row of A and per column "
-            f"of B), or both {KERNEL_K_BLOCK}",
-        )
-
-    def _per_tensor(self, t: Tensor, acc: Access) -> bool:
-        """Whether `t`'s scale, as this statement reads it, is one scale per leaf: one
-        block over the whole of every dim but the leaf axes."""
-        assert t.scale is not None
-        return all(self.covers(t, i) for i, use in enumerate(acc.uses) if use.kind == "role")
-
-    def check_k_major(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
-        k_axis = acc.axis_of_role("k")
-        assert k_axis is not None
-        lay = t.layout
-        ok = lay.contiguous_axis() == k_axis
-        if ok and lay.kind == "segment_major" and lay.group != gemm.k.group:
-            ok = False
-        if ok:
-            return
-        contiguous = lay.contiguous_axis()
-        cdim = t.dims[contiguous] if contiguous is not None else "none"
-        kdim = t.dims[k_axis]
-        if lay.kind == "segment_major" and contiguous == k_axis:
-            reason = (
-                f"its segments follow '{lay.group}', but the contraction runs over "
-                f"{gemm.k.group or 'all of ' + kdim}"
-            )
-        else:
-            reason = f"its contiguous dim is {cdim} but the contraction runs over {kdim}"
-        suggestion = self._k_major_layout(gemm, t, k_axis)
-        raise self.error(
-            f"FP8 operand '{t.name}' is not K-major: {reason}; FP8 wgmma reads both operands "
-            "K-major, so this needs a transpose pass",
-            ref.tensor.pos,
-            f"declare the transposed copy and use it here: `tensor {t.name}_t : {t.dtype} "
-            f"[{', '.join(t.dims)}] layout {suggestion} scale f32 "
-            f"[{', '.join(str(b) for b in t.scale.block)}] = transpose({t.name})`",
-        )
-
-    def _k_major_layout(self, gemm: Gemm, t: Tensor, k_axis: int) -> str:
-        if gemm.k.group and self.groups[gemm.k.group].kind == "ragged":
-            return f"segment_major({gemm.k.group})"
-        return f"major({t.dims[k_axis]})"
-
-    def check_scale_blocks(self, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tensor) -> None:
-        sc = t.scale
-        assert sc is not None
-        blocks = self.tensor_ast[t.name].scale.block
-        for axis, use in enumerate(acc.uses):
-            b = sc.block[axis]
-            pos = blocks[axis].pos
-            dim = t.dims[axis]
-            if use.kind == "leaf":
-                if b != 1:
-                    raise self.error(
-                        f"scale block {b} along {dim} spans several groups; a group or batch "
-                        "dim takes one scale per entry (block 1)",
-                        pos,
-                    )
-                continue
-            if use.index is not None:
-                continue  # rows read through an index tensor: their scales too (check_gathered)
-            role = gemm.role(use.role)
-            size = self.dims[dim].size
-            whole = isinstance(b, str)  # one block over the whole of a run-time dim
-            if use.role == "k" and whole:
-                raise self.error(
-                    f"scale block '{b}' spans the whole contracted dim {dim}, which is known only "
-                    "at run time; one scale along the whole of K (per-channel or per-tensor "
-                    "scales) needs K fixed at compile time",
-                    pos,
-                    f"declare `dim {dim} = SIZE`, or use {KERNEL_K_BLOCK}-wide blocks along {dim}",
-                )
-            if use.role == "k" and b != KERNEL_K_BLOCK and b == size:
-                # Per-channel: one scale along the whole of K, applied in the epilogue.
-                if role.group is not None:
-                    raise self.error(
-                        f"scale block {b} spans the whole contracted dim {dim}, but this "
-                        f"statement contracts over the segments of '{role.group}'; one scale "
-                        "along the whole of K (per-channel) is supported only for a "
-                        f"contraction over all of {dim}",
-                        pos,
-                        f"use {KERNEL_K_BLOCK}-wide blocks along {dim}",
-                    )
-                continue
-            if use.role == "k":
-                if b < KERNEL_K_BLOCK:
-                    raise self.error(
-                        f"scale of '{t.name}' changes every {b} element{'s' if b > 1 else ''} "
-                        f"along the contracted dim {dim}, finer than the {KERNEL_K_BLOCK}-wide "
-                        "K block inside which FP8 tensor cores accumulate without scales; "
-                        "this needs a requantization",
-                        pos,
-                        self._requant_hint(gemm, t, axis),
-                    )
-                if b != KERNEL_K_BLOCK:
-                    raise self.error(
-                        f"scale block {b} along the contracted dim {dim} is not supported; "
-                        f"use {KERNEL_K_BLOCK} (blockwise) or "
-                        + (
-                            f"{dim}'s whole extent {size} (per-channel)"
-                            if size is not None
-                            else f"fix {dim} at compile time for one scale along the whole of "
-                            "it (per-channel); a dim known only at run time takes 128 only"
-                        ),
-                        pos,
-                    )
-            # One block over the whole of M or N: every row (column) of every leaf reads
-            # the same scale, so no block straddles a segment.
-            covers = self.covers(t, axis)
-            if use.role != "k":
-                k_axis = acc.axis_of_role("k")
-                if covers and (sc.block[k_axis] != KERNEL_K_BLOCK or self.covers(t, k_axis)):
-                    # Beside one scale along the whole of K (an invalid K block is reported
-                    # at K): the per-channel epilogue (or, with K at most 128, the one K
-                    # block's promotion) reads this scale for every row or column, so any
-                    # extent will do: per-tensor scales.
-                    continue
-                if whole:
-                    raise self.error(
-                        f"one scale along the whole of the run-time dim {dim} is supported only "
-                        f"beside one scale along the whole of the contracted dim "
-                        f"{t.dims[k_axis]} (per-tensor or per-channel scales), but the block "
-                        f"along {t.dims[k_axis]} is {sc.block[k_axis]}",
-                        pos,
-                        f"declare the block along {t.dims[k_axis]} as {t.dims[k_axis]} (the "
-                        f"whole of it) on both operands, or use 1 or {KERNEL_K_BLOCK} along {dim}",
-                    )
-                if b != 1 and KERNEL_K_BLOCK % b and b % KERNEL_K_BLOCK:
-                    raise self.error(
-                        f"scale block {b} along {dim} does not divide the {KERNEL_K_BLOCK}-wide tile "
-                        f"grid; use a divisor or multiple of {KERNEL_K_BLOCK}",
-                        pos,
-                    )
-            if b != 1 and role.group is not None and not covers:
-                g = self.groups[role.group]
-                aligned = g.kind in ("split", "uniform") and all(x % b == 0 for x in g.starts)
-                if sc.anchor != g.name and not aligned:
-                    raise self.error(
-                        f"scale blocks of {b} along {dim} would straddle the segments of "
-                        f"'{g.name}', whose lengths are not multiples of {b}",
-                        pos,
-                        f"anchor the blocks at each segment's start with `per {g.name}` after "
-                        "the scale block",
-                    )
-
-    def _requant_hint(self, gemm: Gemm, t: Tensor, k_axis: int) -> str:
-        block = ["1"] * t.rank
-        block[k_axis] = str(KERNEL_K_BLOCK)
-        anchor = f" per {gemm.k.group}" if gemm.k.group else ""
-        return (
-            f"dequantize '{t.name}', transpose it so {t.dims[k_axis]} is contiguous and "
-            f"quantize again with [{', '.join(block)}] blocks: declare `tensor {t.name}_q : "
-            f"{t.dtype} [{', '.join(t.dims)}] layout {self._k_major_layout(gemm, t, k_axis)} "
-            f"scale f32 [{', '.join(block)}]{anchor} = requantize({t.name})` and use it here"
-        )
-
     def check_written_once(self, gemms: tuple[Gemm, ...]) -> None:
         written: dict[str, int] = {}
         for g, s in zip(gemms, self.ast.statements):
@@ -1322,11 +859,6 @@ class _Checker(Context):
                 gather_rows = mode
         where = self.where(force_pos) if force_pos is not None else None
         return Directives(force, target, tile, gather_rows, force_where=where)
-
-
-def _fp8_out_block(rank: int) -> str:
-    """The scale block of an FP8 output of `rank` dims, as written: `1, 128`."""
-    return ", ".join(["1"] * (rank - 1) + [str(FP8_OUT_BLOCK)])
 
 
 def _short(x: object) -> str:
