@@ -21,6 +21,9 @@ QUANTIZE_POW2 = "pow2"
 # IDX[t] of SOURCE (its two keywords, each optional).
 REQUANTIZE_ROWS, REQUANTIZE_WEIGHT = "rows", "weight"
 
+# Index variable -> (its dim, where it is first bound).
+Binding = dict[str, tuple[str, ast.Pos]]
+
 GROUP_KINDS_THAT_PARTITION = ("ragged", "split", "uniform")
 
 

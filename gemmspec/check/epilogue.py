@@ -3,12 +3,22 @@ to a finished accumulator tile."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .. import ast
-from ..spec import EPILOGUE_KINDS, EPILOGUE_TYPES, EpilogueOperand
+from ..spec import EPILOGUE_KINDS, EPILOGUE_TYPES, Access, EpilogueOperand
 from .context import Context
 
 
-def check_epilogue(ctx: Context, s: ast.Statement, k_var: str, role_of, batch_use, k_group_axis, access) -> tuple[EpilogueOperand, ...]:
+def check_epilogue(
+    ctx: Context,
+    s: ast.Statement,
+    k_var: str,
+    role_of: dict[str, str],
+    batch_use: dict[str, str],
+    k_group_axis: tuple[str, str] | None,
+    access: Callable[[ast.Ref], Access],
+) -> tuple[EpilogueOperand, ...]:
     """Classify each epilogue operand by the indices it takes: leaf axes only (a
     per-leaf scalar), the row index (a per-row weight) or, for the added term, the
     column index (a per-column bias). Everything else cannot be applied to a finished

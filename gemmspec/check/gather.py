@@ -28,7 +28,7 @@ def index_tensor(ctx: Context, idx: ast.Index) -> Tensor:
     return t  # one dim: checked at its declaration
 
 
-def check_gather_positions(ctx: Context, s: ast.Statement, refs) -> None:
+def check_gather_positions(ctx: Context, s: ast.Statement, refs: tuple[ast.Ref, ...]) -> None:
     """`idx[t]` stands only at the row position of the first factor (gathered rows) and
     of an `=` output (scattered rows), with t the statement's row index. Decided from
     the indices as written, before any binding, so that the message names the role."""

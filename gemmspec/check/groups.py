@@ -12,7 +12,7 @@ from ..spec import (
     RoleDim,
     Tensor,
 )
-from .context import GROUP_KINDS_THAT_PARTITION, Context
+from .context import GROUP_KINDS_THAT_PARTITION, Binding, Context
 from .names import claim, const_expr, declare_dim, need_dim
 
 
@@ -154,7 +154,7 @@ def declare_group(ctx: Context, g: ast.GroupDecl) -> None:
         ctx.masked_by_count_dim.setdefault(g.count_dim.text, g.name.text)
 
 
-def check_group_ref(ctx: Context, idx: ast.Index, dim: str, t: Tensor, binding) -> None:
+def check_group_ref(ctx: Context, idx: ast.Index, dim: str, t: Tensor, binding: Binding) -> None:
     assert idx.group is not None
     gname = idx.group.text
     if gname not in ctx.groups:
@@ -189,7 +189,9 @@ def check_group_ref(ctx: Context, idx: ast.Index, dim: str, t: Tensor, binding) 
         )
 
 
-def check_sum_restriction(ctx: Context, sm: ast.SumIndex, binding, out_vars) -> tuple[str, str]:
+def check_sum_restriction(
+    ctx: Context, sm: ast.SumIndex, binding: Binding, out_vars: list[str]
+) -> tuple[str, str]:
     assert sm.group is not None and sm.group_var is not None
     gname = sm.group.text
     if gname not in ctx.groups:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from .. import ast
 from ..expr import Poly
-from .context import Context
+from .context import Binding, Context
 from .names import MAX_POLY_DEGREE, MAX_POLY_TERMS
 
 
@@ -182,7 +182,7 @@ def _index_poly(idx: ast.Index | ast.IndexExpr) -> Poly | None:
     return fold(idx.expr)
 
 
-def check_swiglu_dims(ctx: Context, s: ast.Statement, pair: SwigluPair, binding) -> str:
+def check_swiglu_dims(ctx: Context, s: ast.Statement, pair: SwigluPair, binding: Binding) -> str:
     """The output's column dim holds the pairs of the weight's gate/up dim: both fixed,
     the weight's even and twice the output's. Returns the weight's dim."""
     w = ctx.tensors[s.rhs.tensor.text]
