@@ -24,8 +24,6 @@ REQUANTIZE_ROWS, REQUANTIZE_WEIGHT = "rows", "weight"
 # Index variable -> (its dim, where it is first bound).
 Binding = dict[str, tuple[str, ast.Pos]]
 
-GROUP_KINDS_THAT_PARTITION = ("ragged", "split", "uniform")
-
 
 class Context:
     """The state of checking one spec, shared by every check: what is declared so far

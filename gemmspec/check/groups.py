@@ -12,8 +12,10 @@ from ..spec import (
     RoleDim,
     Tensor,
 )
-from .context import GROUP_KINDS_THAT_PARTITION, Binding, Context
+from .context import Binding, Context
 from .names import claim, const_expr, declare_dim, need_dim
+
+GROUP_KINDS_THAT_PARTITION = ("ragged", "split", "uniform")
 
 
 def declare_group(ctx: Context, g: ast.GroupDecl) -> None:

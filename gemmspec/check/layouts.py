@@ -6,7 +6,8 @@ from __future__ import annotations
 from .. import ast
 from ..expr import Poly
 from ..spec import MAX_EXTENT, MAX_OFFSET, Group, Layout
-from .context import GROUP_KINDS_THAT_PARTITION, Context, row_major
+from .context import Context, row_major
+from .groups import GROUP_KINDS_THAT_PARTITION
 from .names import poly
 
 _RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"

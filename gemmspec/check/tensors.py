@@ -21,13 +21,13 @@ from ..spec import (
 )
 from .context import (
     COPY_OP,
-    GROUP_KINDS_THAT_PARTITION,
     QUANTIZE_POW2,
     REQUANTIZE_ROWS,
     REQUANTIZE_WEIGHT,
     SWIGLU_GRAD_OP,
     Context,
 )
+from .groups import GROUP_KINDS_THAT_PARTITION
 from .layouts import check_layout
 from .names import claim, need_dim
 
