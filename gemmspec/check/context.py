@@ -27,7 +27,8 @@ Binding = dict[str, tuple[str, ast.Pos]]
 
 class Context:
     """The state of checking one spec, shared by every check: what is declared so far
-    (filled in declaration order) and the source lines that errors point into."""
+    (filled in declaration order), the source lines that errors point into, and the
+    questions about declared tensors that several checks ask."""
 
     def __init__(self, file: ast.FileAst, spec: ast.SpecAst, lines: list[str]):
         self.file = file
