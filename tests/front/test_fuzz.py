@@ -189,8 +189,10 @@ def front(text: str) -> list[EmittedProgram]:
 
 def stage_of(err: SpecError) -> str:
     """Where the error was raised: the parser, the checker or the analysis."""
-    module = traceback.extract_tb(err.__traceback__)[-1].filename
-    return {"parse.py": "parse", "check.py": "check", "analyse.py": "analyse"}.get(Path(module).name, Path(module).stem)
+    module = Path(traceback.extract_tb(err.__traceback__)[-1].filename)
+    if module.parent.name == "check":  # the checker is a package of modules
+        return "check"
+    return {"parse.py": "parse", "analyse.py": "analyse"}.get(module.name, module.stem)
 
 
 def location_problem(err: SpecError, text: str) -> str | None:
