@@ -8,6 +8,7 @@ from . import ast
 from .backward import derive_backward
 from .codegen.emit import emit
 from .errors import GemmspecError
+from .explain import explain_text
 from .pipeline import lower_file
 from .spec import Spec
 
@@ -30,7 +31,7 @@ def build(spec: str | Path | ast.FileAst, name: str | None = None):
         names = ", ".join(x.spec.name for x in lowered)
         raise GemmspecError(f"the file defines several specs ({names}); pass name=...")
     x = lowered[0]
-    return Executable(x.spec, x.schedule, emit(x.spec, x.schedule))
+    return Executable(x.spec, x.schedule, emit(x.spec, x.schedule), explain=explain_text)
 
 
 def build_backward(spec: Spec):
