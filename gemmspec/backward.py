@@ -51,8 +51,9 @@ DGRAD's epilogue and its gradient is not derived: `Backward.not_derived` lists i
 16-bit statement of this form is skipped (no 16-bit pre-pass gathers and weights dD's
 rows), as are gathered A rows (their gradient would scatter-add).
 
-`derive_backward` writes the derived statements as one more spec (`<spec>_backward`)
-and runs it through the whole front half, so the derived statements are checked,
+`derive_backward` writes the derived statements as one more spec (`<spec>_backward`),
+a pass of the front half: a spec in, a spec's text out. `gemmspec.build.build_backward`
+runs that text through the whole compiler, so the derived statements are checked,
 analysed and lowered exactly as written ones; a statement whose gradient the
 language or the kernels cannot express yet is reported with the reason.
 """
@@ -62,7 +63,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import GemmspecError
 from .spec import FP8_TYPES, FreshNames, Gemm, Spec, Tensor
 
 _REF_START = re.compile(r"(\w+)\[")
@@ -651,14 +651,3 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         tuple(not_derived.items()),
     )
 
-
-def build_backward(spec: Spec):
-    """The derived backward spec, built (checked, lowered, emitted) as a callable
-    Executable, with its `Backward` description; GemmspecError when nothing derives."""
-    from .build import build
-
-    bw = derive_backward(spec)
-    if not bw.statements:
-        why = "; ".join(f"#{s.forward}: {s.reason}" for s in bw.skipped) or "no statement"
-        raise GemmspecError(f"{spec.name}: no backward statement derived ({why})")
-    return build(bw.source), bw

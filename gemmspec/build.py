@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import ast
+from .backward import derive_backward
 from .codegen.emit import emit
 from .errors import GemmspecError
+from .explain import explain_text
 from .pipeline import lower_file
+from .spec import Spec
 
 
 def build(spec: str | Path | ast.FileAst, name: str | None = None):
@@ -28,4 +31,14 @@ def build(spec: str | Path | ast.FileAst, name: str | None = None):
         names = ", ".join(x.spec.name for x in lowered)
         raise GemmspecError(f"the file defines several specs ({names}); pass name=...")
     x = lowered[0]
-    return Executable(x.spec, x.schedule, emit(x.spec, x.schedule))
+    return Executable(x.spec, x.schedule, emit(x.spec, x.schedule), explain=explain_text)
+
+
+def build_backward(spec: Spec):
+    """The derived backward spec, built (checked, lowered, emitted) as a callable
+    Executable, with its `Backward` description; GemmspecError when nothing derives."""
+    bw = derive_backward(spec)
+    if not bw.statements:
+        why = "; ".join(f"#{s.forward}: {s.reason}" for s in bw.skipped) or "no statement"
+        raise GemmspecError(f"{spec.name}: no backward statement derived ({why})")
+    return build(bw.source), bw

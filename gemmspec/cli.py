@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _check_output_dirs(args: argparse.Namespace) -> None:
     """Fail on an unusable output folder before any work, so nothing is half-written."""
-    from .pipeline import check_output_dir
+    from .output import check_output_dir
 
     if args.dump_ir is not None:
         check_output_dir(args.dump_ir, "--dump-ir directory")
@@ -166,11 +166,10 @@ def _check_output_dirs(args: argparse.Namespace) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from .codegen.emit import emit
-    from .codegen.header import SHARED_HEADER, plan_programs, write_programs
-    from .pipeline import lower_file
+    from .output import SHARED_HEADER, lower_and_dump, plan_programs, write_programs
 
     _check_output_dirs(args)
-    lowered = lower_file(args.file, args.dump_ir)
+    lowered = lower_and_dump(args.file, args.dump_ir)
     programs = [(x.spec, x.schedule, emit(x.spec, x.schedule)) for x in lowered]
     if args.list:
         names = [SHARED_HEADER, *(n for sf in plan_programs(programs, args.cubin) for n in sf.files)]
@@ -208,7 +207,7 @@ def _dims(items: list[str]) -> dict[str, int] | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .pipeline import check_output_dir, lower_file
+    from .output import check_output_dir, lower_and_dump
     from .tune import tune
 
     dims = _dims(args.dims)
@@ -220,7 +219,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise OutputError(f"cannot write the --json file {args.json}: it is a directory", str(args.json))
         check_output_dir(args.json.parent, "--json file's directory")
     if args.dump_ir is not None:
-        lower_file(args.file, args.dump_ir)
+        lower_and_dump(args.file, args.dump_ir)
 
     def on_candidates(found) -> None:
         print(f"{found.spec}: {len(found.candidates)} candidate(s), {len(found.skipped)} skipped", file=sys.stderr)
@@ -231,7 +230,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     )
     print(report.text())
     if args.json is not None:
-        from .pipeline import make_output_dir, write_if_changed
+        from .output import make_output_dir, write_if_changed
 
         make_output_dir(args.json.parent, "--json file's directory")
         write_if_changed(args.json, json.dumps(report.to_json(), indent=2) + "\n")
@@ -254,20 +253,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .pipeline import lower_file
+    from .output import lower_and_dump
 
     _check_output_dirs(args)
-    for x in lower_file(args.file, args.dump_ir):
+    for x in lower_and_dump(args.file, args.dump_ir):
         print(f"{args.file}: {x.spec.name}: ok ({len(x.spec.gemms)} statement(s))")
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from .explain import explain_text, schedule_json
-    from .pipeline import lower_file
+    from .output import lower_and_dump
 
     _check_output_dirs(args)
-    lowered = lower_file(args.file, args.dump_ir)
+    lowered = lower_and_dump(args.file, args.dump_ir)
     if args.json:
         print(json.dumps([schedule_json(x.spec, x.schedule) for x in lowered], indent=2))
     else:

@@ -605,7 +605,7 @@ class GemmFunction:
     passed in (straight through the quantization)."""
 
     def __init__(self, exe):
-        from .backward import build_backward
+        from .build import build_backward
 
         self.forward_op = op(exe)
         spec = exe.spec

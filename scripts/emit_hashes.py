@@ -35,9 +35,9 @@ def _sha(data: bytes | str) -> str:
 def _spec_lines(label: str, text: str) -> list[str]:
     from gemmspec.backward import derive_backward
     from gemmspec.codegen.emit import emit
-    from gemmspec.codegen.header import plan_programs
     from gemmspec.errors import GemmspecError
     from gemmspec.explain import explain_text, schedule_json
+    from gemmspec.output import plan_programs
     from gemmspec.parse import parse
     from gemmspec.pipeline import lower_file
 

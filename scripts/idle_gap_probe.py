@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
-from gemmspec.bench import _fp8, _offsets, _scales, moe_spec, timed_launches  # noqa: E402
+from gemmspec.bench import moe_spec, offsets_tensor, random_fp8, random_scales, timed_launches  # noqa: E402
 
 E, M, N, K = 8, 4096, 4096, 7168
 LAUNCHES = 60
@@ -28,13 +28,13 @@ LAUNCHES = 60
 
 def main() -> int:
     t = E * M
-    x, w = _fp8((t, K)), _fp8((E, N, K))
-    xs, ws = _scales((K // 128, t)).t(), _scales((E, N // 128, K // 128))
+    x, w = random_fp8((t, K)), random_fp8((E, N, K))
+    xs, ws = random_scales((K // 128, t)).t(), random_scales((E, N // 128, K // 128))
     exe = gemmspec.build(moe_spec("moe_fp8", n=N, k=K, e=E, fp8=True, scales_major_t=True))
     y = torch.empty((t, N), dtype=torch.bfloat16, device="cuda")
-    offs = _offsets([M] * E)
+    offs = offsets_tensor([M] * E)
     run = exe.prepare(torch.cuda.current_stream(), y=y, offs=offs, x=x, x_scale=xs, w=w, w_scale=ws)
-    sa, sb = _scales((t,)), _scales((E, N))
+    sa, sb = random_scales((t,)), random_scales((E, N))
     ends = offs[1:].contiguous()
 
     def torch_mm():

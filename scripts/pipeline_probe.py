@@ -31,11 +31,11 @@ from gemmspec.bench import (  # noqa: E402
     LORA,
     LORA_EXPAND_COUNTS,
     WGRAD,
-    _fp8,
-    _offsets,
-    _scales,
     moe_spec,
     nested_offsets,
+    offsets_tensor,
+    random_fp8,
+    random_scales,
     sustained_clock,
     timed_launches,
     with_directive,
@@ -222,14 +222,14 @@ def main() -> int:
         g = torch.Generator(device="cpu").manual_seed(3)
         idx = torch.cat([torch.randperm(s, generator=g), torch.randperm(s, generator=g)]).to(torch.int32).cuda()
         tensors = {
-            "idx": idx, "x": _fp8((s, k)), "x_scale": _scales((s, k // 128)), "w": _fp8((e, n, k)),
-            "w_scale": _scales((e, n // 128, k // 128)),
+            "idx": idx, "x": random_fp8((s, k)), "x_scale": random_scales((s, k // 128)), "w": random_fp8((e, n, k)),
+            "w_scale": random_scales((e, n // 128, k // 128)),
         }
         variants, spec = GATHER_VARIANTS, GATHER.format(n=n, k=k, e=e)
     elif args.wgrad:
         # Segment-major operands (each expert's tokens contiguous per channel), 128 x 1 scales.
         tensors = {
-            "dy": _fp8((t, n)), "dy_scale": _scales((t // 128, n)), "x": _fp8((t, k)), "x_scale": _scales((t // 128, k)),
+            "dy": random_fp8((t, n)), "dy_scale": random_scales((t // 128, n)), "x": random_fp8((t, k)), "x_scale": random_scales((t // 128, k)),
         }
         variants, spec = WGRAD_VARIANTS, WGRAD.format(n=n, k=k, e=e)
     elif args.bf16:
@@ -238,11 +238,11 @@ def main() -> int:
         tensors, variants = {"x": x, "w": w}, BF16_VARIANTS
         spec = moe_spec("moe_bf16", n=n, k=k, e=e)
     else:
-        x, w = _fp8((t, k)), _fp8((e, n, k))
-        xs, ws = _scales((k // 128, t)).t(), _scales((e, n // 128, k // 128))
+        x, w = random_fp8((t, k)), random_fp8((e, n, k))
+        xs, ws = random_scales((k // 128, t)).t(), random_scales((e, n // 128, k // 128))
         tensors, variants = {"x": x, "x_scale": xs, "w": w, "w_scale": ws}, VARIANTS
         spec = moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True)
-    offs = _offsets([m] * e)
+    offs = offsets_tensor([m] * e)
     flops = 2.0 * t * n * k
     reference = None
     sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load

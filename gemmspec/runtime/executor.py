@@ -42,7 +42,6 @@ from ..codegen.kernels import include_dir
 from ..codegen.manifest import CHECK_FLAGS, Manifest, launch_manifest
 from ..codegen.validate import group_chain_count, index_rows
 from ..errors import ArgumentError, GemmspecError
-from ..explain import explain_text
 from ..lower.schedule import Schedule
 from ..spec import INDEX_TYPE, Spec, Tensor
 from .arrays import DeviceArray, DeviceBuffer, as_device_array, copy_to_host
@@ -179,10 +178,19 @@ def _read(objects: tuple) -> tuple[tuple, tuple[int, ...], int, bool] | None:
 
 
 class Executable:
-    def __init__(self, spec: Spec, schedule: Schedule, program: EmittedProgram):
+    def __init__(
+        self,
+        spec: Spec,
+        schedule: Schedule,
+        program: EmittedProgram,
+        explain: Callable[[Spec, Schedule], str] | None = None,
+    ):
+        """`explain` renders what `explain()` returns (gemmspec.build passes the
+        `gemmspec explain` text; the runtime does not render it itself)."""
         self.spec = spec
         self.schedule = schedule
         self.program = program
+        self._explain = explain
         self._kernels: dict[tuple[int, str], LoadedKernel] = {}
         self._cubins: dict[str, CompiledCubin] = {}
         self._plans: OrderedDict[tuple, PreparedRun] = OrderedDict()
@@ -193,7 +201,9 @@ class Executable:
         return self.program.sources()
 
     def explain(self) -> str:
-        return explain_text(self.spec, self.schedule)
+        if self._explain is None:
+            raise GemmspecError(f"{self.spec.name}: made without an explain renderer (gemmspec.build gives one)")
+        return self._explain(self.spec, self.schedule)
 
     # ---- arguments -------------------------------------------------------------------
     def argument_names(self) -> list[str]:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from gemmspec.codegen.emit import emit
-from gemmspec.codegen.header import (
+from gemmspec.errors import OutputError
+from gemmspec.output import (
     MAX_FILE_NAME_BYTES,
     check_file_names,
     file_stem,
     header_guard,
     spec_files,
 )
-from gemmspec.errors import OutputError
 from gemmspec.pipeline import lower_file
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_bf16_forward.gspec"

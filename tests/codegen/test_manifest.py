@@ -15,7 +15,6 @@ from cuda.bindings import nvrtc
 from gemmspec.cli import main
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.formula import NUM_SMS, Formula
-from gemmspec.codegen.header import SHARED_HEADER, check_symbols, plan_programs, spec_files
 from gemmspec.codegen.host import declaration
 from gemmspec.codegen.kernels import INLINE_MAX_BLOCKS, include_dir, map_specs
 from gemmspec.codegen.manifest import (
@@ -27,6 +26,7 @@ from gemmspec.codegen.manifest import (
     launch_manifest,
 )
 from gemmspec.errors import OutputError
+from gemmspec.output import SHARED_HEADER, check_symbols, plan_programs, spec_files
 from gemmspec.pipeline import lower_file
 from gemmspec.runtime import executor, tensormap
 from gemmspec.runtime.nvrtc import cuda_include_dirs

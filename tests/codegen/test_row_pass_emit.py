@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import gemmspec
-from gemmspec.backward import build_backward
+from gemmspec.build import build_backward
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.kernels import RowPassKernelConfig, include_dir, render_row_pass
 from gemmspec.codegen.manifest import launch_manifest

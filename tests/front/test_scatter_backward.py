@@ -79,7 +79,7 @@ def test_the_example_derives_both_gradients_of_its_down_projection():
 
 
 def test_the_backward_spec_checks_lowers_and_emits():
-    from gemmspec.backward import build_backward
+    from gemmspec.build import build_backward
 
     exe, bw = build_backward(gemmspec.build(EXAMPLE).spec)
     assert [g.text for g in exe.spec.gemms][:2] == [DGRAD, WGRAD]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import gemmspec
-from gemmspec.backward import build_backward, derive_backward
+from gemmspec.backward import derive_backward
+from gemmspec.build import build_backward
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

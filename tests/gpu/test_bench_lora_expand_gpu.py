@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 def test_lora_expand_row_checks_and_times():
-    results = bench.case_lora_expand(1)
+    (case,) = bench.selected_cases(["lora_expand"])
+    results = case.measure(1)
     assert [r.impl.split(" ")[0] for r in results][:2] == ["gemmspec", "gemmspec"]
     assert "float64 reference (sampled rows)" in results[0].check
     assert all(r.ms > 0 and r.unit == "TB/s" for r in results)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import gemmspec
-from gemmspec.backward import build_backward
+from gemmspec.build import build_backward
 from gemmspec.reference.data import (
     Runtime,
     TensorData,

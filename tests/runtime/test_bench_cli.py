@@ -6,6 +6,10 @@ from __future__ import annotations
 import pytest
 
 from gemmspec import bench
+from gemmspec.bench import timing
+from gemmspec.bench.anchors import deepgemm
+from gemmspec.bench.compare import checked
+from gemmspec.bench.report import verdict
 from gemmspec.cli import main
 
 
@@ -37,12 +41,12 @@ def test_verdict_applies_rate_and_ratio_targets():
     case = bench.Case("c", "", bench.Target(tflops=1000, vs_torch=1.2), lambda r: [])
     fast = _row("c", "gemmspec", 1.5)  # 1333 TFLOPS
     torch_row = _row("c", "torch", 1.9)
-    assert bench._verdict(case, fast, torch_row) == "pass"
-    assert bench._verdict(case, fast, _row("c", "torch", 1.7)) == "MISS"  # only 1.13x torch
-    assert bench._verdict(case, _row("c", "gemmspec", 2.5), torch_row) == "MISS"  # 800 TFLOPS
+    assert verdict(case, fast, torch_row) == "pass"
+    assert verdict(case, fast, _row("c", "torch", 1.7)) == "MISS"  # only 1.13x torch
+    assert verdict(case, _row("c", "gemmspec", 2.5), torch_row) == "MISS"  # 800 TFLOPS
     timed = bench.Case("l", "", bench.Target(max_us=24), lambda r: [])
-    assert bench._verdict(timed, _row("l", "gemmspec", 0.020), None) == "pass"
-    assert bench._verdict(timed, _row("l", "gemmspec", 0.030), None) == "MISS"
+    assert verdict(timed, _row("l", "gemmspec", 0.020), None) == "pass"
+    assert verdict(timed, _row("l", "gemmspec", 0.030), None) == "MISS"
 
 
 def test_report_marks_failed_cases():
@@ -52,10 +56,10 @@ def test_report_marks_failed_cases():
 
 
 def test_checked_rejects_nan_and_large_errors():
-    assert "1.00e-03" in bench._checked(1e-3, 4e-3, "ref")
+    assert "1.00e-03" in checked(1e-3, 4e-3, "ref")
     for bad in (float("nan"), 5e-3):
         with pytest.raises(AssertionError):
-            bench._checked(bad, 4e-3, "ref")
+            checked(bad, 4e-3, "ref")
 
 
 def test_verdict_against_every_separate_launch_row():
@@ -64,9 +68,9 @@ def test_verdict_against_every_separate_launch_row():
     assert bench.Target(vs_separate=1.5).describe() == ">= 1.50x separate launches"
     ours = _row("s", "gemmspec fused", 1.0)
     slower = [_row("s", "gemmspec + torch", 1.4), _row("s", "torch", 1.2)]
-    assert bench._verdict(case, ours, None, slower) == "pass"
-    assert bench._verdict(case, ours, None, [*slower, _row("s", "torch other", 0.9)]) == "MISS"
-    assert bench._verdict(case, ours, None, []) == "MISS"  # nothing it was compared with
+    assert verdict(case, ours, None, slower) == "pass"
+    assert verdict(case, ours, None, [*slower, _row("s", "torch other", 0.9)]) == "MISS"
+    assert verdict(case, ours, None, []) == "MISS"  # nothing it was compared with
 
 
 class _FakeCuda:
@@ -114,18 +118,18 @@ class _FakeTorch:
 
 def test_restored_launches_restore_before_each_flush_and_launch(monkeypatch):
     log = []
-    monkeypatch.setattr(bench, "_torch", lambda: _FakeTorch(log))
-    monkeypatch.setattr(bench, "IDLE_MS", 0.0)
-    monkeypatch.setattr(bench, "RESTORED_LAUNCHES", 3)
-    timing = bench._time(lambda: log.append("fn"), 2, before=lambda: log.append("restore"))
-    assert timing.samples_ms == [0.5, 0.5]
+    monkeypatch.setattr(timing, "load_torch", lambda: _FakeTorch(log))
+    monkeypatch.setattr(timing, "IDLE_MS", 0.0)
+    monkeypatch.setattr(timing, "RESTORED_LAUNCHES", 3)
+    measured = timing.timed(lambda: log.append("fn"), 2, before=lambda: log.append("restore"))
+    assert measured.samples_ms == [0.5, 0.5]
     one = ["restore", "fn"] + ["restore", "flush", "record", "fn", "record"] * 3 + ["sync"]
     assert log == one * 2
 
 
 def test_idle_launches_sleep_after_the_restore(monkeypatch):
     log = []
-    monkeypatch.setattr(bench, "_torch", lambda: _FakeTorch(log))
+    monkeypatch.setattr(timing, "load_torch", lambda: _FakeTorch(log))
     bench.timed_launches(lambda: log.append("fn"), 1, 2.0, before=lambda: log.append("restore"))
     assert log == ["restore", "fn", "restore", "sleep", "flush", "record", "fn", "record", "sync"]
     log.clear()
@@ -138,7 +142,7 @@ def test_live_deepgemm_row_replaces_the_recorded_figure():
     ours, torch_row = _row(name, "gemmspec", 1.7), _row(name, "torch._scaled_grouped_mm", 1.9)
     text, summary = bench.report([ours, torch_row], {})
     assert "DeepGEMM 2.6.1 (recorded 2026-11-30)" in text
-    assert summary[0]["deepgemm_recorded_tflops"] == bench.RECORDED_DEEPGEMM[name]
+    assert summary[0]["deepgemm_recorded_tflops"] == bench.CASES[0].deepgemm_recorded_tflops == 1232.4
     live = _row(name, "DeepGEMM 2.6.1 (contiguous)", 1.6)
     text, summary = bench.report([ours, torch_row, live], {})
     assert "(recorded" not in text and "DeepGEMM 2.6.1 (contiguous)" in text
@@ -147,21 +151,19 @@ def test_live_deepgemm_row_replaces_the_recorded_figure():
 
 
 def test_a_failing_deepgemm_anchor_is_reported_in_its_row(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "DEEPGEMM", object())  # a "module" without the API
+    monkeypatch.setattr(deepgemm, "DEEPGEMM", object())  # a "module" without the API
 
     def make(dg):
         raise AttributeError("module has no attribute 'm_grouped_fp8_gemm_nt_contiguous'")
 
-    (row,) = bench._deepgemm("c", 2e12, 1, make)
+    (row,) = deepgemm.row("c", 2e12, 1, make)
     assert row.impl.startswith("DeepGEMM") and row.check.startswith("not run: AttributeError")
     assert row.ms != row.ms  # nan: never timed, never a rate
     assert "DeepGEMM anchor of c failed" in capsys.readouterr().err
-    monkeypatch.setattr(bench, "DEEPGEMM", None)
-    assert bench._deepgemm("c", 2e12, 1, make) == []  # not installed: no row at all
+    monkeypatch.setattr(deepgemm, "DEEPGEMM", None)
+    assert deepgemm.row("c", 2e12, 1, make) == []  # not installed: no row at all
 
 
 def test_deepgemm_padded_layout_puts_each_group_at_a_multiple_of_128():
-    from gemmspec import bench_deepgemm
-
-    assert bench_deepgemm._padded_rows([1, 127, 0, 5155, 128]) == ([0, 128, 256, 256, 5504], 5632)
-    assert bench_deepgemm._padded_rows([4096] * 2) == ([0, 4096], 8192)
+    assert deepgemm._padded_rows([1, 127, 0, 5155, 128]) == ([0, 128, 256, 256, 5504], 5632)
+    assert deepgemm._padded_rows([4096] * 2) == ([0, 4096], 8192)

@@ -13,6 +13,7 @@ import pytest
 
 import gemmspec
 from gemmspec import bench
+from gemmspec.bench import measure, specs
 from gemmspec.reference.data import Runtime, TensorData
 from gemmspec.reference.schedule_exec import run_schedule
 
@@ -26,7 +27,8 @@ def _plain():
 
 def test_case_is_registered_selectable_and_memory_bound():
     (case,) = [c for c in bench.CASES if c.name == NAME]
-    assert case.run is bench.case_lora_expand
+    assert case.run is measure.lora_expand
+    assert case.shape == {"counts": bench.LORA_EXPAND_COUNTS, "r": 16, "n": 4096} and case.anchors == ()
     assert case.memory_bound
     assert case.target == bench.Target(vs_separate=1.0)
     assert case.target.describe() == "faster than separate launches"
@@ -46,7 +48,7 @@ def test_counts_are_ragged_with_empty_and_odd_segments():
 def test_performance_notes_describe_the_row():
     notes = (EXAMPLE.parents[1] / "docs" / "performance.md").read_text(encoding="utf-8")
     assert "`gemmspec bench --only lora_expand`" in notes
-    assert round(bench.lora_expand_bytes(bench.LORA_EXPAND_COUNTS, 4096, 16) / 1e6) == 138
+    assert round(measure.lora_expand_bytes(bench.LORA_EXPAND_COUNTS, 4096, 16) / 1e6) == 138
     assert "written: 138 MB" in notes
 
 
@@ -129,7 +131,6 @@ class _ReferenceExecutable:
 
 
 def _run_on_cpu(monkeypatch, broken_fused: bool = False):
-    monkeypatch.setattr(bench, "LORA_EXPAND_COUNTS", SMALL_COUNTS)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
@@ -137,7 +138,7 @@ def _run_on_cpu(monkeypatch, broken_fused: bool = False):
         exe = gemmspec.build(text)
         return _ReferenceExecutable(exe, broken_fused and exe.spec.name == "lora_moe_scaled")
 
-    monkeypatch.setattr(bench, "_build", build)
+    monkeypatch.setattr(specs, "build_spec", build)
     timed = []
 
     def time(fn, repeat, before=None):
@@ -148,9 +149,10 @@ def _run_on_cpu(monkeypatch, broken_fused: bool = False):
         timed.append(fn)
         return bench.Timing([1e-3] * repeat, None)
 
-    monkeypatch.setattr(bench, "_time", time)
+    monkeypatch.setattr(measure, "timed", time)
     with _OnCpu():
-        return bench.case_lora_expand(1), timed
+        (case,) = bench.selected_cases(["lora_expand"])
+        return dataclasses.replace(case, shape={**case.shape, "counts": SMALL_COUNTS}).measure(1), timed
 
 
 def test_case_runs_on_the_cpu_checked_against_every_path(monkeypatch):

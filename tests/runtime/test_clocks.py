@@ -9,7 +9,8 @@ import stat
 import time
 
 from gemmspec import bench
-from gemmspec.clocks import ClockReading, ClockSampler, parse_samples
+from gemmspec.bench import timing
+from gemmspec.clocks import ClockReading, ClockSampler, gpu_id, parse_samples
 
 
 def test_parse_samples_takes_medians_and_the_power_cap_share():
@@ -89,8 +90,8 @@ def test_gpu_id_is_the_pci_bus_id():
     class Props:
         pci_domain_id, pci_bus_id, pci_device_id = 0, 0x19, 0
 
-    assert bench.gpu_id(Props()) == "00000000:19:00.0"
-    assert bench.gpu_id(object()) is None
+    assert gpu_id(Props()) == "00000000:19:00.0"
+    assert gpu_id(object()) is None
 
 
 def test_the_bench_reads_the_clock_of_a_sustained_run(monkeypatch):
@@ -110,12 +111,12 @@ def test_the_bench_reads_the_clock_of_a_sustained_run(monkeypatch):
             windows.append((t0, t1))
             return ClockReading(1500.0, 700.0, 1.0, 10)
 
-    monkeypatch.setattr(bench, "_torch", lambda: Torch())
-    monkeypatch.setattr(bench, "CLOCK_RUN_S", 0.05)
+    monkeypatch.setattr(timing, "load_torch", lambda: Torch())
+    monkeypatch.setattr(timing, "CLOCK_RUN_S", 0.05)
     start = time.monotonic()
-    reading = bench.sustained_clock(Sampler(), lambda: log.append("fn"), lambda: log.append("restore"))
+    reading = timing.sustained_clock(Sampler(), lambda: log.append("fn"), lambda: log.append("restore"))
     assert reading.sm_mhz == 1500.0
     assert log[:17] == ["restore", "fn"] * 8 + ["sync"] and log[-1] == "sync"
     ((t0, t1),) = windows
-    assert t1 - t0 == bench.CLOCK_READ_S and t1 - start >= 0.05
-    assert bench.sustained_clock(None, lambda: None) is None
+    assert t1 - t0 == timing.CLOCK_READ_S and t1 - start >= 0.05
+    assert timing.sustained_clock(None, lambda: None) is None

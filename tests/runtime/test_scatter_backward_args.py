@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gemmspec
-from gemmspec.backward import build_backward
+from gemmspec.build import build_backward
 from gemmspec.errors import ArgumentError
 from gemmspec.runtime import executor
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import gemmspec
-from gemmspec.backward import build_backward, derive_backward
+from gemmspec.backward import derive_backward
 from gemmspec.bench import moe_spec
+from gemmspec.build import build_backward
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
 DERIVED = {

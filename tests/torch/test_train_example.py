@@ -18,8 +18,7 @@ torch = pytest.importorskip("torch")
 from reference_ops import CpuKernels  # noqa: E402
 
 import gemmspec.torch as gt  # noqa: E402
-from gemmspec.backward import build_backward  # noqa: E402
-from gemmspec.build import build  # noqa: E402
+from gemmspec.build import build, build_backward  # noqa: E402
 from gemmspec.runtime.quantize import plan_quantize  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_moe_fp8.py"

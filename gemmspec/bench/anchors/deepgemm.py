@@ -1,17 +1,26 @@
 """DeepGEMM as a live anchor of `gemmspec bench`, where `deep_gemm` is importable.
 
-Each function takes the inputs a bench case gave gemmspec (same tensors, same scales),
+Each adapter takes the inputs a bench case gave gemmspec (same tensors, same scales),
 lays them out as DeepGEMM's API wants them (outside the timing: its scale layouts once,
 its 128-row padded contiguous layout for ragged groups), checks DeepGEMM's result against
-gemmspec's on the rows both compute, and returns a zero-argument callable to time plus a
-check string. DeepGEMM's layouts are those of its 2.x API: `m_grouped_*_contiguous`
-takes a row -> group index (-1 for padding rows, groups 128-row aligned), the K-grouped
-WGRAD takes each group's [M, K_g] bytes back to back (gemmspec's `segment_major`).
+gemmspec's on the rows both compute, and times the call; a failure is reported in its
+row instead of ending the case. DeepGEMM's layouts are those of its 2.x API:
+`m_grouped_*_contiguous` takes a row -> group index (-1 for padding rows, groups 128-row
+aligned), the K-grouped WGRAD takes each group's [M, K_g] bytes back to back
+(gemmspec's `segment_major`). Where it is not importable (or with `--no-deepgemm`) it
+adds no row, and the report prints the figures recorded in the case table instead.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+
+from ..compare import checked, rel_error
+from ..timing import Result, result, timed
+from . import Problem
+
+DEEPGEMM = None  # the deep_gemm module where importable (and not --no-deepgemm)
 
 
 def load():
@@ -30,9 +39,54 @@ def version(dg) -> str:
 def _check(pairs, limit: float) -> str:
     """DeepGEMM's outputs against gemmspec's, (out, ref) pairs judged by the worst, with the
     bench's own error and check (a NaN fails)."""
-    from .bench import _checked, _rel_error  # bench imports this module: not at the top
+    return checked(max(rel_error(out, ref) for out, ref in pairs), limit, "gemmspec's output")
 
-    return _checked(max(_rel_error(out, ref) for out, ref in pairs), limit, "gemmspec's output")
+
+def row(name: str, flops: float, repeat: int, make) -> list[Result]:
+    """DeepGEMM's row of a case, where it is importable: `make(dg)` returns (callable,
+    check, how it ran); a failure is reported in the row instead of ending the case."""
+    dg = DEEPGEMM
+    if dg is None:
+        return []
+    impl = f"DeepGEMM {version(dg)}"
+    try:
+        call, check, how = make(dg)
+    except Exception as e:  # noqa: BLE001 - the anchor failing is reported, gemmspec's rows stand
+        print(f"      DeepGEMM anchor of {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return [Result(name, impl, float("nan"), flops, "TFLOPS", f"not run: {type(e).__name__}: {str(e)[:80]}")]
+    return [result(name, f"{impl} ({how})", timed(call, repeat), flops, check=check)]
+
+
+# ---------------------------------------------------------------------------- adapters
+def m_grouped_fp8(name: str, repeat: int, p: Problem) -> list[Result]:
+    """FP8 1x128 / 128x128 M-grouped, on the row's ragged groups."""
+    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_fp8(dg, p.x, p.xs, p.w, p.ws, p.lengths, p.y))
+
+
+def m_grouped_bf16(name: str, repeat: int, p: Problem) -> list[Result]:
+    """BF16 M-grouped, on the row's (128-row aligned) groups."""
+    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_bf16(dg, p.x, p.w, p.lengths, p.y))
+
+
+def k_grouped_fp8_wgrad(name: str, repeat: int, p: Problem) -> list[Result]:
+    """FP8 WGRAD K-grouped with FP32 `+=`, checked against gemmspec's one `+=` (`dw_ref`)."""
+    return row(
+        name, p.work, repeat,
+        lambda dg: prepare_k_grouped_fp8_wgrad(dg, p.dy, p.dys, p.x, p.xs, p.lengths, p.n, p.k, p.dw_ref),
+    )
+
+
+def m_grouped_fp8_masked(name: str, repeat: int, p: Problem) -> list[Result]:
+    """FP8 masked decode, on the row's per-group counts."""
+    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_fp8_masked(dg, p.x, p.xs, p.w, p.ws, p.counts, p.y))
+
+
+def dense_fp8(name: str, repeat: int, p: Problem) -> list[Result]:
+    """FP8 dense 1x128 / 128x128."""
+    return row(name, p.work, repeat, lambda dg: prepare_dense_fp8(dg, p.x, p.xs, p.w, p.ws, p.y))
+
+
+# ---------------------------------------------------------------------------- layouts
 
 
 def _padded_rows(lengths: list[int], align: int = 128):
@@ -45,7 +99,7 @@ def _padded_rows(lengths: list[int], align: int = 128):
     return starts, total
 
 
-def m_grouped_fp8(dg, x, xs, w, ws, lengths: list[int], y) -> tuple[Callable[[], object], str, str]:
+def prepare_m_grouped_fp8(dg, x, xs, w, ws, lengths: list[int], y) -> tuple[Callable[[], object], str, str]:
     """FP8 1x128 / 128x128 M-grouped (`m_grouped_fp8_gemm_nt_contiguous`). `xs` is [T, K/128]
     with tokens contiguous (MN-major), `ws` [E, N/128, K/128]. Ragged groups are copied once
     into the 128-row aligned layout DeepGEMM needs (not timed: the row says so)."""
@@ -85,7 +139,7 @@ def m_grouped_fp8(dg, x, xs, w, ws, lengths: list[int], y) -> tuple[Callable[[],
     return call, check, what
 
 
-def m_grouped_bf16(dg, x, w, lengths: list[int], y):
+def prepare_m_grouped_bf16(dg, x, w, lengths: list[int], y):
     """BF16 M-grouped (`m_grouped_bf16_gemm_nt_contiguous`), groups 128-row aligned."""
     import torch
 
@@ -105,7 +159,7 @@ def m_grouped_bf16(dg, x, w, lengths: list[int], y):
     return call, _check([(d, y)], 1e-2), "contiguous"
 
 
-def k_grouped_fp8_wgrad(dg, dy, dys, x, xs, lengths: list[int], n: int, k: int, dw_ref):
+def prepare_k_grouped_fp8_wgrad(dg, dy, dys, x, xs, lengths: list[int], n: int, k: int, dw_ref):
     """FP8 WGRAD K-grouped, 1x128 per channel and 128 tokens on both sides, FP32 `+=`
     (`k_grouped_fp8_gemm_nt_contiguous`): dw[g] += dy_g^T x_g. `dy`, `x` are gemmspec's
     segment-major bytes (per expert [N, len] and [K, len], tokens contiguous); `dys` is
@@ -130,7 +184,7 @@ def k_grouped_fp8_wgrad(dg, dy, dys, x, xs, lengths: list[int], n: int, k: int, 
     return call, check, "FP32 +=, 128-aligned counts"
 
 
-def m_grouped_fp8_masked(dg, x, xs, w, ws, counts: list[int], y):
+def prepare_m_grouped_fp8_masked(dg, x, xs, w, ws, counts: list[int], y):
     """FP8 masked (`m_grouped_fp8_gemm_nt_masked`): x [G, M, K], xs [G, M, K/128]."""
     import torch
 
@@ -152,7 +206,7 @@ def m_grouped_fp8_masked(dg, x, xs, w, ws, counts: list[int], y):
     return call, _check(pairs, 2e-3), f"masked, expected_m {expected}"
 
 
-def dense_fp8(dg, x, xs, w, ws, y):
+def prepare_dense_fp8(dg, x, xs, w, ws, y):
     """FP8 dense 1x128 / 128x128 (`fp8_gemm_nt`): xs [T, K/128] MN-major, ws [N/128, K/128]."""
     import torch
 

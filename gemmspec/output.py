@@ -1,40 +1,156 @@
-"""Write emitted programs out as standalone files for other builds.
+"""What gemmspec writes to disk: the files `gemmspec compile` writes for other builds,
+the numbered stage outputs of `--dump-ir`, and the helpers that write them.
 
 Every file of every spec is made in memory first (cubins included), and the names
 are checked to stay distinct on case-insensitive file systems, before the first
 byte is written: an error in any spec leaves the output folder as it was.
+
+This module sits above the compiler: it reads the front half's values (pipeline),
+the emitted programs (codegen), the explain JSON and, for cubins, NVRTC (runtime).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import OutputError
-from ..explain import schedule_json
-from ..lower.schedule import Schedule
-from ..spec import Spec
-from .emit import EmittedProgram
-from .host import render_header, render_host
-from .kernels import include_dir
-from .manifest import SHARED_HEADER, Manifest, launch_manifest
-from .names import MAX_FILE_NAME_BYTES, file_stem, header_guard
+from . import ast
+from .codegen.emit import EmittedProgram
+from .codegen.host import render_header, render_host
+from .codegen.kernels import include_dir
+from .codegen.manifest import SHARED_HEADER, Manifest, launch_manifest
+from .codegen.names import MAX_FILE_NAME_BYTES, file_stem, header_guard
+from .errors import OutputError
+from .explain import schedule_json
+from .lower.schedule import Schedule
+from .pipeline import Lowered, load, lower_file
+from .spec import Spec
 
 __all__ = [
     "MAX_FILE_NAME_BYTES",
     "SHARED_HEADER",
     "SpecFiles",
     "check_file_names",
+    "check_output_dir",
     "check_symbols",
+    "dump_front_half",
     "file_stem",
     "header_guard",
+    "lower_and_dump",
+    "make_output_dir",
+    "output_dir_problem",
     "plan_programs",
     "spec_files",
+    "write_if_changed",
     "write_programs",
     "write_program",
 ]
+
+
+# ---------------------------------------------------------------------------- writing
+def write_if_changed(path: Path, content: str | bytes) -> None:
+    """Leave files whose content is already right untouched (keeps build tools quiet).
+
+    A changed file is replaced in one rename, so a failed write never leaves half a
+    file behind; any failure comes back as an OutputError naming the path.
+    """
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    try:
+        if path.is_dir():
+            raise OutputError(f"cannot write {path}: a directory is in the way", str(path))
+        if path.is_file() and path.read_bytes() == data:
+            return
+        _replace(path, data)
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {_reason(e)}", str(path)) from e
+
+
+def _replace(path: Path, data: bytes) -> None:
+    # Mode 0o666 lets the umask decide, as for any file a build tool writes.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be a folder to write into, judged without creating anything."""
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            return "it exists and is not a directory"
+        existing = path
+    else:
+        existing = next((p for p in path.parents if p.exists()), Path("."))
+        if not existing.is_dir():
+            return f"{existing} exists and is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def check_output_dir(path: Path, what: str) -> None:
+    """Raise an OutputError now, before any work, if `path` cannot hold output files."""
+    problem = output_dir_problem(path)
+    if problem is not None:
+        raise OutputError(f"cannot write the {what} {path}: {problem}", str(path))
+
+
+def make_output_dir(path: Path, what: str) -> None:
+    """Create `path` and its parents, or raise an OutputError saying what is in the way."""
+    check_output_dir(path, what)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create the {what} {path}: {_reason(e)}", str(path)) from e
+
+
+# ---------------------------------------------------------------------------- --dump-ir
+def lower_and_dump(source: str | Path | ast.FileAst, dump_dir: str | Path | None = None) -> list[Lowered]:
+    """Check, analyse and lower every spec of a file (pipeline.lower_file); with
+    `dump_dir`, each stage's output is written to a numbered file there."""
+    file = load(source)
+    out = lower_file(file)
+    if dump_dir is not None:
+        dump_front_half(file, out, Path(dump_dir))
+    return out
+
+
+def dump_front_half(file: ast.FileAst, lowered: list[Lowered], where: Path) -> None:
+    make_output_dir(where, "--dump-ir directory")
+    write_if_changed(where / "01-ast.txt", "\n\n".join(_ast_text(s) for s in file.specs) + "\n")
+    write_if_changed(where / "02-spec.txt", "\n\n".join(str(x.spec) for x in lowered) + "\n")
+    write_if_changed(where / "03-decision.txt", "\n\n".join(str(x.decision) for x in lowered) + "\n")
+    write_if_changed(where / "04-schedule.txt", "\n\n".join(str(x.schedule) for x in lowered) + "\n")
+    doc = [schedule_json(x.spec, x.schedule) for x in lowered]
+    write_if_changed(where / "04-schedule.json", json.dumps(doc, indent=2) + "\n")
+
+
+def _ast_text(s: ast.SpecAst) -> str:
+    lines = [f"gemm {s.name} @ {s.name.pos}"]
+    lines += [f"  {d}" for d in s.dims]
+    lines += [f"  {g}" for g in s.groups]
+    lines += [f"  {t}" for t in s.tensors]
+    lines += [f"  {st}" for st in s.statements]
+    lines += [f"  {d}" for d in s.directives]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- compile
 
 
 @dataclass(frozen=True)
@@ -59,7 +175,7 @@ def spec_files(
             fname = stem + fname[len(program.spec) :]
         files[fname] = source.encode("utf-8")
         if cubins:
-            from ..runtime.nvrtc import compile_cubin
+            from .runtime.nvrtc import compile_cubin
 
             kernel = Path(fname).stem
             compiled = compile_cubin(source, name=kernel, include_dirs=[include_dir()])
@@ -133,8 +249,6 @@ def write_programs(
     programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], out: Path, cubins: bool = False
 ) -> list[Path]:
     """Write every spec's files and the shared PTX header into `out`; returns the paths."""
-    from ..pipeline import make_output_dir, write_if_changed
-
     planned = plan_programs(programs, cubins)
     for name in [SHARED_HEADER, *(n for sf in planned for n in sf.files)]:
         if (out / name).is_dir():

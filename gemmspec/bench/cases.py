@@ -1,0 +1,137 @@
+"""The bench's table: one entry per case, with its shape, operand types, anchors and
+target, and the procedure that measures gemmspec's side of it (`measure.py`).
+
+A case runs its procedure on its shape, then each anchor it names, in order, on the
+inputs gemmspec ran on (`Case.measure`). `deepgemm_recorded_tflops` is DeepGEMM 2.6.1's
+figure on one H200, 2026-11-30 (same shapes; M-grouped rows count its 128-row padding
+as useful work), printed where DeepGEMM does not run live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import measure
+from .anchors import Problem, deepgemm
+from .anchors import torch as torch_anchor
+from .timing import Result
+
+RAGGED = [1, 127, 0, 5155, 10949, 129, 10269, 6138]
+MASKED = [983, 769, 816, 1024, 734, 666]
+# The expand row's tokens per adapter (rows) and expert (columns), 8192 in all: empty
+# experts, single tokens, the 127 / 129 tile edges and other odd sizes.
+LORA_EXPAND_COUNTS = [
+    [1, 127, 129, 0, 1000, 511, 257, 23],
+    [0, 0, 3001, 17, 255, 1, 0, 0],
+    [129, 129, 129, 129, 127, 127, 127, 127],
+    [903, 0, 1, 255, 333, 131, 0, 223],
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a row must reach: an absolute rate and/or a ratio to the torch anchor, or to
+    every other row of its case (`vs_separate`: the same work done as separate launches)."""
+
+    tflops: float | None = None
+    vs_torch: float | None = None
+    max_us: float | None = None
+    vs_separate: float | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.tflops:
+            parts.append(f">= {self.tflops:.0f} TFLOPS")
+        if self.vs_torch:
+            parts.append(f">= {self.vs_torch:.2f}x torch")
+        if self.max_us:
+            parts.append(f"<= {self.max_us:.0f} us")
+        if self.vs_separate == 1.0:
+            parts.append("faster than separate launches")
+        elif self.vs_separate:
+            parts.append(f">= {self.vs_separate:.2f}x separate launches")
+        return ", ".join(parts)
+
+
+Anchor = Callable[[str, int, Problem], list[Result]]
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    target: Target
+    # The procedure: run(repeat, name=..., **shape) -> (gemmspec's rows, the anchors' Problem).
+    run: Callable[..., measure.Measured]
+    memory_bound: bool = False
+    # The tensor-core peak a compute-bound row is measured against at its clock: "fp8" or
+    # "bf16" (None: memory-bound, or not one kind of GEMM).
+    peak: str | None = None
+    shape: dict = field(default_factory=dict)
+    dtypes: str = ""  # the operands' types, A x B -> D
+    anchors: tuple[Anchor, ...] = ()
+    deepgemm_recorded_tflops: float | None = None
+
+    def measure(self, repeat: int) -> list[Result]:
+        """Every row of the case: gemmspec's (and its variants'), then each anchor's."""
+        rows, problem = self.run(repeat, name=self.name, **self.shape)
+        for anchor in self.anchors:
+            rows += anchor(self.name, repeat, problem)
+        return rows
+
+
+FP8_ANCHORS = (torch_anchor.scaled_grouped_mm, deepgemm.m_grouped_fp8)
+FP8 = "e4m3 x e4m3 -> bf16"
+
+CASES = [
+    Case("fp8_fwd_G8x4096_N4096_K7168", "FP8 1x128/128x128 M-grouped, 8 x 4096 tokens", Target(1230, 1.2),
+         measure.fp8_grouped, peak="fp8", shape=dict(lengths=[4096] * 8, n=4096, k=7168), dtypes=FP8,
+         anchors=FP8_ANCHORS, deepgemm_recorded_tflops=1232.4),
+    Case("fp8_fwd_G8x4096_N7168_K2048", "same, N=7168, K=2048", Target(1160, 1.2),
+         measure.fp8_grouped, peak="fp8", shape=dict(lengths=[4096] * 8, n=7168, k=2048), dtypes=FP8,
+         anchors=FP8_ANCHORS, deepgemm_recorded_tflops=1163.8),
+    Case("fp8_fwd_G4x8192_N6144_K7168", "same, 4 x 8192 tokens, N=6144", Target(1250, 1.2),
+         measure.fp8_grouped, peak="fp8", shape=dict(lengths=[8192] * 4, n=6144, k=7168), dtypes=FP8,
+         anchors=FP8_ANCHORS, deepgemm_recorded_tflops=1257.6),
+    Case("fp8_fwd_ragged_T32768_N4096_K7168", f"FP8 ragged unpadded, lengths {RAGGED}", Target(1200),
+         measure.fp8_grouped, peak="fp8", shape=dict(lengths=RAGGED, n=4096, k=7168), dtypes=FP8,
+         anchors=FP8_ANCHORS, deepgemm_recorded_tflops=1202.2),
+    Case("bf16_fwd_G8x4096_N4096_K7168", "BF16 M-grouped, 8 x 4096 tokens", Target(vs_torch=1.05),
+         measure.bf16_grouped, peak="bf16", shape=dict(lengths=[4096] * 8, n=4096, k=7168),
+         dtypes="bf16 x bf16 -> bf16", anchors=(torch_anchor.grouped_mm, deepgemm.m_grouped_bf16),
+         deepgemm_recorded_tflops=697.6),
+    Case("fp8_wgrad_G8x4096_N4096_K7168", "FP8 WGRAD K-grouped 128x1, FP32 +=", Target(1040),
+         measure.wgrad, peak="fp8", shape=dict(lengths=[4096] * 8, n=4096, k=7168), dtypes="e4m3 x e4m3 -> f32 +=",
+         anchors=(torch_anchor.grouped_mm_k, deepgemm.k_grouped_fp8_wgrad), deepgemm_recorded_tflops=833.8),
+    Case("fp8_wgrad_ragged_T32768_N4096_K7168", f"FP8 WGRAD, ragged counts {RAGGED}, segment_major pad 16",
+         Target(1040), measure.wgrad_ragged, peak="fp8", shape=dict(lengths=RAGGED, n=4096, k=7168),
+         dtypes="e4m3 x e4m3 -> f32 +="),
+    Case("fp8_masked_G6_M1024_N4096_K7168", f"FP8 masked decode, counts {MASKED}", Target(1130),
+         measure.masked, peak="fp8", shape=dict(counts=MASKED, m=1024, n=4096, k=7168), dtypes=FP8,
+         anchors=(torch_anchor.scaled_grouped_mm_3d, deepgemm.m_grouped_fp8_masked), deepgemm_recorded_tflops=1130.3),
+    Case("fp8_rowwise_G8x4096_N4096_K7168", "FP8 per-channel scales M-grouped, 8 x 4096 tokens", Target(vs_torch=1.2),
+         measure.fp8_rowwise, peak="fp8", shape=dict(lengths=[4096] * 8, n=4096, k=7168), dtypes=FP8,
+         anchors=(torch_anchor.scaled_grouped_mm,)),
+    Case("fp8_gather_G8x4096_N4096_K7168", "FP8 M-grouped, rows gathered through idx (top-2)", Target(vs_torch=1.2),
+         measure.gather, peak="fp8", shape=dict(tokens=16384, e=8, n=4096, k=7168), dtypes=FP8,
+         anchors=(torch_anchor.gather_scaled_grouped_mm,)),
+    Case("fp8_dense_T4096_N7168_K7168", "FP8 dense 1x128/128x128", Target(vs_torch=1.1),
+         measure.dense, peak="fp8", shape=dict(t=4096, n=7168, k=7168), dtypes=FP8,
+         anchors=(torch_anchor.scaled_mm_blockwise, deepgemm.dense_fp8), deepgemm_recorded_tflops=1264.4),
+    Case("lora_shrink_L4xE8_R16_K4096_T8192", "nested LoRA shrink (memory-bound)", Target(vs_torch=2.0, max_us=24),
+         measure.lora_shrink, memory_bound=True, shape=dict(loras=4, experts=8, r=16, k=4096, t=8192),
+         dtypes="bf16 x bf16 -> f32", anchors=(torch_anchor.grouped_mm_leaves,)),
+    Case("ffn_fp8_E8_T32768_H7168_F2048", "expert FFN, FP8 h quantized in the epilogue vs separate launches",
+         Target(vs_torch=1.0), measure.ffn, shape=dict(e=8, tokens=16384, top_k=2, hidden=7168, n=4096, f=2048),
+         dtypes="e4m3 x e4m3 -> e4m3 h -> bf16"),
+    Case("lora_expand_L4xE8_R16_N4096_T8192",
+         "scaled LoRA expand += over experts vs separate launches (memory-bound; y restored before each launch, untimed)",
+         Target(vs_separate=1.0), measure.lora_expand, memory_bound=True,
+         shape=dict(counts=LORA_EXPAND_COUNTS, r=16, n=4096), dtypes="bf16 x bf16 -> bf16 +="),
+]
+
+
+def selected_cases(only: list[str] | None) -> list[Case]:
+    """The cases `--only` names by prefix (every case without it)."""
+    return [c for c in CASES if only is None or any(c.name.startswith(p) for p in only)]

@@ -1,0 +1,68 @@
+"""The inputs of the bench's rows, made by torch on the GPU: random FP8 values and
+scales, offsets from segment lengths, and the token counts of a LoRA x expert nest.
+
+torch is imported when a row runs, not with the package: `gemmspec bench --list` needs
+no torch.
+"""
+
+from __future__ import annotations
+
+
+def load_torch():
+    import torch
+
+    return torch
+
+
+def random_fp8(shape):
+    torch = load_torch()
+    return (torch.randn(shape, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def random_scales(shape):
+    torch = load_torch()
+    return torch.rand(shape, device="cuda") * 0.01 + 0.001
+
+
+def offsets_tensor(lengths):
+    torch = load_torch()
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def random_nested_counts(lora_lengths: list[int], experts: int, generator) -> list[list[int]]:
+    """Each adapter's tokens cut at `experts - 1` random points: per adapter, the token
+    count of each expert (0 where two cuts meet, odd sizes as they fall)."""
+    torch = load_torch()
+    counts = []
+    for length in lora_lengths:
+        cuts = sorted(torch.randint(0, length + 1, (experts - 1,), generator=generator).tolist())
+        bounds = [0, *cuts, length]
+        counts.append([b - a for a, b in zip(bounds[:-1], bounds[1:])])
+    return counts
+
+
+def nested_offsets(counts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """The offsets of a nest `lora` > `expert ragged(T within lora)` from its L x E token
+    counts: `lora_offsets` (L + 1 entries) and `expert_offsets` (L rows of E + 1 absolute
+    row numbers, each row from its adapter's first token to its end)."""
+    lora_offsets, expert_offsets = [0], []
+    for row in counts:
+        bounds = [lora_offsets[-1]]
+        for c in row:
+            bounds.append(bounds[-1] + c)
+        expert_offsets.append(bounds)
+        lora_offsets.append(bounds[-1])
+    return lora_offsets, expert_offsets
+
+
+def token_leaves(counts: list[list[int]], device):
+    """Each token's adapter and expert (int64 [T] each) from the nest's L x E counts: the
+    indices a caller has from routing, which torch's element-wise path needs."""
+    torch = load_torch()
+    experts = len(counts[0])
+    flat = torch.tensor([c for row in counts for c in row], device=device)
+    leaf = torch.repeat_interleave(torch.arange(flat.numel(), device=device), flat)
+    return leaf // experts, leaf % experts

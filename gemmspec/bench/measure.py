@@ -1,0 +1,464 @@
+"""How each case of the table is measured on gemmspec's side.
+
+A procedure `fn(repeat, *, name, **shape)` builds the case's spec, makes its inputs,
+runs gemmspec once and checks the output (against a float64 reference of the
+dequantized inputs on sampled rows, or against another path that computes the same
+function) before it times it, then times the case's own variants (the same work as
+separate launches, another layout of the spec). It returns those rows and the
+`Problem` its anchors run on (None where the table names no anchor), in the order the
+inputs were made: the anchors' own random inputs come after gemmspec's.
+"""
+
+from __future__ import annotations
+
+from . import specs
+from .anchors import Problem
+from .anchors.torch import lora_epilogue_ops, quantize_1x128
+from .compare import checked, dequantized, rel_error
+from .inputs import (
+    load_torch,
+    nested_offsets,
+    offsets_tensor,
+    random_fp8,
+    random_nested_counts,
+    random_scales,
+    token_leaves,
+)
+from .timing import Result, result, timed
+
+Measured = tuple[list[Result], Problem | None]
+
+
+def fp8_grouped(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
+    """FP8 M-grouped with DeepSeek-V3 scales (1x128 per token, MN-major; 128x128 weights)."""
+    torch = load_torch()
+    e, t = len(lengths), sum(lengths)
+    exe = specs.build_spec(specs.moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True))
+    x, w = random_fp8((t, k)), random_fp8((e, n, k))
+    xs = random_scales((k // 128, t)).t()  # 1x128 per token, MN-major as declared
+    ws = random_scales((e, n // 128, k // 128))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    offs = offsets_tensor(lengths)
+    run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    # Float64 reference of the dequantized inputs on up to 96 sampled rows per expert.
+    g = torch.Generator(device="cpu").manual_seed(0)
+    errs_out, errs_ref = [], []
+    start = 0
+    for ei, m in enumerate(lengths):
+        if m:
+            rows = start + torch.randperm(m, generator=g)[:96].cuda()
+            xa = dequantized(x[rows], xs[rows], 1, 128)
+            wb = dequantized(w[ei], ws[ei], 128, 128)
+            errs_out.append(y[rows])
+            errs_ref.append(xa @ wb.t())
+        start += m
+    check = checked(rel_error(torch.cat(errs_out), torch.cat(errs_ref)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    out = [result(name, "gemmspec", timed(run.enqueue, repeat), flops, check=check)]
+    return out, Problem(work=flops, x=x, xs=xs, w=w, ws=ws, y=y, lengths=lengths, offs=offs)
+
+
+def fp8_rowwise(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
+    """Per-channel scales (one per token, one per expert and column): the recipe torch's
+    `_scaled_grouped_mm` takes, computed by both on the same inputs and scales."""
+    torch = load_torch()
+    e, t = len(lengths), sum(lengths)
+    exe = specs.build_spec(specs.ROWWISE.format(n=n, k=k, e=e))
+    x, w = random_fp8((t, k)), random_fp8((e, n, k))
+    sa, sb = random_scales((t,)), random_scales((e, n))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    offs = offsets_tensor(lengths)
+    run = exe.prepare(
+        torch.cuda.current_stream(), x=x, x_scale=sa.view(t, 1), w=w, w_scale=sb.view(e, n, 1), y=y, offs=offs
+    )
+    run.enqueue()
+    torch.cuda.synchronize()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    outs, refs = [], []
+    for ei in range(e):
+        rows = ei * lengths[0] + torch.randperm(lengths[ei], generator=g)[:96].cuda()
+        xa = x[rows].to(torch.float64) * sa[rows, None].to(torch.float64)
+        wb = w[ei].to(torch.float64) * sb[ei, :, None].to(torch.float64)
+        outs.append(y[rows])
+        refs.append(xa @ wb.t())
+    check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    out = [result(name, "gemmspec (per-channel scales)", timed(run.enqueue, repeat), flops, check=check)]
+    return out, Problem(work=flops, x=x, w=w, sa=sa, sb=sb, y=y, lengths=lengths, offs=offs)
+
+
+def bf16_grouped(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
+    """BF16 M-grouped, checked against torch._grouped_mm on the same inputs."""
+    torch = load_torch()
+    e, t = len(lengths), sum(lengths)
+    exe = specs.build_spec(specs.moe_spec("moe_bf16", n=n, k=k, e=e))
+    x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+    w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
+    y = torch.empty((t, n), dtype=torch.bfloat16, device="cuda")
+    offs = offsets_tensor(lengths)
+    run = exe.prepare(torch.cuda.current_stream(), x=x, w=w, y=y, offs=offs)
+    run.enqueue()
+    ends = offs[1:].contiguous()
+    ref = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    check = checked(rel_error(y, ref), 1e-2, "torch._grouped_mm")
+    flops = 2.0 * t * n * k
+    out = [result(name, "gemmspec", timed(run.enqueue, repeat), flops, check=check)]
+    return out, Problem(work=flops, x=x, w=w, y=y, lengths=lengths, offs=offs)
+
+
+def wgrad(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
+    """FP8 WGRAD K-grouped, 128x1 scales on both sides, FP32 `+=` (counts multiples of 128)."""
+    torch = load_torch()
+    e, t = len(lengths), sum(lengths)
+    exe = specs.build_spec(specs.WGRAD.format(n=n, k=k, e=e))
+    # Segment-major bytes: expert g's tokens [s, s+len) are stored as [N, len] (tokens contiguous).
+    dy, x = random_fp8((t * n,)), random_fp8((t * k,))
+    dys, xs = random_scales((t // 128, n)), random_scales((t // 128, k))
+    dw = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
+    offs = offsets_tensor(lengths)
+    run = exe.prepare(torch.cuda.current_stream(), dy=dy.view(t, n), dy_scale=dys, x=x.view(t, k), x_scale=xs, dw=dw, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    # Reference for experts 0 and 5 on 64 sampled output rows (channels of dy).
+    g = torch.Generator(device="cpu").manual_seed(1)
+    outs, refs = [], []
+    for ei in (0, 5):
+        s, m = sum(lengths[:ei]), lengths[ei]
+        rows = torch.randperm(n, generator=g)[:64].cuda()
+        dseg = dequantized(dy[s * n:(s + m) * n].view(n, m)[rows], dys[s // 128:(s + m) // 128][:, rows].t(), 1, 128)
+        xseg = dequantized(x[s * k:(s + m) * k].view(k, m), xs[s // 128:(s + m) // 128].t(), 1, 128)
+        refs.append(dseg @ xseg.t())
+        outs.append(dw[ei][rows])
+    check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 1e-3, "float64 reference (sampled rows)")
+    dw_once = dw.clone()  # one += into zeros, for DeepGEMM's check (the timing adds more)
+    flops = 2.0 * t * n * k
+    out = [result(name, "gemmspec (FP32 +=)", timed(run.enqueue, repeat), flops, check=check)]
+    return out, Problem(work=flops, dy=dy, dys=dys, x=x, xs=xs, lengths=lengths, offs=offs, n=n, k=k, dw_ref=dw_once)
+
+
+def wgrad_ragged(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
+    """FP8 WGRAD on the ragged token counts of the forward row, stored `segment_major(expert)
+    pad 16` (every segment's rows whole 16-byte units: TMA for every expert), beside the
+    same statement unpadded, whose experts with counts not multiples of 16 are copied by hand."""
+    torch = load_torch()
+    e, t = len(lengths), sum(lengths)
+    spec = specs.WGRAD.format(n=n, k=k, e=e)
+    padded = specs.build_spec(spec.replace("segment_major(expert)", "segment_major(expert) pad 16"))
+    unpadded = specs.build_spec(spec)
+    rows = t + 15 * e  # 15 rows of padding per expert
+    dy, x = random_fp8((rows * n,)), random_fp8((rows * k,))
+    blocks = sum(-(-m // 128) for m in lengths)
+    dys, xs = random_scales((blocks, n)), random_scales((blocks, k))
+    dw = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
+    offs = offsets_tensor(lengths)
+    stream = torch.cuda.current_stream()
+    run = padded.prepare(stream, dy=dy.view(rows, n), dy_scale=dys, x=x.view(rows, k), x_scale=xs, dw=dw, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    # Segment g of the padded storage: rows from p_g (padded prefix), pitch round_up(len, 16).
+    first, block0, outs, refs = [0], [0], [], []
+    for m in lengths:
+        first.append(first[-1] + -(-m // 16) * 16)
+        block0.append(block0[-1] + -(-m // 128))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for ei in (3, 5):  # 5155 and 129 tokens: neither a multiple of 16
+        m, p, b = lengths[ei], first[ei], block0[ei]
+        pitch = -(-m // 16) * 16
+        sel = torch.randperm(n, generator=g)[:64].cuda()
+        d_sc = dys[b : b + -(-m // 128)][:, sel].t().to(torch.float64).repeat_interleave(128, 1)[:, :m]
+        x_sc = xs[b : b + -(-m // 128)].t().to(torch.float64).repeat_interleave(128, 1)[:, :m]
+        dseg = dy[p * n : (p + pitch) * n].view(n, pitch)[sel, :m].to(torch.float64) * d_sc
+        xseg = x[p * k : (p + pitch) * k].view(k, pitch)[:, :m].to(torch.float64) * x_sc
+        refs.append(dseg @ xseg.t())
+        outs.append(dw[ei][sel])
+    check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 1e-3, "float64 reference (sampled rows)")
+    # The unpadded statement reads the same bytes as its own layout (values differ; only timed).
+    plain = unpadded.prepare(
+        stream, dy=dy[: t * n].view(t, n), dy_scale=dys, x=x[: t * k].view(t, k), x_scale=xs, dw=dw, offs=offs
+    )
+    flops = 2.0 * t * n * k
+    return [
+        result(name, "gemmspec pad 16 (FP32 +=)", timed(run.enqueue, repeat), flops, check=check),
+        result(name, "gemmspec unpadded (rows copied by hand)", timed(plain.enqueue, repeat), flops),
+    ], None
+
+
+def masked(repeat: int, *, name: str, counts: list[int], m: int, n: int, k: int) -> Measured:
+    """FP8 masked decode: each group's first `counts[g]` of its `m` rows."""
+    torch = load_torch()
+    mmax, e = m, len(counts)
+    exe = specs.build_spec(specs.MASKED_SPEC.format(m=mmax, n=n, k=k, e=e))
+    x, w = random_fp8((e, mmax, k)), random_fp8((e, n, k))
+    xs, ws = random_scales((e, mmax, k // 128)), random_scales((e, n // 128, k // 128))
+    y = torch.full((e, mmax, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    counts_t = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y, counts=counts_t)
+    run.enqueue()
+    torch.cuda.synchronize()
+    outs, refs = [], []
+    for ei, c in enumerate(counts):
+        rows = torch.arange(0, c, max(c // 64, 1), device="cuda")
+        xa = dequantized(x[ei][rows], xs[ei][rows], 1, 128)
+        wb = dequantized(w[ei], ws[ei], 128, 128)
+        outs.append(y[ei][rows])
+        refs.append(xa @ wb.t())
+    check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * sum(counts) * n * k
+    out = [result(name, "gemmspec", timed(run.enqueue, repeat), flops, check=check)]
+    return out, Problem(work=flops, x=x, xs=xs, w=w, ws=ws, y=y, counts=counts)
+
+
+def gather(repeat: int, *, name: str, tokens: int, e: int, n: int, k: int) -> Measured:
+    """Tokens in routing order (top-2 of `tokens` over `e` experts): gemmspec reads each
+    routed row of x and its scales through idx (by default the gather pre-pass copies them
+    once, then the GEMM loads a dense A; the row beside it gathers them in the GEMM's loads);
+    torch copies the rows first."""
+    torch = load_torch()
+    s = tokens
+    t = 2 * s
+    text = specs.GATHER.format(n=n, k=k, e=e)
+    exe = specs.build_spec(text)
+    fused = specs.build_spec(specs.with_directive(text, "gather(fused)"))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    idx = torch.cat([torch.randperm(s, generator=g), torch.randperm(s, generator=g)]).to(torch.int32).cuda()
+    x, w = random_fp8((s, k)), random_fp8((e, n, k))
+    xs, ws = random_scales((s, k // 128)), random_scales((e, n // 128, k // 128))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lengths = [t // e] * e
+    offs = offsets_tensor(lengths)
+    run = exe.prepare(torch.cuda.current_stream(), idx=idx, x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
+    run.enqueue()
+    torch.cuda.synchronize()
+    outs, refs = [], []
+    for ei in range(e):
+        rows = ei * (t // e) + torch.randperm(t // e, generator=g)[:64].cuda()
+        src = idx[rows].long()
+        outs.append(y[rows])
+        refs.append(dequantized(x[src], xs[src], 1, 128) @ dequantized(w[ei], ws[ei], 128, 128).t())
+    check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    how = "rows copied by the gather pre-pass" if exe.schedule.prepasses else "rows gathered in the GEMM"
+    out = [result(name, f"gemmspec ({how})", timed(run.enqueue, repeat), flops, check=check)]
+    y_fused = torch.full_like(y, float("nan"))
+    run_fused = fused.prepare(torch.cuda.current_stream(), idx=idx, x=x, x_scale=xs, w=w, w_scale=ws, y=y_fused,
+                              offs=offs)
+    run_fused.enqueue()
+    torch.cuda.synchronize()
+    same = checked(rel_error(y_fused.double(), y.double()), 2e-3, "the pre-pass row's output")
+    out.append(result(name, "gemmspec, gather(fused): in the GEMM's loads", timed(run_fused.enqueue, repeat), flops,
+                      check=same))
+    return out, Problem(work=flops, x=x, w=w, idx=idx, y=y, lengths=lengths, offs=offs)
+
+
+def dense(repeat: int, *, name: str, t: int, n: int, k: int) -> Measured:
+    """FP8 dense with 1x128 / 128x128 scales."""
+    torch = load_torch()
+    exe = specs.build_spec(specs.DENSE.format(t=t, n=n, k=k))
+    x, w = random_fp8((t, k)), random_fp8((n, k))
+    xs = random_scales((k // 128, t)).t()
+    ws = random_scales((n // 128, k // 128))
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y)
+    run.enqueue()
+    torch.cuda.synchronize()
+    rows = torch.arange(0, t, 37, device="cuda")
+    xa = dequantized(x[rows], xs[rows], 1, 128)
+    wb = dequantized(w, ws, 128, 128)
+    ref = xa @ wb.t()
+    check = checked(rel_error(y[rows], ref), 4e-3, "float64 reference (sampled rows)")
+    flops = 2.0 * t * n * k
+    out = [result(name, "gemmspec", timed(run.enqueue, repeat), flops, check=check)]
+    return out, Problem(work=flops, x=x, xs=xs, w=w, ws=ws, y=y, ref_rows=rows, ref=ref)
+
+
+def lora_shrink(repeat: int, *, name: str, loras: int, experts: int, r: int, k: int, t: int) -> Measured:
+    """The nested LoRA shrink over random expert cuts of equal adapters (memory-bound:
+    TB/s of x and the adapters read once, y written)."""
+    torch = load_torch()
+    exe = specs.build_spec(specs.LORA.format(k=k, r=r, l=loras, e=experts))
+    x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
+    wa = torch.randn((loras, experts, r, k), device="cuda", dtype=torch.bfloat16)
+    y = torch.full((t, r), float("nan"), dtype=torch.float32, device="cuda")
+    g = torch.Generator(device="cpu").manual_seed(2)
+    lo_off, inner = nested_offsets(random_nested_counts([t // loras] * loras, experts, g))
+    lora_offsets = torch.tensor(lo_off, dtype=torch.int32, device="cuda")
+    expert_offsets = torch.tensor(inner, dtype=torch.int32, device="cuda")
+    run = exe.prepare(torch.cuda.current_stream(), x=x, wa=wa, y=y, lora_offsets=lora_offsets, expert_offsets=expert_offsets)
+    run.enqueue()
+    torch.cuda.synchronize()
+    ends = expert_offsets[:, 1:].reshape(-1).contiguous()
+    wflat = wa.reshape(loras * experts, r, k)
+    ref64 = torch.empty((t, r), dtype=torch.float64, device="cuda")
+    flat = [b for row in inner for b in zip(row[:-1], row[1:])]
+    for i, (s, e_) in enumerate(flat):
+        if e_ > s:
+            ref64[s:e_] = x[s:e_].to(torch.float64) @ wflat[i].to(torch.float64).t()
+    check = checked(rel_error(y, ref64), 1e-4, "float64 reference")
+    moved = (t * k + loras * experts * r * k) * 2 + t * r * 4  # read x and adapters once, write y
+    out = [result(name, "gemmspec", timed(run.enqueue, repeat), moved, unit="TB/s", check=check)]
+    return out, Problem(work=moved, unit="TB/s", x=x, w=wflat, ends=ends, y=y)
+
+
+def ffn(repeat: int, *, name: str, e: int, tokens: int, top_k: int, hidden: int, n: int, f: int) -> Measured:
+    """The DeepSeek-V3-style expert FFN of examples/moe_ffn_fp8.gspec (`tokens` routed to
+    `top_k` of `e` experts each, gathered by `src`, SwiGLU into FP8 h with its scales
+    quantized in the up-projection's epilogue, down-projection weighted and scattered by
+    `dst`) against the same work as separate launches: the up-projection into BF16, then h
+    quantized (by the quantize pass, or by torch operations), then the same down-projection.
+    The shape must be the example's."""
+    torch = load_torch()
+    t = tokens * top_k
+    dims = specs.FFN_DIMS.format(h=hidden, n=n, f=f)
+    fused = specs.build_spec(specs.example_text("moe_ffn_fp8"))
+    up = specs.build_spec(specs.FFN_UP_BF16.format(dims=dims, e=e))
+    down_pass = specs.build_spec(specs.FFN_DOWN.format(suffix="_quantize_pass", dims=dims, e=e, h=specs.FFN_H_QUANTIZE_PASS))
+    down = specs.build_spec(specs.FFN_DOWN.format(suffix="", dims=dims, e=e, h=specs.FFN_H_FP8))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    # Routed rows sorted by expert: row r reads token src[r]; y row s*k + c is token s's c-th
+    # expert (distinct: the rows a caller sums per token).
+    choice = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    order = torch.argsort(choice.reshape(-1), stable=True)
+    src = (order // top_k).to(torch.int32).cuda()
+    dst = order.to(torch.int32).cuda()
+    lengths = torch.bincount(choice.reshape(-1), minlength=e).tolist()
+    offs = offsets_tensor(lengths)
+    x, xs = random_fp8((tokens, hidden)), random_scales((tokens, hidden // 128))
+    w_up, w_up_s = random_fp8((e, n, hidden)), random_scales((e, n // 128, hidden // 128))
+    w_down, w_down_s = random_fp8((e, hidden, f)), random_scales((e, hidden // 128, f // 128))
+    route_w = torch.rand((t,), device="cuda")
+    h = torch.full((t, f), float("nan"), dtype=torch.float8_e4m3fn, device="cuda")
+    h_s = torch.full((t, f // 128), float("nan"), device="cuda")
+    hb = torch.full((t, f), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y_fused = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y_pass = torch.full_like(y_fused, float("nan"))
+    y_torch = torch.full_like(y_fused, float("nan"))
+    stream = torch.cuda.current_stream()
+    common = dict(expert_offsets=offs, w_down=w_down, w_down_scale=w_down_s, route_w=route_w, dst=dst)
+    run_fused = fused.prepare(
+        stream, src=src, x=x, x_scale=xs, w_up=w_up, w_up_scale=w_up_s, h=h, h_scale=h_s, y=y_fused, **common
+    )
+    run_up = up.prepare(stream, src=src, x=x, x_scale=xs, w_up=w_up, h=hb, expert_offsets=offs, w_up_scale=w_up_s)
+    run_down_pass = down_pass.prepare(stream, hb=hb, y=y_pass, **common)
+
+    def separate_pass():
+        run_up.enqueue()
+        run_down_pass.enqueue()
+
+    hq, hq_s = quantize_1x128(torch.zeros((t, f), dtype=torch.bfloat16, device="cuda"))
+    run_down = down.prepare(stream, h=hq, h_scale=hq_s, y=y_torch, **common)
+
+    def separate_torch():
+        run_up.enqueue()
+        q, s = quantize_1x128(hb)
+        hq.copy_(q)
+        hq_s.copy_(s)
+        run_down.enqueue()
+
+    run_fused.enqueue()
+    separate_pass()
+    separate_torch()
+    torch.cuda.synchronize()
+    # The fused h is the up-projection's BF16 result quantized: against torch's quantization of
+    # the separate BF16 h (the two up kernels may tile differently), and y against both paths.
+    h_err = rel_error(h.float() * h_s.repeat_interleave(128, 1), hq.float() * hq_s.repeat_interleave(128, 1))
+    y_err = max(rel_error(y_fused, y_pass), rel_error(y_fused, y_torch))
+    check = checked(max(h_err, y_err), 3e-2, "separate launches (h and y)")
+    flops = 2.0 * t * n * hidden + 2.0 * t * hidden * f
+    return [
+        result(name, "gemmspec fused (FP8 h from the epilogue)", timed(run_fused.enqueue, repeat), flops, check=check),
+        result(name, "gemmspec BF16 h + quantize pass + down", timed(separate_pass, repeat), flops),
+        result(name, "torch quantization between gemmspec BF16 up, FP8 down", timed(separate_torch, repeat), flops),
+    ], None
+
+
+def lora_expand_bytes(counts: list[list[int]], n: int, r: int) -> int:
+    """Bytes the fused expand must move: h, the non-empty leaves' B, the scales, router
+    weights and biases once; the BF16 y read and written."""
+    t, loras, experts = sum(map(sum, counts)), len(counts), len(counts[0])
+    leaves = sum(1 for row in counts for c in row if c)
+    return (t * r + leaves * n * r + experts * n) * 2 + (loras + t) * 4 + 2 * t * n * 2
+
+
+def lora_expand_reference(rows, lora: int, expert: int, y0, h, wb, scaling, route_w, bias):
+    """Float64 y after the scaled expand on `rows` of leaf (lora, expert), from y0."""
+    torch = load_torch()
+    f64 = torch.float64
+    update = h[rows].to(f64) @ wb[lora, expert].to(f64).t()
+    coef = scaling[lora].to(f64) * route_w[rows].to(f64)
+    return y0[rows].to(f64) + coef[:, None] * update + bias[expert].to(f64)
+
+
+def lora_expand(repeat: int, *, name: str, counts: list[list[int]], r: int, n: int) -> Measured:
+    """The multi-LoRA expand of examples/lora_moe_scaled.gspec (4 adapters x 8 experts,
+    rank 16, N = 4096: the shape must be the example's; tokens per leaf in `counts`):
+    `y += scaling[lora] * route_w[t] * (h @ wb[lora, expert]^T) + bias[expert]` in one
+    launch, against the same work as separate launches: gemmspec's plain grouped GEMM into
+    BF16, or torch._grouped_mm over the 32 leaves, each followed by torch element-wise
+    operations. Every implementation updates its own y, restored from the same y0 before
+    each launch, outside the timed events."""
+    torch = load_torch()
+    loras, experts = len(counts), len(counts[0])
+    t = sum(map(sum, counts))
+    fused = specs.build_spec(specs.example_text("lora_moe_scaled"))
+    plain = specs.build_spec(specs.LORA_EXPAND.format(n=n, r=r, l=loras, e=experts))
+    lo_off, inner = nested_offsets(counts)
+    offsets = dict(
+        lora_offsets=torch.tensor(lo_off, dtype=torch.int32, device="cuda"),
+        expert_offsets=torch.tensor(inner, dtype=torch.int32, device="cuda"),
+    )
+    h = torch.randn((t, r), device="cuda", dtype=torch.bfloat16)
+    wb = (torch.randn((loras, experts, n, r), device="cuda") / 4).to(torch.bfloat16)
+    scaling = torch.rand((loras,), device="cuda") * 2 + 0.25  # alpha / rank
+    route_w = torch.rand((t,), device="cuda")
+    bias = torch.randn((experts, n), device="cuda", dtype=torch.bfloat16)
+    y0 = torch.randn((t, n), device="cuda", dtype=torch.bfloat16)
+    y_fused, y_separate, y_torch = (torch.empty_like(y0) for _ in range(3))
+    y2 = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lora_idx, expert_idx = token_leaves(counts, "cuda")
+    stream = torch.cuda.current_stream()
+    run_fused = fused.prepare(stream, h=h, wb=wb, scaling=scaling, route_w=route_w, bias=bias, y=y_fused, **offsets)
+    run_plain = plain.prepare(stream, h=h, wb=wb, y2=y2, **offsets)
+
+    def separate():
+        run_plain.enqueue()
+        lora_epilogue_ops(y_separate, y2, scaling, route_w, bias, lora_idx, expert_idx)
+
+    ends = offsets["expert_offsets"][:, 1:].reshape(-1).contiguous()
+    wb_t = wb.reshape(loras * experts, n, r).transpose(-2, -1)
+
+    def torch_only():
+        y2_torch = torch._grouped_mm(h, wb_t, offs=ends)
+        lora_epilogue_ops(y_torch, y2_torch, scaling, route_w, bias, lora_idx, expert_idx)
+
+    variants = [("gemmspec fused (scale, route_w, bias, +=)", run_fused.enqueue, y_fused),
+                ("gemmspec BF16 GEMM + torch element-wise", separate, y_separate)]
+    torch_note = ""
+    try:
+        torch._grouped_mm(h, wb_t, offs=ends)
+        variants.append(("torch._grouped_mm (32 groups) + element-wise", torch_only, y_torch))
+    except (AttributeError, TypeError, RuntimeError) as exc:  # a torch without a usable _grouped_mm
+        torch_note = f"; torch._grouped_mm unavailable: {str(exc).splitlines()[0][:80]}"
+    for _, fn, y in variants:
+        y.copy_(y0)
+        fn()
+    torch.cuda.synchronize()
+    # Float64 reference on up to 16 sampled rows of every non-empty leaf.
+    g = torch.Generator(device="cpu").manual_seed(4)
+    outs, refs = [], []
+    for li, row in enumerate(counts):
+        for ei, c in enumerate(row):
+            if c:
+                rows = inner[li][ei] + torch.randperm(c, generator=g)[:16].cuda()
+                outs.append(y_fused[rows])
+                refs.append(lora_expand_reference(rows, li, ei, y0, h, wb, scaling, route_w, bias))
+    check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    for impl, _, y in variants[1:]:
+        check += "; " + checked(rel_error(y_fused, y), 1e-2, impl.split(" (")[0])
+    moved = lora_expand_bytes(counts, n, r)
+    out = []
+    for impl, fn, y in variants:
+        samples = timed(fn, repeat, before=lambda y=y: y.copy_(y0))
+        out.append(result(name, impl, samples, moved, unit="TB/s", check="" if out else check + torch_note))
+    return out, None

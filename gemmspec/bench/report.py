@@ -1,0 +1,84 @@
+"""The bench's table and its JSON summary: every case's rows, each row's ratio to
+gemmspec's, its clock and power, the check it passed, and the case's verdict against
+its target (with DeepGEMM's recorded figure where it did not run live).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..clocks import at_power_cap, peak_tflops
+from .cases import CASES, Case
+from .timing import Result
+
+
+def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Result] | None = None) -> str:
+    """`others`: the case's rows beside gemmspec's first, which `vs_separate` compares with."""
+    t = case.target
+    ok = True
+    if t.vs_separate is not None:
+        ok &= bool(others) and all(r.ms / ours.ms >= t.vs_separate for r in others)
+    if t.tflops is not None:
+        ok &= ours.rate >= t.tflops
+    if t.max_us is not None:
+        ok &= ours.ms * 1e3 <= t.max_us
+    if t.vs_torch is not None:
+        ok &= torch_row is not None and torch_row.ms / ours.ms >= t.vs_torch
+    return "pass" if ok else "MISS"
+
+
+def _clock(r: Result) -> str:
+    if r.sm_mhz is None:
+        return f"{'':17}"
+    cap = "*" if r.power_capped is not None and at_power_cap(r.power_capped) else " "
+    return f"{r.sm_mhz:5.0f} MHz {r.power_w:4.0f} W{cap}"
+
+
+def report(results: list[Result], failures: dict[str, str], sms: int | None = None) -> tuple[str, list[dict]]:
+    """The table and its JSON summary; `sms`: the GPU's SM count, for each compute-bound
+    row's peak at the clock it ran at."""
+    lines = [
+        f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'gemmspec/it':>11}  {'clock, power':17}  check",
+    ]
+    summary = []
+    for case in CASES:
+        rows = [r for r in results if r.case == case.name]
+        if case.name in failures:
+            lines.append(f"{case.name:36} FAILED: {failures[case.name]}")
+            summary.append({"case": case.name, "error": failures[case.name]})
+            continue
+        if not rows:
+            continue
+        ours = rows[0]
+        torch_row = next((r for r in rows[1:] if r.impl.startswith("torch")), None)
+        for r in rows:
+            ratio = r.ms / ours.ms if r is not ours else 1.0
+            lines.append(
+                f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {r.rate:7.1f} {r.unit:>4} "
+                f"{ratio:10.2f}x  {_clock(r)}  {r.check}"
+            )
+        live = any(r.impl.startswith("DeepGEMM") for r in rows)
+        dg = None if live else case.deepgemm_recorded_tflops
+        if dg:
+            lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
+        case_verdict = verdict(case, ours, torch_row, rows[1:])
+        roof = None
+        if case.peak and sms and ours.sm_mhz:
+            roof = peak_tflops(case.peak, sms, ours.sm_mhz)
+        at_clock = (
+            f"; the {case.peak.upper()} peak at {ours.sm_mhz:.0f} MHz is {roof:.0f} TFLOPS: "
+            f"{ours.rate / roof:.0%} of it" if roof else ""
+        )
+        lines.append(f"{'':36} target {case.target.describe()}: {case_verdict}{at_clock}")
+        summary.append(
+            {
+                "case": case.name,
+                "what": case.what,
+                "target": case.target.describe(),
+                "verdict": case_verdict,
+                "deepgemm_recorded_tflops": dg,
+                "peak_at_clock_tflops": roof,
+                "rows": [asdict(r) | {"rate": r.rate} for r in rows],
+            }
+        )
+    return "\n".join(lines), summary

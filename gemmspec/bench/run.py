@@ -1,0 +1,114 @@
+"""`gemmspec bench`: gemmspec beside the anchors, in one process, on one GPU.
+
+Every row of the target table runs gemmspec and the anchors available here on the
+same inputs: PyTorch's grouped and scaled GEMMs always (torch is needed for this
+command only). Each gemmspec result is checked before it is timed (against the
+anchor's output where the anchor computes the same function, otherwise against a
+float64 reference of the dequantized inputs on sampled rows). Times are medians of
+`triton.testing.do_bench` (CUDA events, L2 flushed between runs); TFLOPS count
+useful FLOPs only (no padding), the memory-bound rows report TB/s of bytes that must
+move. A row whose launches must each start from the same output (the scaled LoRA
+expand's BF16 `+=`) restores it before every launch, untimed, and is timed by the
+`--idle` event loop instead. Where `deep_gemm` is importable, DeepGEMM runs beside them on
+the same inputs (its output checked against gemmspec's first; ragged groups copied once,
+untimed, into the 128-row aligned layout it needs); elsewhere, or with `--no-deepgemm`,
+DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed as recorded
+references. Where nvidia-smi is on the PATH, each row also shows the SM clock and board
+power of its kernel kept running for a second after it is timed (a sustained FP8 GEMM
+runs at the card's power cap, at a clock well below the maximum), and each compute-bound
+case the share of the tensor cores' peak at the clock gemmspec's row ran at.
+
+    gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png] [--no-deepgemm]
+    python -m gemmspec.bench ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..clocks import ClockSampler, gpu_id
+from . import specs, timing
+from .anchors import deepgemm
+from .cases import CASES, selected_cases
+from .inputs import load_torch
+from .plot import plot
+from .report import report
+from .timing import Result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gemmspec bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=None, metavar="CASE", help="run only these cases (prefixes)")
+    ap.add_argument("--repeat", type=int, default=1, help="do_bench runs per implementation (median of medians)")
+    ap.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
+    ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
+    ap.add_argument("--no-deepgemm", action="store_true",
+                    help="do not run DeepGEMM even where deep_gemm is importable (print its recorded figures)")
+    ap.add_argument("--tile", metavar="MxN", help="force this tile on every gemmspec launch (a tile directive)")
+    ap.add_argument(
+        "--idle", type=float, default=0.0, metavar="MS",
+        help="let the GPU idle MS milliseconds before each timed launch (median of 60 launches "
+        "instead of do_bench): sustained FP8 GEMMs throttle the card, so back-to-back rates "
+        "depend on what ran before; with a pause every kernel starts from the same state",
+    )
+    args = ap.parse_args(argv)
+    if args.idle < 0:
+        ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
+    timing.IDLE_MS = args.idle
+    if args.tile:
+        try:
+            m, n = (int(v) for v in args.tile.lower().split("x"))
+        except ValueError:
+            ap.error(f"--tile expects MxN, e.g. 128x128, got {args.tile!r}")
+        specs.FORCED_TILE = (m, n)
+    if args.list:
+        for c in CASES:
+            print(f"{c.name:36} {c.target.describe():32} {c.what}")
+        return 0
+    try:
+        torch = load_torch()
+        import triton  # noqa: F401
+    except ImportError as e:
+        print(f"gemmspec bench: needs torch and triton ({e})", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gemmspec bench: no CUDA device", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    dg = deepgemm.DEEPGEMM = None if args.no_deepgemm else deepgemm.load()
+    if dg is not None:
+        print(f"DeepGEMM {deepgemm.version(dg)} found: timed beside gemmspec", file=sys.stderr)
+    chosen = selected_cases(args.only)
+    results: list[Result] = []
+    failures: dict[str, str] = {}
+    with ClockSampler(gpu_id(props)) as sampler:
+        timing.SAMPLER = sampler
+        for i, case in enumerate(chosen, 1):
+            t0 = time.time()
+            print(f"[{i}/{len(chosen)}] {case.name} ...", file=sys.stderr, flush=True)
+            torch.manual_seed(i)
+            try:
+                results += case.measure(args.repeat)
+            except Exception as e:  # noqa: BLE001 - a failing case is reported, the rest still run
+                failures[case.name] = f"{type(e).__name__}: {e}"
+            torch.cuda.empty_cache()
+            print(f"      {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    timing.SAMPLER = None
+    sms = props.multi_processor_count
+    text, summary = report(results, failures, sms)
+    print(f"GPU: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}")
+    print(text)
+    if any(r.sm_mhz is not None for r in results):
+        print("clock, power: medians of nvidia-smi samples while each row was timed; * at the power cap")
+    if args.json:
+        with open(args.json, "w") as f:
+            version = deepgemm.version(dg) if dg is not None else None
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": version,
+                       "cases": summary}, f, indent=1)
+    if args.plot:
+        plot(summary, args.plot)
+    return 1 if failures else 0
