@@ -351,7 +351,8 @@ def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list
 
     `lengths[group]` gives the segment lengths in flat order; otherwise they are
     drawn at random (zero-length segments included). `dims` sizes run-time dims only
-    (see `check_run_dims`).
+    (see `check_run_dims`); a ragged group over a fixed dim ends at its size, and the
+    returned `Runtime.dims` holds run-time dims only.
     """
     lengths = dict(lengths or {})
     rt_dims = dict(dims or {})
@@ -367,16 +368,18 @@ def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list
         if g.kind != "ragged":
             continue
         if g.within is None:
+            fixed = spec.dim(g.dim).size
             lens = lengths.get(g.name)
             if lens is None:
-                total = rt_dims.get(g.dim, int(rng.integers(0, 300)))
+                total = fixed if fixed is not None else rt_dims.get(g.dim, int(rng.integers(0, 300)))
                 lens = _random_split(rng, total, g.count)
             off = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
             if int(off[-1]) > MAX_EXTENT:  # the offsets are int32
                 raise ArgumentError(f"lengths of {g.name} add up to {off[-1]}, more than {MAX_EXTENT} (2^31 - 1)")
-            rt_dims.setdefault(g.dim, int(off[-1]))
-            if int(off[-1]) != rt_dims[g.dim]:
-                raise ArgumentError(f"lengths of {g.name} add up to {off[-1]}, not {g.dim}={rt_dims[g.dim]}")
+            size = fixed if fixed is not None else rt_dims.setdefault(g.dim, int(off[-1]))
+            # A capacity group's offsets may end below the dim; any other ends at it.
+            if int(off[-1]) > size or (int(off[-1]) != size and not g.capacity):
+                raise ArgumentError(f"lengths of {g.name} add up to {off[-1]}, not {g.dim}={size}")
             rt.tensors[g.tensor] = off.astype(np.int32)
         else:
             outer = segments(spec, rt, g.within)
