@@ -26,7 +26,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dump-ir",
         metavar="DIR",
-        type=Path,
+        type=_output_path,
         help="write every stage's output (AST, checked spec, decision, schedule, ...) to DIR",
     )
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_common(p)
-    p.add_argument("-o", "--output", metavar="DIR", type=Path, default=Path("out"), help="output directory (default: out)")
+    p.add_argument("-o", "--output", metavar="DIR", type=_output_path, default=Path("out"), help="output directory (default: out)")
     p.add_argument("--cubin", action="store_true", help="also compile each .cu to an sm_90a cubin with NVRTC")
     p.add_argument(
         "--list",
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeat", type=_positive, default=20, metavar="N", help="timed calls per candidate; the median counts (default 20)"
     )
-    p.add_argument("--json", metavar="OUT", type=Path, help="also write the report as JSON to OUT")
+    p.add_argument("--json", metavar="OUT", type=_output_path, help="also write the report as JSON to OUT")
     p.add_argument(
         "--only",
         nargs="+",
@@ -181,6 +181,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for path in write_programs(programs, args.output, cubins=args.cubin):
         print(path)
     return 0
+
+
+def _output_path(text: str) -> Path:
+    """An output path as given. An empty one is refused: Path("") is the current
+    directory, which would fill it with whatever the command writes."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (write '.' for the current directory)")
+    return Path(text)
 
 
 def _positive(text: str) -> int:
