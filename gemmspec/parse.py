@@ -437,8 +437,13 @@ def parse(text: str, path: str = "<string>") -> ast.FileAst:
         raise SpecError(f"unexpected {found}; expected {expected}", where, note) from None
     except UnexpectedCharacters as e:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
+        note = None
+        if text.startswith(("/*", "//"), e.pos_in_stream):
+            # The only comments are `#` to the end of the line: a C-style one, closed or
+            # not (at the end of the file too), is refused at its first character.
+            note = "comments start with '#' and run to the end of the line; '/*' and '//' are not comments"
         raise SpecError(
-            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column)
+            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column), note
         ) from None
     try:
         specs = _ToAst().transform(tree)
