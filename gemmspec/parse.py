@@ -36,7 +36,7 @@ from .errors import SourceLocation, SpecError, locate, normalise_source, source_
 # Integer literals are at most 2^63 - 1: every size, stride and count ends up in a
 # signed 64-bit C++ constant or smaller (the checker applies each one's own limit).
 MAX_INT_LITERAL = 2**63 - 1
-# Sums and products nested in parentheses deeper than this are refused: nothing
+# Sums and products nested inside one another deeper than this are refused: nothing
 # real needs it, and every later stage walks expressions by recursion over depth.
 MAX_EXPR_DEPTH = 32
 
@@ -147,9 +147,13 @@ def _int(tok: Token) -> int:
 
 
 def _nest(node: ast.Sum | ast.Product) -> ast.Sum | ast.Product:
+    # The depth counts sums and products inside one another, with or without
+    # parentheses: `(a + b) * c` is 2 deep, `((a))` 0.
     if node.depth > MAX_EXPR_DEPTH:
         raise _LimitExceeded(
-            f"expression nests parentheses more than {MAX_EXPR_DEPTH} deep; simplify it",
+            f"expression nests sums and products more than {MAX_EXPR_DEPTH} deep (each sum or "
+            "product that is a term or factor of another counts one level; parentheses alone "
+            "do not); simplify it",
             node.pos,
         )
     return node
