@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dump-ir",
         metavar="DIR",
-        type=Path,
+        type=_output_path,
         help="write every stage's output (AST, checked spec, decision, schedule, ...) to DIR",
     )
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_common(p)
-    p.add_argument("-o", "--output", metavar="DIR", type=Path, default=Path("out"), help="output directory (default: out)")
+    p.add_argument("-o", "--output", metavar="DIR", type=_output_path, default=Path("out"), help="output directory (default: out)")
     p.add_argument("--cubin", action="store_true", help="also compile each .cu to an sm_90a cubin with NVRTC")
     p.add_argument(
         "--list",
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeat", type=_positive, default=20, metavar="N", help="timed calls per candidate; the median counts (default 20)"
     )
-    p.add_argument("--json", metavar="OUT", type=Path, help="also write the report as JSON to OUT")
+    p.add_argument("--json", metavar="OUT", type=_output_path, help="also write the report as JSON to OUT")
     p.add_argument(
         "--only",
         nargs="+",
@@ -181,6 +182,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_path(text: str) -> Path:
+    """An output path as given. An empty one is refused: Path("") is the current
+    directory, which would fill it with whatever the command writes."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (write '.' for the current directory)")
+    return Path(text)
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -195,15 +204,37 @@ def _tile_arg(text: str) -> tuple[int, int]:
 
 
 def _dims(items: list[str]) -> dict[str, int] | None:
-    """--dims NAME=SIZE ...; None (after saying why) when one is malformed."""
-    dims = {}
+    """--dims NAME=SIZE ...; None (after saying why) when one is malformed. Whether each
+    names a run-time dim of the spec, in range, is `_check_dims`'s to say."""
+    dims: dict[str, int] = {}
     for item in items:
-        name, _, value = item.partition("=")
-        if not name or not value.isdigit():
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name:
             print(f"gemmspec: error: --dims expects NAME=SIZE, got {item!r}", file=sys.stderr)
+            return None
+        # ASCII digits only: str.isdigit() also takes superscripts, which int() refuses.
+        if re.fullmatch(r"[+-]?[0-9]+", value) is None:
+            print(f"gemmspec: error: --dims {name}: expected an integer size, got {value!r}", file=sys.stderr)
+            return None
+        if name in dims:
+            print(f"gemmspec: error: --dims gives '{name}' twice", file=sys.stderr)
             return None
         dims[name] = int(value)
     return dims
+
+
+def _check_dims(spec, dims: dict[str, int]) -> bool:
+    """Whether `dims` fit the spec's run-time dims (else say why); before any device work."""
+    from .errors import ArgumentError
+    from .reference.data import check_run_dims
+
+    try:
+        check_run_dims(spec, dims)
+    except ArgumentError as e:
+        print(f"gemmspec: error: --dims: {e}", file=sys.stderr)
+        return False
+    return True
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -218,8 +249,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if args.json.is_dir():
             raise OutputError(f"cannot write the --json file {args.json}: it is a directory", str(args.json))
         check_output_dir(args.json.parent, "--json file's directory")
-    if args.dump_ir is not None:
-        lower_and_dump(args.file, args.dump_ir)
+    lowered = lower_and_dump(args.file, args.dump_ir)
+    if len(lowered) == 1 and not _check_dims(lowered[0].spec, dims):  # several: tune says so
+        return EXIT_USAGE
 
     def on_candidates(found) -> None:
         print(f"{found.spec}: {len(found.candidates)} candidate(s), {len(found.skipped)} skipped", file=sys.stderr)
@@ -245,6 +277,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if dims is None:
         return EXIT_USAGE
     exe = build(args.file)
+    if not _check_dims(exe.spec, dims):
+        return EXIT_USAGE
     report = run_random(exe, dims=dims, seed=args.seed, repeats=args.repeats)
     for c in report.checks:
         print(f"{report.spec}: {c.describe()}")

@@ -36,7 +36,7 @@ from .errors import SourceLocation, SpecError, locate, normalise_source, source_
 # Integer literals are at most 2^63 - 1: every size, stride and count ends up in a
 # signed 64-bit C++ constant or smaller (the checker applies each one's own limit).
 MAX_INT_LITERAL = 2**63 - 1
-# Sums and products nested in parentheses deeper than this are refused: nothing
+# Sums and products nested inside one another deeper than this are refused: nothing
 # real needs it, and every later stage walks expressions by recursion over depth.
 MAX_EXPR_DEPTH = 32
 
@@ -147,9 +147,13 @@ def _int(tok: Token) -> int:
 
 
 def _nest(node: ast.Sum | ast.Product) -> ast.Sum | ast.Product:
+    # The depth counts sums and products inside one another, with or without
+    # parentheses: `(a + b) * c` is 2 deep, `((a))` 0.
     if node.depth > MAX_EXPR_DEPTH:
         raise _LimitExceeded(
-            f"expression nests parentheses more than {MAX_EXPR_DEPTH} deep; simplify it",
+            f"expression nests sums and products more than {MAX_EXPR_DEPTH} deep (each sum or "
+            "product that is a term or factor of another counts one level; parentheses alone "
+            "do not); simplify it",
             node.pos,
         )
     return node
@@ -441,8 +445,13 @@ def parse(text: str, path: str = "<string>") -> ast.FileAst:
         raise SpecError(f"unexpected {found}; expected {expected}", where, note) from None
     except UnexpectedCharacters as e:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
+        note = None
+        if text.startswith(("/*", "//"), e.pos_in_stream):
+            # The only comments are `#` to the end of the line: a C-style one, closed or
+            # not (at the end of the file too), is refused at its first character.
+            note = "comments start with '#' and run to the end of the line; '/*' and '//' are not comments"
         raise SpecError(
-            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column)
+            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column), note
         ) from None
     try:
         specs = _ToAst().transform(tree)

@@ -654,13 +654,32 @@ class GemmFunction:
         return {t.name: _strided(q, t.layout, dims), t.scale.name: _strided(s, t.scale.layout, dims)}
 
     def __call__(self, **tensors: torch.Tensor):
+        """The forward outputs (one tensor, or a tuple in the forward op's output order).
+        Given every output by name as well (`forward_op.outputs`, an FP8 output's scales
+        included), the call writes them in place and returns them, as `op` does; a test can
+        so poison them first."""
+        outputs = self.forward_op.outputs
         missing = [n for n in self.args if n not in tensors]
-        unknown = [n for n in tensors if n not in self.args]
+        unknown = [n for n in tensors if n not in self.args and n not in outputs]
         if missing or unknown:
             raise ArgumentError(
                 f"{self.spec.name}: takes {', '.join(self.args)} (FP8 operands in high "
-                f"precision, no scales); missing {missing or 'none'}, unknown {unknown or 'none'}"
+                f"precision, no scales) and optionally every output ({', '.join(outputs)}); "
+                f"missing {missing or 'none'}, unknown {unknown or 'none'}"
             )
+        given = [n for n in outputs if n in tensors]
+        if given and len(given) != len(outputs):
+            absent = [n for n in outputs if n not in tensors]
+            raise ArgumentError(
+                f"{self.spec.name}: pass every output ({', '.join(outputs)}) or none; "
+                f"missing {', '.join(absent)}"
+            )
+        for name in given:
+            if tensors[name].requires_grad:
+                raise ArgumentError(
+                    f"{self.spec.name}: output '{name}' requires grad; an output the call "
+                    "writes in place must not (its gradient flows from what the call returns)"
+                )
         if torch.is_grad_enabled():
             for name, why in self.backward.not_derived:
                 if name in tensors and tensors[name].requires_grad:
@@ -668,16 +687,18 @@ class GemmFunction:
                         f"{self.spec.name}: '{name}' requires grad, but its gradient is not "
                         f"derived ({why}); pass it detached (or with requires_grad=False)"
                     )
-        outs = _Autograd.apply(self, *[tensors[n] for n in self.args])
+        # The given outputs travel as inputs of the autograd function, which marks them
+        # written in place (so autograd tracks their new contents as its outputs).
+        outs = _Autograd.apply(self, len(self.args), *[tensors[n] for n in self.args], *[tensors[n] for n in given])
         return outs[0] if len(outs) == 1 else outs
 
-    def forward(self, values: dict[str, torch.Tensor]):
+    def forward(self, values: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None = None):
         dims = self._dims(values)
         inputs: dict[str, torch.Tensor] = {}
         for name, value in values.items():
             t = self._tensors.get(name)  # None: offsets, counts, index tensors
             inputs.update(self._quantized(t, value, dims) if t is not None else {name: value})
-        outs = self.forward_op(**inputs)
+        outs = self.forward_op(**inputs, **(outputs or {}))
         return (outs,) if isinstance(outs, torch.Tensor) else tuple(outs), inputs, dims
 
     def backward_inputs(self, saved: dict[str, torch.Tensor], grads, dims) -> dict[str, torch.Tensor]:
@@ -698,9 +719,13 @@ class GemmFunction:
 
 class _Autograd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn: GemmFunction, *args: torch.Tensor):
+    def forward(ctx, fn: GemmFunction, n_args: int, *tensors: torch.Tensor):
+        args, given = tensors[:n_args], tensors[n_args:]
         values = dict(zip(fn.args, args))
-        outs, inputs, dims = fn.forward(values)
+        outs, inputs, dims = fn.forward(values, dict(zip(fn.forward_op.outputs, given)))
+        ctx.given = len(given)
+        if given:
+            ctx.mark_dirty(*given)
         kept = fn.feed.kept(inputs, outs)
         ctx.fn, ctx.dims, ctx.names = fn, dims, tuple(kept)
         ctx.arg_dtypes = {n: a.dtype for n, a in values.items()}
@@ -726,7 +751,7 @@ class _Autograd(torch.autograd.Function):
         for name in fn.args:
             grad = next((by_name[d.grad] for d in fn.backward.statements if d.wrt == name), None)
             result.append(None if grad is None else grad.to(ctx.arg_dtypes[name]))
-        return (None, *result)
+        return (None, None, *result, *[None] * ctx.given)
 
 
 def function(spec, name: str | None = None) -> GemmFunction:

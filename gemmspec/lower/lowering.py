@@ -187,7 +187,8 @@ def _is_k_major(op: OperandMap) -> bool:
     return s.is_const and s.value == 1
 
 
-def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
+def _launch(spec: Spec, plan: LaunchPlan, index: int, dim_order: dict[str, int]) -> Launch:
+    """Launch `index` of `plan`; `dim_order` numbers the spec's run-time dims in order."""
     gemm = spec.gemms[plan.statement]
     extents = tuple(_extent(spec, gemm, r) for r in ("m", "n", "k"))
     # A as the kernel loads it: a gather pre-pass's copy, row for row, where one is planned.
@@ -217,8 +218,11 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int) -> Launch:
             polys += [s.offset, *s.strides]
     if c is not None:
         polys += [c.offset, *c.strides]
-    dims = spec.runtime_dims
-    runtime_dims = tuple(n for n in dims if any(n in p.symbols for p in polys))
+    # The run-time dims this launch's formulas name, in the spec's order. Looked up from
+    # the formulas' symbols, not by scanning the spec's dims: a launch costs the size of
+    # its own formulas, however many dims the spec declares.
+    named = set().union(*(p.symbols for p in polys))
+    runtime_dims = tuple(sorted((n for n in named if n in dim_order), key=dim_order.__getitem__))
     problems = ProblemGenerator(
         leaf_axes=gemm.leaf_axes,
         fixed_axes=plan.pinned,
@@ -391,7 +395,8 @@ def step_order(spec: Spec, schedule: Schedule) -> tuple[tuple[str, int], ...]:
 
 
 def lower(spec: Spec, decision: NestDecision) -> Schedule:
-    launches = tuple(_launch(spec, p, i) for i, p in enumerate(decision.plans))
+    dim_order = {name: i for i, name in enumerate(spec.runtime_dims)}
+    launches = tuple(_launch(spec, p, i, dim_order) for i, p in enumerate(decision.plans))
     reasons = list(decision.reasons)
     prepasses = []
     needed = _needed_derived(spec, launches)

@@ -7,12 +7,14 @@ independently of the lowering, so that the two executors can check each other.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
 
-from ..spec import FP8_TYPES, INDEX_TYPE, Spec, Tensor
+from ..errors import ArgumentError
+from ..spec import FP8_TYPES, INDEX_TYPE, MAX_EXTENT, Spec, Tensor
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NUMPY_TYPES = {
@@ -332,14 +334,41 @@ def scale_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
 # ---- random problems ------------------------------------------------------------------------
 
 
+def check_run_dims(spec: Spec, dims: Mapping[str, int]) -> None:
+    """Raise ArgumentError unless every entry of `dims` names a run-time dim of `spec` and
+    sizes it with an integer from 0 to 2^31 - 1 (the kernels index rows, columns and K
+    with 32-bit integers). A dim the spec fixes takes no size at run time."""
+    by_name = {d.name: d for d in spec.dims}
+    runtime = ", ".join(spec.runtime_dims) or "none"
+    for name, size in dims.items():
+        dim = by_name.get(name)
+        if dim is None:
+            raise ArgumentError(f"spec '{spec.name}' has no dim '{name}' (its run-time dims: {runtime})")
+        if dim.size is not None:
+            raise ArgumentError(
+                f"dim '{name}' of spec '{spec.name}' is fixed at {dim.size} by the spec, so it takes "
+                f"no size at run time (its run-time dims: {runtime})"
+            )
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise ArgumentError(f"dim '{name}' must be an integer, got {size!r}")
+        if not 0 <= size <= MAX_EXTENT:
+            raise ArgumentError(
+                f"dim '{name}' is {size}: expected 0 to {MAX_EXTENT} (2^31 - 1; the kernels index "
+                "with 32-bit integers)"
+            )
+
+
 def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list[int]] | None = None, dims: dict[str, int] | None = None) -> Runtime:
     """Offsets and counts for every run-time group, with optional explicit lengths.
 
     `lengths[group]` gives the segment lengths in flat order; otherwise they are
-    drawn at random (zero-length segments included).
+    drawn at random (zero-length segments included). `dims` sizes run-time dims only
+    (see `check_run_dims`); a ragged group over a fixed dim ends at its size, and the
+    returned `Runtime.dims` holds run-time dims only.
     """
     lengths = dict(lengths or {})
     rt_dims = dict(dims or {})
+    check_run_dims(spec, rt_dims)
     rt = Runtime(rt_dims)
     for g in spec.groups:
         if g.kind == "masked":
@@ -351,15 +380,19 @@ def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list
         if g.kind != "ragged":
             continue
         if g.within is None:
+            fixed = spec.dim(g.dim).size
             lens = lengths.get(g.name)
             if lens is None:
-                total = rt_dims.get(g.dim, int(rng.integers(0, 300)))
+                total = fixed if fixed is not None else rt_dims.get(g.dim, int(rng.integers(0, 300)))
                 lens = _random_split(rng, total, g.count)
-            off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-            rt_dims.setdefault(g.dim, int(off[-1]))
-            if int(off[-1]) != rt_dims[g.dim]:
-                raise ValueError(f"lengths of {g.name} add up to {off[-1]}, not {g.dim}={rt_dims[g.dim]}")
-            rt.tensors[g.tensor] = off
+            off = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
+            if int(off[-1]) > MAX_EXTENT:  # the offsets are int32
+                raise ArgumentError(f"lengths of {g.name} add up to {off[-1]}, more than {MAX_EXTENT} (2^31 - 1)")
+            size = fixed if fixed is not None else rt_dims.setdefault(g.dim, int(off[-1]))
+            # A capacity group's offsets may end below the dim; any other ends at it.
+            if int(off[-1]) > size or (int(off[-1]) != size and not g.capacity):
+                raise ArgumentError(f"lengths of {g.name} add up to {off[-1]}, not {g.dim}={size}")
+            rt.tensors[g.tensor] = off.astype(np.int32)
         else:
             outer = segments(spec, rt, g.within)
             flat = lengths.get(g.name)

@@ -6,7 +6,11 @@ past them, identifiers swapped for other names or the language's words, stray
 characters and random bytes (byte-order marks, line separators, control codes),
 lines duplicated or dropped, long `+`/`*` chains and deep parentheses, and
 clause-level edits that keep the text parseable (layouts, scales, element types,
-derivations, directives, dim sizes, extra statements). Every mutant goes through
+derivations, directives, dim sizes, extra statements), and edits that add or change the
+constructs the language grew later: epilogue factors and biases, rows gathered through
+an index, FP8 outputs (`pow2` scales included) and their copies, row passes (`rowdot`,
+`rowscale`, `scatter_add`), `pad`, capacity offsets and the `tile` and `gather`
+directives. Small specs of each construct join the corpus. Every mutant goes through
 parse -> check -> analyse -> lower -> emit, and must either emit or raise a
 `SpecError` whose location points at a real line of the text. A few accepted
 mutants that emit code the originals do not are compiled with NVRTC.
@@ -44,11 +48,111 @@ COMPILED = 5
 # ---- the corpus ------------------------------------------------------------------------
 
 
+# Small specs of the constructs that the examples and the language reference show
+# seldom or not at all; each checks and emits as written (test_the_construct_specs_emit).
+CONSTRUCTS = [
+    """gemm capacity_moe {
+  dim T
+  dim N = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = expert_offsets, capacity)
+  tensor x : e4m3 [T, K] scale f32 [1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+  tile(128, 128)
+}
+""",
+    """gemm gathered_fused {
+  dim T, S
+  dim N = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = expert_offsets)
+  tensor idx : i32 [T]
+  tensor x : e4m3 [S, K] scale f32 [1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[idx[t], k] * w[expert(t), n, k]
+  gather(fused)
+}
+""",
+    """gemm gathered_prepass {
+  dim T, S
+  dim N = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = expert_offsets)
+  tensor idx : i32 [T]
+  tensor src : i32 [T]
+  tensor x : bf16 [S, K]
+  tensor w : bf16 [E, N, K]
+  tensor y : bf16 [S, N]
+  y[src[t], n] = sum[k] x[idx[t], k] * w[expert(t), n, k]
+  gather(prepass)
+}
+""",
+    """gemm fp8_out_copy {
+  dim T
+  dim N = 512, F = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = expert_offsets)
+  tensor x   : e4m3 [T, K] scale f32 [1, 128]
+  tensor w   : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor h   : e4m3 [T, F] scale f32 [1, 128] pow2
+  tensor h_t : e4m3 [T, F] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = copy(h)
+  h[t, j] = silu(sum[k] x[t, k] * w[expert(t), 2*j, k]) * sum[k] x[t, k] * w[expert(t), 2*j + 1, k]
+}
+""",
+    """gemm fp8_out_plain {
+  dim T
+  dim N = 256, K = 256
+  tensor x : e4m3 [T, K] scale f32 [1, 128]
+  tensor w : e4m3 [N, K] scale f32 [128, 128]
+  tensor y : e4m3 [T, N] scale f32 [1, 128]
+  y[t, n] = sum[k] x[t, k] * w[n, k]
+  tile(64, 128)
+}
+""",
+    """gemm row_passes {
+  dim T, S, H = 256, F = 256
+  tensor dy : bf16 [T, H]
+  tensor w  : bf16 [F, H]
+  tensor h  : e4m3 [T, F] scale f32 [1, 128]
+  tensor rw : f32 [T]
+  tensor src : i32 [T]
+  tensor g  : bf16 [T, F]
+  tensor drw : f32 [T] = rowdot(g, h)
+  tensor dh  : bf16 [T, F] = rowscale(g, weight = rw)
+  tensor dx  : bf16 [S, F] = scatter_add(g, rows = src)
+  g[t, f] = sum[n] dy[t, n] * w[f, n]
+}
+""",
+    """gemm epilogue_pad {
+  dim T
+  dim N = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = expert_offsets)
+  tensor x     : bf16 [T, K]
+  tensor w     : bf16 [E, N, K]
+  tensor alpha : f32 [E]
+  tensor rw    : f32 [T]
+  tensor bias  : bf16 [E, N]
+  tensor y     : bf16 [T, N]
+  y[t, n] = alpha[expert(t)] * rw[t] * sum[k] x[t, k] * w[expert(t), n, k] + bias[expert(t), n]
+}
+""",
+    """gemm wgrad_pad {
+  dim T
+  dim N = 256, K = 256
+  group expert[E = 4] = ragged(T, offsets = expert_offsets, capacity)
+  tensor dy : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert
+  tensor x  : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] += sum[t in expert(e)] dy[t, n] * x[t, k]
+}
+""",
+]
+
+
 def corpus() -> list[str]:
     texts = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "examples").glob("*.gspec"))]
     docs = (ROOT / "docs" / "language.md").read_text(encoding="utf-8")
     blocks = re.findall(r"^```gspec[ \t]*\n(.*?)^```", docs, re.M | re.S)
-    return texts + [b for b in blocks if "gemm " in b]
+    return texts + [b for b in blocks if "gemm " in b] + CONSTRUCTS
 
 
 # ---- token-level mutations ----------------------------------------------------------------
@@ -67,6 +171,8 @@ WORDS = [
     "uniform", "masked", "within", "offsets", "sizes", "counts", "row_major", "major",
     "strides", "segment_major", "pad", "requantize", "transpose", "flatten", "target", "tile", "silu",
     "e4m3", "e5m2", "bf16", "f16", "f32", "int", "gs_x", "T_blocks", "a" * 70,
+    "capacity", "copy", "rowdot", "rowscale", "scatter_add", "rows", "weight", "pow2", "quantize",
+    "swiglu_grad", "gather", "fused", "prepass", "auto", "i32",
 ]
 
 
@@ -121,7 +227,12 @@ def mutate_tokens(text: str, rng: random.Random) -> str:
 
 TENSOR = re.compile(r"^(\s*tensor\s+(\w+)\s*:\s*)(\w+)(\s*\[([^\]]*)\])(.*)$")
 DTYPES = ["e4m3", "e5m2", "bf16", "f16", "f32"]
-DIRECTIVES = ["split", "flatten", "tile(64, 8)", "tile(128, 256)", "tile(64, 192)", "tile(128, 64)", "target sm_90a"]
+DIRECTIVES = [
+    "split", "flatten", "tile(64, 8)", "tile(128, 256)", "tile(64, 192)", "tile(128, 64)", "target sm_90a",
+    "tile(128, 160)", "tile(64, 16)", "tile(256, 64)", "tile(128, 7)", "tile(0, 0)",
+    "gather(fused)", "gather(prepass)", "gather(auto)", "gather(sideways)",
+]
+PADS = [1, 2, 16, 17, 128, 2**31 - 1, 2**31, 2**62]
 SIZES = [1, 2, 7, 64, 128, 1000, 2**30, 2**31 - 1]
 
 
@@ -143,7 +254,7 @@ def mutate_clauses(text: str, rng: random.Random) -> str:
         i = rng.choice(tensors)
         head, name, dtype, shape, dims_text, rest = TENSOR.match(lines[i]).groups()
         dims = [d.strip() for d in dims_text.split(",") if d.strip()] or ["T"]
-        op = rng.randrange(8)
+        op = rng.randrange(15)
         if op == 0:  # the tensor's layout
             clause = rng.choice([
                 "layout strides(" + ", ".join(_expr(rng, dims) for _ in dims) + ")",
@@ -174,9 +285,54 @@ def mutate_clauses(text: str, rng: random.Random) -> str:
             ]
         elif op == 6:  # the tensor bare
             lines[i] = f"{head}{dtype}{shape}"
-        elif statements:  # one more statement, storing or accumulating
+        elif op == 7 and statements:  # one more statement, storing or accumulating
             extra = rng.choice(statements)
             lines.insert(max(len(lines) - 2, 0), extra.replace("=", "+=", 1) if rng.random() < 0.5 and "+=" not in extra else extra)
+        elif op == 8:  # capacity offsets, added or taken away
+            lines = [
+                (line.replace(", capacity)", ")") if ", capacity)" in line else re.sub(r"(ragged\([^)]*)\)", r"\1, capacity)", line))
+                if "ragged(" in line and rng.random() < 0.7 else line
+                for line in lines
+            ]
+        elif op == 9:  # padded segments or rows
+            layout = rng.choice([f"segment_major({rng.choice(groups)})", "row_major", f"major({rng.choice(dims)})"])
+            rest = re.sub(r"^\s*layout\s+\w+(\([^)]*\))?(\s+pad\s+\d+)?", "", rest)
+            lines[i] = f"{head}{dtype}{shape} layout {layout} pad {rng.choice(PADS)}{rest}"
+        elif op == 10:  # an FP8 output (or input) with its quantization scales
+            scale = rng.choice(["scale f32 [1, 128]", "scale f32 [1, 128] pow2", "scale f32 [128, 1] per " + rng.choice(groups), ""])
+            body = re.sub(r"\s*scale\s+\w+\s*\[[^\]]*\].*", "", rest.partition("=")[0])
+            lines[i] = f"{head}{rng.choice(['e4m3', 'e5m2'])}{shape}{body} {scale}".rstrip()
+        elif op == 11:  # an FP8 copy of a tensor (one more, when it has one already)
+            g = rng.choice(groups)
+            layout = rng.choice([f"layout segment_major({g}) pad 16 ", f"layout segment_major({g}) ", ""])
+            scale = rng.choice([f"scale f32 [128, 1] per {g}", "scale f32 [1, 128]", f"scale f32 [128, 1] per {g} pow2", ""])
+            lines.insert(i + 1, f"  tensor {name}_c{rng.randrange(3)} : e4m3 {shape.strip()} {layout}{scale} = copy({name})")
+        elif op == 12:  # a row pass over the tensor
+            other, weight = rng.choice(names), rng.choice(names)
+            rows = rng.choice(names)
+            derived = rng.choice([f"rowdot({name}, {other})", f"rowscale({name}, weight = {weight})", f"scatter_add({name}, rows = {rows})"])
+            target = rng.choice([f"f32 [{dims[0]}]", f"bf16 {shape.strip()}", f"bf16 [S, {dims[-1]}]", f"f32 [{dims[0]}, {dims[-1]}]"])
+            lines.insert(i + 1, f"  tensor {name}_rp : {target} = {derived}")
+        elif op == 13 and statements:  # epilogue factors and a bias on a statement
+            k = rng.choice([j for j, line in enumerate(lines) if "sum[" in line] or [i])
+            out, eq, rhs = lines[k].partition("=")
+            factor = f"{rng.choice(names)}[{rng.choice(['t', 'e', 'expert(t)', 'lora(t)', 'n', 't, n'])}]"
+            bias = f" + {rng.choice(names)}[{rng.choice(['n', 'expert(t), n', 't, n', 't'])}]"
+            rhs = (f" {factor} *" + rhs) if rng.random() < 0.7 else rhs
+            lines[k] = out + eq + (rhs + bias if rng.random() < 0.5 else rhs)
+        elif statements:  # rows gathered or scattered through an index tensor
+            k = rng.choice([j for j, line in enumerate(lines) if "sum[" in line] or [i])
+            index = rng.choice(["idx", "src", name])
+            at = rng.choice(["[t, ", "[s, "])
+            where = rng.choice(["rhs", "out"])
+            out, eq, rhs = lines[k].partition("=")
+            if where == "rhs":
+                rhs = rhs.replace(at, f"[{index}[t], ", 1)
+            else:
+                out = out.replace(at, f"[{index}[t], ", 1)
+            lines[k] = out + eq + rhs
+            if index != name and not re.search(rf"tensor\s+{index}\b", "\n".join(lines)):
+                lines.insert(i, f"  tensor {index} : i32 [{rng.choice(['T', 'S', dims[0]])}]")
     return "\n".join(lines)
 
 
@@ -270,6 +426,25 @@ def test_every_mutant_checks_or_fails_located(fuzz_run, capsys):
     # The mutator reaches every stage, and a fair share of mutants is valid.
     assert {"checked", "error:parse", "error:check", "error:analyse"} <= set(fuzz_run.outcomes), fuzz_run.summary()
     assert fuzz_run.outcomes["checked"] >= MUTANTS // 20, fuzz_run.summary()
+
+
+def test_the_construct_specs_emit():
+    """The corpus's own construct specs are valid: mutants start from working code."""
+    for text in CONSTRUCTS:
+        assert front(text), text
+
+
+def test_the_mutants_reach_the_later_constructs(fuzz_run):
+    """Some accepted mutants carry each construct, and some refused ones name it."""
+    marks = {
+        "capacity": r"capacity\)", "pad": r"\bpad\s+\d", "copy": r"= copy\(", "pow2": r"\bpow2\b",
+        "row pass": r"= (rowdot|rowscale|scatter_add)\(", "gather": r"\w\[\w+\[t\]",
+        "tile": r"^\s*tile\(", "gather directive": r"^\s*gather\(", "epilogue": r"\] \* sum\[|\+ \w+\[",
+        "FP8 output": r"e4m3 \[[^\]]*\][^=\n]*scale f32 \[1, 128\]",
+    }
+    accepted = [text for text, _ in fuzz_run.accepted]
+    missing = [what for what, mark in marks.items() if not any(re.search(mark, t, re.M) for t in accepted)]
+    assert not missing, f"no accepted mutant has: {', '.join(missing)}"
 
 
 def test_accepted_mutants_compile(fuzz_run, tmp_path, capsys):
