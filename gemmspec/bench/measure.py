@@ -65,7 +65,10 @@ def fp8_rowwise(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -
     `_scaled_grouped_mm` takes, computed by both on the same inputs and scales."""
     torch = load_torch()
     e, t = len(lengths), sum(lengths)
-    exe = specs.build_spec(specs.ROWWISE.format(n=n, k=k, e=e))
+    exe = specs.build_spec(specs.ROWWISE.format(n=n, k=k, e=e, directive=""))
+    # The same spec with accumulate(fast): the whole of K in the tensor cores' accumulator,
+    # timed beside torch's use_fast_accum=True.
+    fast = specs.build_spec(specs.ROWWISE.format(n=n, k=k, e=e, directive="  accumulate(fast)\n"))
     x, w = random_fp8((t, k)), random_fp8((e, n, k))
     sa, sb = random_scales((t,)), random_scales((e, n))
     y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -73,19 +76,33 @@ def fp8_rowwise(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -
     run = exe.prepare(
         torch.cuda.current_stream(), x=x, x_scale=sa.view(t, 1), w=w, w_scale=sb.view(e, n, 1), y=y, offs=offs
     )
+    y_fast = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    run_fast = fast.prepare(
+        torch.cuda.current_stream(), x=x, x_scale=sa.view(t, 1), w=w, w_scale=sb.view(e, n, 1), y=y_fast, offs=offs
+    )
     run.enqueue()
+    run_fast.enqueue()
     torch.cuda.synchronize()
     g = torch.Generator(device="cpu").manual_seed(0)
-    outs, refs = [], []
+    outs, fast_outs, refs = [], [], []
     for ei in range(e):
         rows = ei * lengths[0] + torch.randperm(lengths[ei], generator=g)[:96].cuda()
+        fast_outs.append(y_fast[rows])
         xa = x[rows].to(torch.float64) * sa[rows, None].to(torch.float64)
         wb = w[ei].to(torch.float64) * sb[ei, :, None].to(torch.float64)
         outs.append(y[rows])
         refs.append(xa @ wb.t())
     check = checked(rel_error(torch.cat(outs), torch.cat(refs)), 4e-3, "float64 reference (sampled rows)")
+    fast_check = checked(
+        rel_error(torch.cat(fast_outs), torch.cat(refs)), 8e-3, "float64 reference (sampled rows), fast accumulation"
+    )
     flops = 2.0 * t * n * k
-    out = [result(name, "gemmspec (per-channel scales)", timed(run.enqueue, repeat), flops, check=check)]
+    out = [
+        result(name, "gemmspec (per-channel scales, promoted every 128 of K)", timed(run.enqueue, repeat), flops,
+               check=check),
+        result(name, "gemmspec (per-channel scales, accumulate(fast))", timed(run_fast.enqueue, repeat), flops,
+               check=fast_check),
+    ]
     return out, Problem(work=flops, x=x, w=w, sa=sa, sb=sb, y=y, lengths=lengths, offs=offs)
 
 

@@ -77,7 +77,7 @@ gemm moe_rowwise {{
   tensor w : e4m3 [E, N, K] scale f32 [1, 1, K]
   tensor y : bf16 [T, N]
   y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}}
+{directive}}}
 """
 
 GATHER = """

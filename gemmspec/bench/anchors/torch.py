@@ -16,7 +16,9 @@ from . import Problem
 
 def scaled_grouped_mm(name: str, repeat: int, p: Problem) -> list[Result]:
     """FP8 M-grouped `torch._scaled_grouped_mm` over the row's offsets, with the row's
-    rowwise scales (`sa`, `sb`) where it has them."""
+    rowwise scales (`sa`, `sb`) where it has them: with its default accumulation
+    (`use_fast_accum=False`, promoted as gemmspec's default is) and, for a row with
+    rowwise scales, `use_fast_accum=True` beside gemmspec's accumulate(fast)."""
     torch = load_torch()
     x, w = p.x, p.w
     if getattr(p, "sa", None) is None:
@@ -24,15 +26,19 @@ def scaled_grouped_mm(name: str, repeat: int, p: Problem) -> list[Result]:
     else:
         sa, sb = p.sa, p.sb
     ends = p.offs[1:].contiguous()
-    return [
-        result(
-            name,
-            "torch._scaled_grouped_mm (rowwise scales)",
-            timed(lambda: torch._scaled_grouped_mm(x, w.transpose(-2, -1), sa, sb, offs=ends, out_dtype=torch.bfloat16), repeat),
-            p.work,
-            unit=p.unit,
+
+    def call(fast: bool):
+        return lambda: torch._scaled_grouped_mm(
+            x, w.transpose(-2, -1), sa, sb, offs=ends, out_dtype=torch.bfloat16, use_fast_accum=fast
         )
-    ]
+
+    out = [result(name, "torch._scaled_grouped_mm (rowwise scales)", timed(call(False), repeat), p.work, unit=p.unit)]
+    if getattr(p, "sa", None) is not None:
+        out.append(
+            result(name, "torch._scaled_grouped_mm (rowwise scales, use_fast_accum)", timed(call(True), repeat), p.work,
+                   unit=p.unit)
+        )
+    return out
 
 
 def scaled_grouped_mm_3d(name: str, repeat: int, p: Problem) -> list[Result]:
