@@ -89,7 +89,7 @@ def check_copies(ctx: Context, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
                 "copy(...) needs the one statement that writes it with `=`",
                 src_pos,
             )
-        g = writers[0]
+        g = out[writers[0].index]  # with the copy an earlier declaration attached, if any
         if g.copy is not None:
             raise ctx.error(
                 f"the statement on line {g.line} already writes '{g.copy}' = copy({t.copy_of}); "

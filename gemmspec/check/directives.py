@@ -36,6 +36,8 @@ def check_directives(ctx: Context, gemms: tuple[Gemm, ...]) -> Directives:
                 )
         elif d.kind == "tile":
             tm, tn = int(d.args[0]), int(d.args[1])
+            if tile is not None and tile != (tm, tn):
+                raise ctx.error(f"tile({tm}, {tn}) contradicts the earlier tile({tile[0]}, {tile[1]})", d.pos)
             if tm not in (64, 128) or tn % 8 or not 8 <= tn <= 256:
                 raise ctx.error(
                     f"tile({tm}, {tn}) is not a supported tile: the kernels take 64 or 128 "

@@ -12,7 +12,7 @@ from .directives import check_directives
 from .emittable import check_derived_emittable
 from .fp8_output import check_pow2_scales
 from .groups import declare_group
-from .names import check_identifier, declare_dim
+from .names import check_spec_name, declare_dim
 from .row_passes import check_row_pass_targets
 from .statements import check_statement
 from .swiglu_grad import check_no_cycle
@@ -23,7 +23,7 @@ from .writes import check_outputs_do_not_alias, check_written_once
 def check_spec(ctx: Context) -> Spec:
     """One spec: its declarations in source order, each derivation, each statement,
     then the rules across statements and passes, and the directives."""
-    check_identifier(ctx, ctx.ast.name, "spec")
+    check_spec_name(ctx, ctx.ast.name)
     for d in ctx.ast.dims:
         declare_dim(ctx, d.name, d.size)
     for g in ctx.ast.groups:

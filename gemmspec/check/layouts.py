@@ -12,6 +12,7 @@ from .names import poly
 
 _RUNTIME_AT_MOST = " (with every run-time dim at its largest, 2^31 - 1)"
 _FIXED_PART = " with every run-time dim at 1"
+MAX_PADDED_ROW = 2**31 - 1  # `pad N`: the padded contiguous dim, in elements
 
 
 def check_layout(
@@ -108,6 +109,13 @@ def check_layout(
             raise ctx.error(
                 f"pad needs the contiguous dim '{inner.name}' to be known at compile time",
                 decl.pos,
+            )
+        padded = -(-inner.size // pad) * pad
+        if padded > MAX_PADDED_ROW:
+            raise ctx.error(
+                f"pad {pad} makes rows of {padded} elements; a padded row holds at most "
+                f"{MAX_PADDED_ROW} (2^31 - 1: the kernels index a row with 32-bit integers)",
+                decl.pad_pos or decl.pos,
             )
         text += f" pad {pad}"
     check_dense_strides(ctx, owner, [sizes[i] for i in order], pad, where)

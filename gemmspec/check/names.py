@@ -32,6 +32,22 @@ MAX_POLY_TERMS = 64
 MAX_POLY_DEGREE = 8
 
 
+# The words that open a declaration or a directive (grammar.lark): a spec named after one
+# (`gemm tensor {`) reads as a declaration that lost its name.
+LANGUAGE_WORDS = frozenset("accumulate dim flatten gather gemm group split sum target tensor tile".split())
+
+
+def check_spec_name(ctx: Context, name: ast.Name) -> None:
+    """A spec's name: an identifier that reaches emitted code, and not a word of the language."""
+    check_identifier(ctx, name, "spec")
+    if name.text in LANGUAGE_WORDS:
+        raise ctx.error(
+            f"spec name '{name.text}' is a word of the language; name the spec after what it computes",
+            name.pos,
+            f"e.g. `gemm {name.text}_gemm {{`",
+        )
+
+
 def check_identifier(ctx: Context, name: ast.Name, what: str) -> None:
     text = name.text
     if len(text) > MAX_NAME_LENGTH:
