@@ -40,7 +40,7 @@ def test_per_channel_fp8_promotes_by_default():
     assert x.spec.directives.accumulation == "promoted"
     assert cfg.per_channel and cfg.promotes and not cfg.fast_accum
     assert "_fastacc" not in cfg.name
-    assert "promote" in emit(x.spec, x.schedule).launches[0].source  # the promoting loop is there
+    assert "mma_k_atom" in emit(x.spec, x.schedule).launches[0].source  # the promoting loop is there
 
 
 def test_fast_accumulation_reaches_the_kernel():
