@@ -27,7 +27,9 @@ if want probe; then
   timeout 240 python3 scripts/pipeline_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" || status=1
 fi
 if want tests; then
-  timeout 480 python3 -m pytest -q -m gpu tests/gpu -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+  # The element-wise checks compute a float64 reference of every element: spread the
+  # suite over the machine's cores (pytest-xdist).
+  timeout 480 python3 -m pytest -q -m gpu tests/gpu -rs -p no:cacheprovider -n ${GPU_TEST_WORKERS:-12} 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 fi
 if want sanitizer; then
   # API errors are off: cuda.core probes each kernel's parameters with cuKernelGetParamInfo

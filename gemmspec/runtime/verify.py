@@ -63,10 +63,14 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     # the reference is computed on the dequantized inputs the kernel reads.
     "bf16": (2.0**-7, 1e-2),
     "f16": (2.0**-10, 1e-2),
-    # f32 accumulation of 16-bit operands; FP8 tensor cores keep about 14 bits inside a
-    # 128-wide K block.
+    # f32 accumulation of 16-bit operands.
     "f32": (1e-4, 1e-3),
-    "f32 fp8": (1e-3, 1e-3),
+    # FP8 tensor cores keep about 14 bits of each 128-wide K block's sum (truncated), so
+    # an element's error scales with the sum of its products' magnitudes, not with the
+    # element: over millions of elements the tail reaches 1.7e-3 of rms(row) (measured
+    # on the H200, WGRAD at K = 4354..6166 and per-channel at K = 200), and a product of
+    # two such sums (SwiGLU) carries the relative error of its smaller factor.
+    "f32 fp8": (2.0**-8, 4e-3),
     # One step of the format: the device's f32 result and the reference's float64 one may
     # round to neighbouring FP8 values (and their block scales differ by a bf16 step).
     "e4m3": (2.0**-3, 1e-2),

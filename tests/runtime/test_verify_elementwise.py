@@ -27,7 +27,7 @@ def test_the_tolerances_by_output_type():
     assert tolerance("bf16") == (2.0**-7, 1e-2) == tolerance("bf16", "e4m3")
     assert tolerance("f16") == (2.0**-10, 1e-2)
     assert tolerance("f32") == (1e-4, 1e-3) == tolerance("f32", "bf16")
-    assert tolerance("f32", "e4m3") == (1e-3, 1e-3) == tolerance("f32", "e5m2")
+    assert tolerance("f32", "e4m3") == (2.0**-8, 4e-3) == tolerance("f32", "e5m2")
     assert tolerance("e4m3") == (2.0**-3, 1e-2)
     assert tolerance("e5m2") == (2.0**-2, 1e-2)
     assert set(TOLERANCES) == {"bf16", "f16", "f32", "f32 fp8", "e4m3", "e5m2"}
