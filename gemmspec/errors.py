@@ -68,14 +68,61 @@ class SourceLocation:
         return f"{self.file}:{self.line}:{self.column}"
 
 
-class SpecError(GemmspecError):
-    """A problem in a .gspec file, located at a line and column."""
+@dataclass(frozen=True)
+class Edit:
+    """Replace the source from (line, column) up to (end_line, end_column), exclusive,
+    1-based, with `text`; an insertion where the two positions are equal."""
 
-    def __init__(self, message: str, location: SourceLocation | None, note: str | None = None):
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Fix:
+    """The change a note proposes, as edits of the source an editor or a test can apply:
+    the note says it in words, this says it exactly. The edits do not overlap."""
+
+    edits: tuple[Edit, ...]
+
+    def apply(self, text: str) -> str:
+        """`text` (the normalised source the error was found in) with the edits made."""
+        lines = source_lines(text)
+        starts = [0]
+        for line in lines:
+            starts.append(starts[-1] + len(line) + 1)
+
+        def offset(line: int, column: int) -> int:
+            return min(starts[min(line, len(starts)) - 1] + column - 1, len(text))
+
+        out = text
+        spans = sorted(
+            ((offset(e.line, e.column), offset(e.end_line, e.end_column), e.text) for e in self.edits),
+            reverse=True,
+        )
+        for start, end, new in spans:  # last first, so earlier offsets stay valid
+            out = out[:start] + new + out[end:]
+        return out
+
+
+class SpecError(GemmspecError):
+    """A problem in a .gspec file, located at a line and column; `fix`, where there is
+    one, is the note's proposal as edits of the source."""
+
+    def __init__(
+        self,
+        message: str,
+        location: SourceLocation | None,
+        note: str | None = None,
+        fix: Fix | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.location = location
         self.note = note
+        self.fix = fix
 
     def render(self) -> str:
         loc = self.location

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import os
+import re
 import sys
 from functools import lru_cache
 from importlib import resources
@@ -31,7 +32,7 @@ from lark.exceptions import VisitError
 from lark.visitors import Transformer_NonRecursive
 
 from . import ast, diskcache
-from .errors import SourceLocation, SpecError, locate, normalise_source, source_lines
+from .errors import Edit, Fix, SourceLocation, SpecError, locate, normalise_source, source_lines
 
 # Integer literals are at most 2^63 - 1: every size, stride and count ends up in a
 # signed 64-bit C++ constant or smaller (the checker applies each one's own limit).
@@ -64,6 +65,13 @@ _TERMINAL_WORDS = {
     "$END": "end of file",
 }
 
+
+# `group NAME[...] = ragged(DIM` or `ragged(DIM within OUTER`, up to where `, offsets = ...`
+# belongs (comments aside): a `)` there means the offsets were left out.
+_RAGGED_OPEN = re.compile(
+    r"group\s+([A-Za-z_]\w*)\s*\[[^\]]*\]\s*=\s*ragged\s*\(\s*[A-Za-z_]\w*"
+    r"(?:\s+within\s+[A-Za-z_]\w*)?\s*\Z"
+)
 
 _CAPACITY = object()  # marks `ragged(..., capacity)` among a rule's children
 
@@ -437,21 +445,30 @@ def parse(text: str, path: str = "<string>") -> ast.FileAst:
             where, found = at_end(), "end of file"
         else:
             where, found = locate(path, lines, tok.line, tok.column), f"'{_shown(tok)}'"
-        note = None
-        if set(e.expected) == {"STAR"}:
+        note, fix = None, None
+        end = tok.start_pos or 0
+        opened = _RAGGED_OPEN.search(text, max(0, end - 400), end) if tok.type == "RPAR" else None
+        if opened:
+            # `ragged(T)`: the offsets tensor is not optional; name one after the group.
+            name = f"{opened.group(1)}_offsets"
+            note = f"a ragged group reads its segment boundaries from an int32 tensor: `offsets = {name}`"
+            fix = Fix((Edit(tok.line, tok.column, tok.line, tok.column, f", offsets = {name}"),))
+        elif set(e.expected) == {"STAR"}:
             # Only a statement's epilogue factors are followed by nothing but '*': a
             # product without `sum[...]` reads as a chain of factors.
             note = "a statement is `OUT[...] = [factor * ...] sum[k] A[...] * B[...] [+ bias[...]]`; is `sum[...]` missing?"
-        raise SpecError(f"unexpected {found}; expected {expected}", where, note) from None
+        raise SpecError(f"unexpected {found}; expected {expected}", where, note, fix) from None
     except UnexpectedCharacters as e:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
-        note = None
+        note, fix = None, None
         if text.startswith(("/*", "//"), e.pos_in_stream):
             # The only comments are `#` to the end of the line: a C-style one, closed or
             # not (at the end of the file too), is refused at its first character.
             note = "comments start with '#' and run to the end of the line; '/*' and '//' are not comments"
+            if text.startswith("//", e.pos_in_stream):
+                fix = Fix((Edit(e.line, e.column, e.line, e.column + 2, "#"),))
         raise SpecError(
-            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column), note
+            f"unexpected character {ch!r}", locate(path, lines, e.line, e.column), note, fix
         ) from None
     try:
         specs = _ToAst().transform(tree)
@@ -466,3 +483,10 @@ def parse(text: str, path: str = "<string>") -> ast.FileAst:
 def parse_file(path: str | Path) -> ast.FileAst:
     p = Path(path)
     return parse(p.read_text(encoding="utf-8"), str(path))
+
+
+def syntax_tree(text: str) -> lark.Tree:
+    """The parse tree of normalised .gspec text that parses, with each rule's start and
+    end: the syntax tree keeps only where things start, and a fix that replaces a whole
+    clause needs where it ends too."""
+    return _parser().parse(text)

@@ -4,7 +4,7 @@ the queries several checks make, and the words of the language several of them r
 from __future__ import annotations
 
 from .. import ast
-from ..errors import SourceLocation, SpecError, locate
+from ..errors import Fix, SourceLocation, SpecError, locate
 from ..expr import ONE, Poly
 from ..spec import KERNEL_K_BLOCK, Dim, Gemm, Group, Tensor
 
@@ -48,8 +48,10 @@ class Context:
         # and the block counts of run-time dims cut into scale blocks.
         self.worst: dict[str, int] = {}
 
-    def error(self, message: str, pos: ast.Pos, note: str | None = None) -> SpecError:
-        return SpecError(message, self.where(pos), note)
+    def error(
+        self, message: str, pos: ast.Pos, note: str | None = None, fix: Fix | None = None
+    ) -> SpecError:
+        return SpecError(message, self.where(pos), note, fix)
 
     def where(self, pos: ast.Pos) -> SourceLocation:
         return locate(self.file.path, self.lines, pos.line, pos.column)

@@ -16,6 +16,7 @@ from .context import (
     Context,
 )
 from .copies import check_copy_declaration
+from .fixes import did_you_mean
 from .row_passes import check_row_pass
 from .swiglu_grad import check_swiglu_grad
 
@@ -25,7 +26,10 @@ def check_derivation(ctx: Context, t: ast.TensorDecl) -> None:
         return
     op, src = t.derived.op, t.derived.source
     if src.text not in ctx.tensors:
-        raise ctx.error(f"unknown tensor '{src.text}'", src.pos)
+        raise ctx.error(
+            f"unknown tensor '{src.text}'", src.pos,
+            *did_you_mean(src, list(ctx.tensors), "tensors"),
+        )
     if op.text in ROW_PASS_OPS:
         check_row_pass(ctx, t)
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .. import ast
 from ..spec import FP8_OUT_BLOCK, Gemm, Tensor
 from .context import Context, row_major
+from .fixes import drop_layout, fix, set_scale
 
 
 def check_fp8_output(ctx: Context, gemm: Gemm, s: ast.Statement, t: Tensor) -> None:
@@ -36,6 +37,7 @@ def check_fp8_output(ctx: Context, gemm: Gemm, s: ast.Statement, t: Tensor) -> N
             f"{FP8_OUT_BLOCK} columns",
             s.out.tensor.pos,
             hint,
+            fix(set_scale(ctx, name, _fp8_out_block(t.rank).split(", "))),
         )
     decl = ctx.tensor_ast[name]
     n_axis = gemm.out.axis_of_role("n")
@@ -55,6 +57,7 @@ def check_fp8_output(ctx: Context, gemm: Gemm, s: ast.Statement, t: Tensor) -> N
                 f"writes one scale per row and {FP8_OUT_BLOCK} columns, [{_fp8_out_block(t.rank)}]",
                 entry.pos,
                 hint,
+                fix(set_scale(ctx, name, _fp8_out_block(t.rank).split(", "))),
             )
     if decl.scale.layout is not None and t.scale.layout.strides != tuple(row_major(ctx.scale_grid(t), None)):
         raise ctx.error(
@@ -79,6 +82,7 @@ def check_fp8_output(ctx: Context, gemm: Gemm, s: ast.Statement, t: Tensor) -> N
             "(the default, no padding)",
             decl.layout.pos if decl.layout is not None else s.out.tensor.pos,
             "drop the layout",
+            fix(drop_layout(ctx, name)),
         )
     cols = ctx.dims[t.dims[n_axis]]
     col_pos = s.out.indices[n_axis].pos

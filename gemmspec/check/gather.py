@@ -4,8 +4,10 @@ scattered rows of an `=` output."""
 from __future__ import annotations
 
 from .. import ast
+from ..errors import Edit, Fix
 from ..spec import INDEX_TYPE, Access, Gemm, Tensor
 from .context import Context
+from .fixes import add_declaration, add_declaration_last, fix, rename
 
 
 def index_tensor(ctx: Context, idx: ast.Index) -> Tensor:
@@ -15,7 +17,7 @@ def index_tensor(ctx: Context, idx: ast.Index) -> Tensor:
     if name not in ctx.tensors:
         raise ctx.error(
             f"unknown index tensor '{name}'", idx.via.pos,
-            f"declare it, e.g. `tensor {name} : {INDEX_TYPE} [T]` (one row number per row t)",
+            *_declare_index(ctx, idx),
         )
     t = ctx.tensors[name]
     if t.dtype != INDEX_TYPE:
@@ -24,8 +26,74 @@ def index_tensor(ctx: Context, idx: ast.Index) -> Tensor:
             f"index tensors are {INDEX_TYPE} (int32 row numbers)",
             idx.via.pos,
             f"declare `tensor {name} : {INDEX_TYPE} [{', '.join(t.dims)}]`",
+            fix(rename(ctx.tensor_ast[name].dtype, INDEX_TYPE)),
         )
     return t  # one dim: checked at its declaration
+
+
+def _combine_hint(ctx: Context, s: ast.Statement, idx: ast.Index) -> tuple[str, Fix | None]:
+    """`y[src[t], n] += ...` (a top-k combine): write the rows in row order into a new
+    tensor and add them into `y` with a scatter_add row pass, which sums the rows that
+    name one row deterministically."""
+    out, src = s.out.tensor.text, idx.via.text
+    plain = f"store with `=` (the entries of '{src}' distinct)"
+    y = ctx.tensors.get(out)
+    rows_name = f"{out}_rows"
+    row_dim = _row_dim(ctx, s.lhs, idx.var.text)
+    if (
+        y is None or y.rank != 2 or y.dtype not in ("bf16", "f16", "f32") or y.scale
+        or y.derived or rows_name in ctx.names or row_dim is None
+    ):
+        return f"{plain}, or write '{out}' in row order and add the rows with scatter_add", None
+    rows_decl = f"tensor {rows_name} : {y.dtype} [{row_dim}, {y.dims[1]}]"
+    derive = f"= scatter_add({rows_name}, rows = {src})"
+    ref = ", ".join(idx.var.text if i is idx else str(i) for i in s.out.indices)
+    new_out = f"{rows_name}[{ref}] ="
+    decl = add_declaration(ctx, out, rows_decl)
+    assert s.assign_pos is not None
+    start, assign = s.out.tensor.pos, s.assign_pos
+    return (
+        f"{plain}; or, for a top-k combine, write the routed rows in row order and add them "
+        f"into '{out}' with a scatter_add row pass (deterministic: row s of '{out}' is the "
+        f"sum of the rows t with {src}[t] == s, zero where there is none): declare "
+        f"`{rows_decl}`, declare '{out}' `{derive}` and write `{new_out} ...`",
+        fix(
+            Edit(decl.line, decl.column, decl.end_line, decl.end_column, f" {derive}{decl.text}"),
+            Edit(start.line, start.column, assign.line, assign.column + 2, new_out),
+        ),
+    )
+
+
+def _row_dim(ctx: Context, lhs: ast.Ref, var: str) -> str | None:
+    """The dim the row index `var` ranges over, from the first factor's row position."""
+    t = ctx.tensors.get(lhs.tensor.text)
+    if t is None or len(lhs.indices) != t.rank:
+        return None
+    for i, x in enumerate(lhs.indices):
+        if isinstance(x, ast.Index) and x.var.text == var and x.group is None:
+            if x.via is None:
+                return t.dims[i]
+            via = ctx.tensors.get(x.via.text)
+            return via.dims[0] if via is not None else None
+    return None
+
+
+def _declare_index(ctx: Context, idx: ast.Index) -> tuple[str, Fix | None]:
+    """An undeclared index tensor: one row number per row of the statement, so its dim is
+    the dim of the row index where that is already known from a tensor it indexes."""
+    name = idx.via.text
+    dims = {
+        ctx.tensors[r.tensor.text].dims[i]
+        for s in ctx.ast.statements
+        for r in (s.out, s.lhs, s.rhs)
+        if r.tensor.text in ctx.tensors and len(r.indices) == ctx.tensors[r.tensor.text].rank
+        for i, x in enumerate(r.indices)
+        if isinstance(x, ast.Index) and x.via is None and x.group is None and x.var.text == idx.var.text
+    }
+    dim = dims.pop() if len(dims) == 1 else None
+    decl = f"tensor {name} : {INDEX_TYPE} [{dim or 'T'}]"
+    note = f"declare it, e.g. `{decl}` (one row number per row {idx.var.text})"
+    return note, fix(add_declaration_last(ctx, decl)) if dim else None
 
 
 def check_gather_positions(ctx: Context, s: ast.Statement, refs: tuple[ast.Ref, ...]) -> None:
@@ -54,8 +122,7 @@ def check_gather_positions(ctx: Context, s: ast.Statement, refs: tuple[ast.Ref, 
                         f"with one {shown} would add into the same elements at once (a race), "
                         "so scattered outputs are stored with `=` only",
                         idx.via.pos,
-                        f"store with `=` (the entries of '{idx.via.text}' distinct), or write "
-                        f"'{s.out.tensor.text}' in row order and combine the rows in a separate pass",
+                        *_combine_hint(ctx, s, idx),
                     )
                 continue
             if is_row:

@@ -4,6 +4,7 @@ and the group references, restricted sums and grouped dims of a statement."""
 from __future__ import annotations
 
 from .. import ast
+from ..errors import Fix
 from ..spec import (
     MAX_FIXED_SEGMENTS,
     MAX_LEAVES_PER_LAUNCH,
@@ -13,6 +14,7 @@ from ..spec import (
     Tensor,
 )
 from .context import Binding, Context
+from .fixes import did_you_mean, fix, group_kind_end_of_dim, insert_at
 from .names import claim, const_expr, declare_dim, need_dim
 
 GROUP_KINDS_THAT_PARTITION = ("ragged", "split", "uniform")
@@ -73,7 +75,10 @@ def declare_group(ctx: Context, g: ast.GroupDecl) -> None:
     sizes: tuple[int, ...] = ()
     if k.within is not None:
         if k.within.text not in ctx.groups:
-            raise ctx.error(f"unknown group '{k.within.text}'", k.within.pos)
+            raise ctx.error(
+                f"unknown group '{k.within.text}'", k.within.pos,
+                *did_you_mean(k.within, list(ctx.groups), "groups"),
+            )
         depth = ctx.group_depth[k.within.text] + 1
         if depth > MAX_WITHIN_DEPTH:
             raise ctx.error(
@@ -83,10 +88,10 @@ def declare_group(ctx: Context, g: ast.GroupDecl) -> None:
                 k.within.pos,
             )
         outer = ctx.groups[k.within.text]
-        if outer.kind != "ragged":
+        if outer.kind not in GROUP_KINDS_THAT_PARTITION:
             raise ctx.error(
-                f"group '{g.name.text}' can nest only within a ragged group; "
-                f"'{outer.name}' is {outer.kind}",
+                f"group '{g.name.text}' can nest only within a ragged, split or uniform "
+                f"group; '{outer.name}' is {outer.kind}",
                 k.within.pos,
             )
         if outer.dim != dim.name:
@@ -162,7 +167,7 @@ def check_group_ref(ctx: Context, idx: ast.Index, dim: str, t: Tensor, binding: 
     if gname not in ctx.groups:
         raise ctx.error(
             f"unknown group '{gname}'", idx.group.pos,
-            f"declared groups: {', '.join(ctx.groups) or 'none'}",
+            *did_you_mean(idx.group, list(ctx.groups), "groups"),
         )
     g = ctx.groups[gname]
     if g.count_dim != dim:
@@ -197,7 +202,10 @@ def check_sum_restriction(
     assert sm.group is not None and sm.group_var is not None
     gname = sm.group.text
     if gname not in ctx.groups:
-        raise ctx.error(f"unknown group '{gname}'", sm.group.pos)
+        raise ctx.error(
+            f"unknown group '{gname}'", sm.group.pos,
+            *did_you_mean(sm.group, list(ctx.groups), "groups"),
+        )
     g = ctx.groups[gname]
     kdim = binding[sm.var.text][0]
     if g.kind not in GROUP_KINDS_THAT_PARTITION or g.dim != kdim:
@@ -243,8 +251,37 @@ def role_dim(ctx: Context, role: str, var: str, dim: str, groups: list[str], s: 
                     f"groups '{first}' and '{second}' both split {dim}, but neither is "
                     "declared within the other",
                     s.pos,
+                    *_nest_hint(ctx, first, second),
                 )
     masked = [
         n for n in groups if ctx.groups[n].kind == "masked" and ctx.groups[n].dim == dim
     ]
     return RoleDim(role, var, dim, innermost, masked[0] if masked else None)
+
+
+def _nest_hint(ctx: Context, outer: str, inner: str) -> tuple[str, Fix | None]:
+    """Two groups splitting one dim in one statement: the later one declared within the
+    earlier, where it may nest (a ragged group, not yet nested, whose offsets then hold
+    one row per outer segment)."""
+    o, i = ctx.groups[outer], ctx.groups[inner]
+    if i.kind != "ragged" or i.within is not None or i.capacity:
+        return (
+            f"only a ragged group nests (`ragged({i.dim} within {outer}, offsets = ...)`); "
+            f"use one group over {i.dim} in this statement",
+            None,
+        )
+    shape = f"[{', '.join(str(g.count) for g in _chain(ctx, outer))}, {i.count + 1}]"
+    return (
+        f"nest '{inner}' in '{outer}': `ragged({i.dim} within {outer}, offsets = {i.tensor})` "
+        f"(its offsets then hold one row per '{outer}' segment, shaped {shape}, absolute "
+        f"positions along {i.dim}, each row spanning its '{o.name}' segment)",
+        fix(insert_at(group_kind_end_of_dim(ctx, inner), f" within {outer}")),
+    )
+
+
+def _chain(ctx: Context, group: str) -> list[Group]:
+    """`group` and the groups it nests in, outermost first."""
+    chain = [ctx.groups[group]]
+    while chain[0].within:
+        chain.insert(0, ctx.groups[chain[0].within])
+    return chain

@@ -8,6 +8,7 @@ from .. import ast
 from ..expr import ONE, Poly
 from ..spec import MAX_EXTENT, MAX_NAME_LENGTH, Dim
 from .context import Context
+from .fixes import did_you_mean, fix, rename
 
 # Names a spec may not use: they reach emitted C++ as parameter and symbol names.
 CXX_RESERVED = frozenset(
@@ -45,6 +46,7 @@ def check_spec_name(ctx: Context, name: ast.Name) -> None:
             f"spec name '{name.text}' is a word of the language; name the spec after what it computes",
             name.pos,
             f"e.g. `gemm {name.text}_gemm {{`",
+            fix(rename(name, f"{name.text}_gemm")),
         )
 
 
@@ -113,7 +115,10 @@ def declare_dim(ctx: Context, name: ast.Name, size: int | None) -> None:
 
 def need_dim(ctx: Context, name: ast.Name) -> Dim:
     if name.text not in ctx.dims:
-        raise ctx.error(f"unknown dim '{name.text}'", name.pos, _suggest_dim(ctx))
+        note, fix = did_you_mean(name, list(ctx.dims), "dims")
+        if fix is None:
+            note = _suggest_dim(ctx)
+        raise ctx.error(f"unknown dim '{name.text}'", name.pos, note, fix)
     return ctx.dims[name.text]
 
 

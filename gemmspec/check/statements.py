@@ -9,6 +9,7 @@ from .. import ast
 from ..spec import INDEX_TYPE, SWIGLU_OUTPUT_TYPES, Access, AxisUse, Gemm, Group, LeafAxis
 from .context import Context
 from .epilogue import check_epilogue
+from .fixes import did_you_mean
 from .gather import check_gather_positions, index_tensor
 from .groups import check_group_ref, check_sum_restriction, role_dim
 from .names import check_identifier
@@ -58,7 +59,7 @@ def check_statement(ctx: Context, index: int, s: ast.Statement) -> Gemm:
         if ref.tensor.text not in ctx.tensors:
             raise ctx.error(
                 f"unknown tensor '{ref.tensor.text}'", ref.tensor.pos,
-                f"declared tensors: {', '.join(ctx.tensors) or 'none'}",
+                *did_you_mean(ref.tensor, list(ctx.tensors), "tensors"),
             )
         t = ctx.tensors[ref.tensor.text]
         if t.dtype == INDEX_TYPE:

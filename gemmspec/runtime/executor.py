@@ -440,8 +440,13 @@ class Executable:
                     f"got {rows[0, 0]}..{rows[0, -1]}"
                 )
             if g.within is not None:
-                outer_off = host[self.spec.group(g.within).tensor].reshape(-1)
-                starts, ends = outer_off[:-1], outer_off[1:]
+                outer = self.spec.group(g.within)
+                if outer.kind == "ragged":
+                    outer_rows = host[outer.tensor].reshape(-1, outer.count + 1)
+                    starts, ends = outer_rows[:, :-1].reshape(-1), outer_rows[:, 1:].reshape(-1)
+                else:  # split or uniform: compile-time segments
+                    starts = np.asarray(outer.starts, dtype=np.int64)
+                    ends = starts + np.asarray(outer.sizes, dtype=np.int64)
                 if (rows[:, 0] != starts).any() or (rows[:, -1] != ends).any():
                     raise ArgumentError(
                         f"'{g.tensor}': each row must span its '{g.within}' segment exactly"

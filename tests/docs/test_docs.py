@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,10 @@ GRAMMAR = Path(gemmspec.__file__).resolve().parent / "grammar.lark"
 
 
 def gspec_blocks(text: str) -> list[str]:
-    """Bodies of the ```gspec fenced blocks that hold a complete spec."""
-    blocks = re.findall(r"^```gspec[ \t]*\n(.*?)^```", text, re.M | re.S)
-    return [b for b in blocks if "gemm " in b]
+    """Bodies of the ```gspec fenced blocks that hold a complete spec, those indented
+    inside a list item too (dedented)."""
+    blocks = re.findall(r"^([ \t]*)```gspec[ \t]*\n(.*?)^\1```", text, re.M | re.S)
+    return [textwrap.dedent(b) for _, b in blocks if "gemm " in b]
 
 
 def section(text: str, heading: str) -> str:

@@ -72,7 +72,7 @@ CASES = [
     ("summed-missing", edit(BASE, 8, "x[t, k]", "x[t, q]"), 8, "x[", "does not index the first factor"),
     ("two-sums", edit(BASE, 8, "sum[k]", "sum[k, n]"), 8, "n] x", "exactly one index"),
     ("fp8-needs-requant", edit(FP8, 8, "y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]", "y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]"), None, None, None),
-    ("k-scale-finer", edit(FP8, 5, "scale f32 [1, 128]", "scale f32 [1, 32]"), 5, "32]", "needs a requantization"),
+    ("k-scale-finer", edit(FP8, 5, "scale f32 [1, 128]", "scale f32 [1, 32]"), 5, "32]", "finer than the 128-wide K block"),
     ("fp8-not-k-major", edit(FP8, 6, "[E, N, K] scale", "[E, N, K] layout major(N) scale"), 8, "w[", "needs a transpose pass"),
     ("fp8-no-scale", edit(FP8, 5, " scale f32 [1, 128]", ""), 8, "x[", "has no scale"),
     ("mixed-types", edit(FP8, 6, "e4m3 [E, N, K] scale f32 [1, 128, 128]", "bf16 [E, N, K]"), 8, "w[", "must both be FP8"),
@@ -88,7 +88,7 @@ CASES = [
     ("f32-operand", edit(BASE, 5, "bf16 [T, K]", "f32 [T, K]"), 8, "x[", "tensor cores take FP8, BF16 or F16"),
     ("split-sizes-sum", insert(BASE, 4, "  group part[P = 2] = split(N, sizes = [100, 100])"), 5, "100, 100", "add up to 200 but dim 'N' is 256"),
     ("uniform-not-divisible", insert(BASE, 4, "  group part[P = 3] = uniform(N)"), 5, "N", "compile-time multiple of 3"),
-    ("within-not-ragged", insert(insert(BASE, 4, "  group part[P = 2] = uniform(N)"), 5, "  group sub[S = 2] = ragged(N within part, offsets = o2)"), 6, "part,", "can nest only within a ragged group"),
+    ("within-masked", insert(insert(BASE, 4, "  group part[P = 2] = masked(N, counts = cnt)"), 5, "  group sub[S = 2] = ragged(N within part, offsets = o2)"), 6, "part,", "can nest only within a ragged, split or uniform group"),
     ("within-unrelated", insert(BASE, 4, "  group sub[S = 2] = ragged(N within expert, offsets = o2)"), 5, "expert", "does not split N"),
     ("major-unknown-dim", edit(BASE, 5, "bf16 [T, K]", "bf16 [T, K] layout major(N)"), 5, "N)", "is not a dim of 'x'"),
     ("strides-count", edit(BASE, 5, "bf16 [T, K]", "bf16 [T, K] layout strides(K)"), 5, "layout", "gives 1 strides for the 2 dims"),
@@ -186,8 +186,20 @@ def test_at_least_25_distinct_mistakes_are_covered():
     assert len({c[0] for c in CASES}) >= 25
 
 
-def test_requant_error_names_the_pass():
+def test_finer_k_scales_of_an_input_are_declared_128_wide():
+    # An input's producer can write 128-wide blocks; requantize(x) is generated only from
+    # [1, 128] scales, so proposing it from [1, 32] would lead nowhere.
     text = _concrete_cases()[[c[0] for c in CASES].index("k-scale-finer")].values[0]
+    err = _first_error(text)
+    assert "`scale f32 [1, 128]`" in (err.note or "") and "requantize" not in err.note
+    assert check(parse(err.fix.apply(text), "spec.gspec"))
+
+
+def test_requant_error_names_the_pass():
+    # Contracted over tokens with the forward's 1 x 128 blocks: a requantize pass.
+    text = edit(FP8, 8, "y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]", "d[e, k, n] = sum[t in expert(e)] x[t, k] * y[t, n]")
+    text = edit(text, 7, "bf16 [T, N]", "e4m3 [T, N] scale f32 [1, 128]")
+    text = insert(text, 7, "  tensor d : f32 [E, K, N]")
     err = _first_error(text)
     assert "requantize(x)" in (err.note or "")
 
