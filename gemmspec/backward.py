@@ -111,6 +111,23 @@ class Backward:
     # tensors have none).
     not_derived: tuple[tuple[str, str], ...] = ()
 
+    def to_json(self) -> dict:
+        """The derivation as `explain --json` carries it (docs/explain-json.md), without
+        the backward spec's own explain."""
+        return {
+            "name": self.spec_name if self.source else None,
+            "source": self.source or None,
+            "derived": [
+                {"statement": d.forward, "kind": d.kind, "wrt": d.wrt, "grad": d.grad, "text": d.text}
+                for d in self.statements
+            ],
+            "output_grads": [{"output": o, "grad": g} for o, g in self.output_grads],
+            "transposed": [{"tensor": t, "copy": c} for t, c in self.transposed],
+            "copies": [{"copy": c, "input": n} for c, n in self.copies],
+            "not_derived": [{"tensor": t, "reason": r} for t, r in self.not_derived],
+            "refused": [{"statement": s.forward, "reason": s.reason} for s in self.skipped],
+        }
+
     def text(self) -> str:
         """What `explain` prints about the derived backward."""
         lines = ["backward (derived):"]
