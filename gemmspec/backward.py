@@ -48,8 +48,15 @@ rounds dA a second time (G is stored in dA's 16-bit type first). Where the row p
 cannot read A (not 2-D with contiguous rows and [1, 128] scales) the weight stays in the
 DGRAD's epilogue and its gradient is not derived: `Backward.not_derived` lists it,
 `text()` prints it, and gemmspec.torch.function refuses a call whose w requires grad. A
-16-bit statement of this form is skipped (no 16-bit pre-pass gathers and weights dD's
-rows), as are gathered A rows (their gradient would scatter-add).
+16-bit statement of this form derives its DGRAD (and rowdot) but not its WGRAD (no 16-bit
+pass gathers and weights dD's rows before a statement reads them): B is `not_derived`.
+
+`+=` statements derive as `=` ones (dD passes through to the old contents); a per-leaf
+scalar multiplies both gradients in their epilogues; a bias's and a scalar's own
+gradients are `not_derived`. Every gradient of one forward tensor lands in one backward
+tensor: the first statement writes it, later ones `+=` into it (a row pass's target takes
+no `+=`, so that case is skipped with the reason). A 16-bit statement whose output later
+statements read as A (a LoRA shrink's h) is derived after them, from their DGRADs' sum.
 
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`),
 a pass of the front half: a spec in, a spec's text out. `gemmspec.build.build_backward`
