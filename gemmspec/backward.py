@@ -48,8 +48,15 @@ rounds dA a second time (G is stored in dA's 16-bit type first). Where the row p
 cannot read A (not 2-D with contiguous rows and [1, 128] scales) the weight stays in the
 DGRAD's epilogue and its gradient is not derived: `Backward.not_derived` lists it,
 `text()` prints it, and gemmspec.torch.function refuses a call whose w requires grad. A
-16-bit statement of this form is skipped (no 16-bit pre-pass gathers and weights dD's
-rows), as are gathered A rows (their gradient would scatter-add).
+16-bit statement of this form derives its DGRAD (and rowdot) but not its WGRAD (no 16-bit
+pass gathers and weights dD's rows before a statement reads them): B is `not_derived`.
+
+`+=` statements derive as `=` ones (dD passes through to the old contents); a per-leaf
+scalar multiplies both gradients in their epilogues; a bias's and a scalar's own
+gradients are `not_derived`. Every gradient of one forward tensor lands in one backward
+tensor: the first statement writes it, later ones `+=` into it (a row pass's target takes
+no `+=`, so that case is skipped with the reason). A 16-bit statement whose output later
+statements read as A (a LoRA shrink's h) is derived after them, from their DGRADs' sum.
 
 `derive_backward` writes the derived statements as one more spec (`<spec>_backward`),
 a pass of the front half: a spec in, a spec's text out. `gemmspec.build.build_backward`
@@ -111,6 +118,23 @@ class Backward:
     # tensors have none).
     not_derived: tuple[tuple[str, str], ...] = ()
 
+    def to_json(self) -> dict:
+        """The derivation as `explain --json` carries it (docs/explain-json.md), without
+        the backward spec's own explain."""
+        return {
+            "name": self.spec_name if self.source else None,
+            "source": self.source or None,
+            "derived": [
+                {"statement": d.forward, "kind": d.kind, "wrt": d.wrt, "grad": d.grad, "text": d.text}
+                for d in self.statements
+            ],
+            "output_grads": [{"output": o, "grad": g} for o, g in self.output_grads],
+            "transposed": [{"tensor": t, "copy": c} for t, c in self.transposed],
+            "copies": [{"copy": c, "input": n} for c, n in self.copies],
+            "not_derived": [{"tensor": t, "reason": r} for t, r in self.not_derived],
+            "refused": [{"statement": s.forward, "reason": s.reason} for s in self.skipped],
+        }
+
     def text(self) -> str:
         """What `explain` prints about the derived backward."""
         lines = ["backward (derived):"]
@@ -161,11 +185,13 @@ def _split_indices(inner: str) -> list[str]:
     return [*parts, cur.strip()]
 
 
-def _refs(text: str) -> tuple[list[str], list[str], list[str]]:
-    """Index lists of the output and the two factors of a statement's text (a plain
-    product: the factors are its last two references)."""
-    refs = _ref_list(text)
-    out, a, b = refs[0], refs[-2], refs[-1]
+def _refs(g: Gemm) -> tuple[list[str], list[str], list[str]]:
+    """Index lists of the output and the two factors of a statement's text (found by
+    name: a bias may follow the product)."""
+    refs = _ref_list(g.text)
+    out = refs[0]
+    a = next(r for r in refs[1:] if r[0] == g.a.tensor)
+    b = next(r for r in refs[1:] if r[0] == g.b.tensor)
     split = [_split_indices(r[1]) for r in (out, a, b)]
     return split[0], split[1], split[2]
 
@@ -216,23 +242,19 @@ def _row_dot_reads(a: Tensor) -> bool:
 
 
 def _eligible(spec: Spec, g: Gemm) -> str | None:
-    """Why statement `g` gets no derived backward, or None when it does."""
-    if g.accumulate:
-        return "it adds into its output (+=); only `=` statements are derived"
+    """Why statement `g` gets no derived backward, or None when it does. (A `+=`
+    statement derives as a `=` one: its output's gradient flows into both factors, and
+    the old contents' gradient is the same dD, passed through.)"""
     if g.k.group is not None:
         return "it is K-grouped already (a WGRAD-style statement)"
     if g.swiglu:  # derived apart (_swiglu_backward) unless this says why not
         return _swiglu_eligible(spec, g) or "it fuses SwiGLU"
-    other = [e.kind for e in g.epilogue if e.kind != "row"]
-    if other:
-        what = "a per-leaf scalar" if other[0] == "alpha" else "a bias"
-        return (
-            f"its epilogue has {what}; only plain products, scattered or weighted per row, "
-            "are derived"
-        )
+    if g.a.tensor == g.b.tensor:
+        return f"both its factors are '{g.a.tensor}'; the product of a tensor with itself is not derived"
+    ta = spec.tensor(g.a.tensor)
     if g.gather and (
-        spec.tensor(g.a.tensor).dtype not in FP8_TYPES or g.a.axis_of_role("m") != 0
-        or spec.tensor(g.a.tensor).rank != 2 or g.epilogue_of("row") is not None
+        ta.dtype not in FP8_TYPES or g.a.axis_of_role("m") != 0
+        or ta.rank != 2 or g.epilogue_of("row") is not None
     ):
         return (
             f"it reads the rows of '{g.a.tensor}' through '{g.gather}' in 16-bit, from a tensor that "
@@ -245,9 +267,6 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
             f"its output '{g.out.tensor}' is FP8, quantized in the epilogue; the gradient of a "
             "quantized output is not derived"
         )
-    read_later = {t for x in spec.gemms for t in x.reads}
-    if g.out.tensor in read_later:
-        return f"its output '{g.out.tensor}' is read by another statement"
     for acc in (g.a, g.b):
         t = spec.tensor(acc.tensor)
         if t.derived is not None:
@@ -255,23 +274,24 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
     if g.m.masked_by is not None:
         return "its rows are masked (a WGRAD over masked rows is not expressible yet)"
     row = g.epilogue_of("row")
-    if (g.scatter or row) and spec.tensor(g.a.tensor).dtype not in FP8_TYPES:
-        what = " and ".join(
-            w for w in (
-                f"scatters its rows through '{g.scatter}'" if g.scatter else "",
-                f"weights its rows by '{row.access.tensor}'" if row else "",
-            ) if w
-        )
-        return (
-            f"it {what} in {spec.tensor(g.a.tensor).dtype}: its WGRAD would read the output "
-            "gradient's rows gathered and weighted, which only the FP8 requantize pre-pass "
-            "does (a 16-bit pre-pass for it does not exist)"
-        )
     if row is not None and spec.tensor(row.access.tensor).rank != 1:
         return (
             f"its row weight '{row.access.tensor}' has {spec.tensor(row.access.tensor).rank} dims; "
-            "the WGRAD's requantize weighs rows by a 1-D tensor only"
+            "the gradients weigh rows by a 1-D tensor only"
         )
+    if any(g.out.tensor in x.reads for x in spec.gemms if x is not g):
+        if ta.dtype in FP8_TYPES:
+            return (
+                f"its output '{g.out.tensor}' is read by another statement; in FP8 its gradient (that "
+                "statement's bf16 DGRAD) would be quantized between the two, and no pass of one call "
+                "quantizes what a statement writes (only a SwiGLU's gradient, by swiglu_grad)"
+            )
+        if g.scatter or row is not None or g.epilogue_of("bias") is not None:
+            return (
+                f"its output '{g.out.tensor}' is read by another statement and its rows are scattered, "
+                "weighted or biased; only a plain product (a per-leaf scalar allowed) takes its output's "
+                "gradient from another statement's DGRAD"
+            )
     return None
 
 
@@ -313,10 +333,18 @@ def _swiglu_eligible(spec: Spec, g: Gemm) -> str | None:
     ta, tb = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor)
     if g.accumulate or g.epilogue:
         return "it fuses SwiGLU with an epilogue or `+=`; only a plain silu(gate) * up is derived"
-    if ta.dtype not in FP8_TYPES or tb.dtype not in FP8_TYPES or spec.per_channel(g):
+    if ta.dtype not in FP8_TYPES or tb.dtype not in FP8_TYPES:
         return (
-            "it fuses SwiGLU in 16-bit or with per-channel scales; the derived SwiGLU backward "
-            "quantizes the gate/up gradient into FP8 with [1, 128] scales for blockwise FP8 GEMMs"
+            f"it fuses SwiGLU in {ta.dtype}: its DGRAD and WGRAD would read the gate/up gradient "
+            f"as a {ta.dtype} operand, and the swiglu_grad pass that makes it writes FP8 only "
+            "([1, 128] or 128x1 blocks, for blockwise FP8 GEMMs); no 16-bit form of it exists"
+        )
+    if spec.per_channel(g):
+        return (
+            "it fuses SwiGLU with per-channel or per-tensor scales; the derived SwiGLU backward "
+            "quantizes the gate/up gradient into FP8 with [1, 128] scales for blockwise FP8 GEMMs, "
+            "and its DGRAD would need the weight's per-channel scales requantized along N, which "
+            "no pass does"
         )
     if any(t.scale is None or t.scale.block[-1] != 128 for t in (ta, tb)):
         return "its scales are not blockwise along K (1x128 and 128x128)"
@@ -431,64 +459,139 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
     unused_copies: list[tuple[str, str]] = []
     not_derived: dict[str, str] = {}
     grads_of: dict[str, list[str]] = {}  # forward tensor -> the derived DGRADs' gradients of it
+    # Every gradient of one forward tensor lands in one backward tensor: the first
+    # statement writes it (`=`), later ones add into it (`+=`); a row pass's target
+    # (scatter_add, rowscale) takes no `+=`, so a tensor whose gradient a pass makes
+    # feeds one statement only.
+    grad_name: dict[str, str] = {}
+    by_pass: dict[str, int] = {}  # forward tensor -> the statement whose pass makes its gradient
 
-    swiglus = [g for g in spec.gemms if g.swiglu and _swiglu_eligible(spec, g) is None]
-    for g in spec.gemms:
-        if g in swiglus:
-            continue  # after the statements that read its output: their DGRADs give its gradient
+    def add_conflict(g: Gemm, tensor: str, via_pass: bool) -> str | None:
+        if tensor not in grad_name:
+            return None
+        if tensor in by_pass:
+            return (
+                f"'{tensor}' feeds statement #{by_pass[tensor]} too, whose gradient of it a row pass "
+                f"makes; statement #{g.index}'s gradient cannot be added into a row pass's target"
+            )
+        if via_pass:
+            return (
+                f"'{tensor}' feeds an earlier statement too, and statement #{g.index}'s gradient of it "
+                "comes from a row pass, which cannot add into that gradient"
+            )
+        return None
+
+    def grad_target(tensor: str, decl: str) -> tuple[str, str]:
+        """The backward tensor of `tensor`'s gradient and the operator that writes it."""
+        if tensor in grad_name:
+            return grad_name[tensor], "+="
+        g = grad_name[tensor] = names.fresh(f"d{tensor}", f"grad_{tensor}")
+        decls[g] = decl.replace("{}", g)
+        return g, "="
+
+    def derive_one(g: Gemm, dd_chain: str | None) -> None:
+        """The DGRAD and WGRAD of plain statement `g`; `dd_chain` is its output's
+        gradient made by the backward itself (the output is read by later statements)."""
         reason = _eligible(spec, g)
         whole = [
             t.name for t in (spec.tensor(g.a.tensor), spec.tensor(g.b.tensor))
             if t.scale is not None and any(t.scale.whole(i) for i in range(t.rank))
         ]
+        ta, tb, td = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor), spec.tensor(g.out.tensor)
         if reason is None and spec.per_channel(g):
             # The backward reuses the forward's scales along other contracted dims.
-            reason = "its FP8 scales are per-channel or per-tensor (one along the whole of K); the DGRAD and WGRAD would contract over N and T, along which per-channel scales change every element"
+            reason = (
+                f"its FP8 scales are per-channel or per-tensor ('{ta.name}' and '{tb.name}' have one scale "
+                "along the whole of K); the DGRAD contracts over N, along which "
+                f"'{tb.name}''s scales change every row, so it needs '{tb.name}' requantized into 128x128 "
+                "blocks, and no pass refines scales from the whole of a dim into blocks (requantize "
+                "keeps or coarsens them along K, transpose keeps them)"
+            )
         elif reason is None and whole:
             # K at most 128: blockwise with one K block, but the WGRAD's requantization
             # reads [1, 128] blocks only.
-            reason = f"'{whole[0]}' has one scale over the whole of a run-time dim (per-tensor); the DGRAD and WGRAD of per-tensor scales are not derived yet"
+            reason = (
+                f"'{whole[0]}' has one scale over the whole of a run-time dim (per-tensor); its DGRAD "
+                "or WGRAD contracts along that dim and would need it requantized into 128-blocks, "
+                "which no pass does from a per-tensor scale"
+            )
+        d_idx, a_idx, b_idx = _refs(g)
+        alpha = g.epilogue_of("alpha")
+        alpha_ref = None
+        if reason is None and alpha is not None:
+            alpha_ref = next(inner for nm, inner in _ref_list(g.text) if nm == alpha.access.tensor)
+            if any(re.search(rf"\b{g.n.var}\b", i) for i in _split_indices(alpha_ref)):
+                reason = (
+                    f"its scalar {alpha.access.tensor}[{alpha_ref}] changes along the columns "
+                    f"{g.n.var}, which the DGRAD sums over (it would weigh dD's columns)"
+                )
+        fp8 = ta.dtype in FP8_TYPES
+        row = g.epilogue_of("row")
+        weight = row.access.tensor if row else None
+        # The row weight's gradient needs the DGRAD before the weight, G (rowdot(G, A));
+        # dA is then rowscale(G, weight = w), a row pass.
+        w_rows = weight is not None and _row_dot_reads(ta)
+        if reason is None:
+            reason = add_conflict(g, ta.name, bool(g.gather) or w_rows) or add_conflict(g, tb.name, False)
+        if reason is None and dd_chain is None and td.name in out_grads:
+            other = next(x for x in spec.gemms if x is not g and x.out.tensor == td.name)
+            if (spec.tensor(other.a.tensor).dtype in FP8_TYPES) != fp8:
+                reason = (
+                    f"'{td.name}' is written by statement #{other.index} too, in "
+                    f"{'16-bit' if fp8 else 'FP8'}: its gradient would be read both in FP8 and in 16-bit"
+                )
         if reason is not None:
             skipped.append(Skipped(g.index, reason))
-            continue
-        d_idx, a_idx, b_idx = _refs(g.text)
-        ta, tb, td = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor), spec.tensor(g.out.tensor)
-        fp8 = ta.dtype in FP8_TYPES
+            return
         grad_type = "bf16" if fp8 else ta.dtype
 
-        # dD: the output gradient, an input of the backward (1x128 along D's columns in FP8).
-        dd = out_grads.get(td.name) or names.fresh(f"d{td.name}", f"grad_{td.name}")
-        out_grads[td.name] = dd
-        n_axis = g.out.axis_of_role("n")
-        if fp8:
-            blocks = ", ".join("128" if i == n_axis else "1" for i in range(td.rank))
-            decls[dd] = f"  tensor {dd} : e4m3 [{', '.join(td.dims)}] scale f32 [{blocks}]"
+        # dD: the output gradient, an input of the backward (1x128 along D's columns in
+        # FP8), or the gradient the backward makes of an output later statements read.
+        if dd_chain is not None:
+            dd = dd_chain
         else:
-            decls[dd] = f"  tensor {dd} : {grad_type} [{', '.join(td.dims)}]"  # an operand now
+            dd = out_grads.get(td.name) or names.fresh(f"d{td.name}", f"grad_{td.name}")
+            out_grads[td.name] = dd
+            n_axis = g.out.axis_of_role("n")
+            if fp8:
+                blocks = ", ".join("128" if i == n_axis else "1" for i in range(td.rank))
+                decls[dd] = f"  tensor {dd} : e4m3 [{', '.join(td.dims)}] scale f32 [{blocks}]"
+            else:
+                decls[dd] = f"  tensor {dd} : {grad_type} [{', '.join(td.dims)}]"  # an operand now
         # A scattered output's rows: dD is read at the rows the forward wrote (`dy[dst[t], n]`).
         dd_ref = f"{dd}[{', '.join(d_idx)}]"
         m_out = g.out.axis_of_role("m")
         d_rows = [g.m.var if i == m_out else idx for i, idx in enumerate(d_idx)]  # the statement's own rows
-        row = g.epilogue_of("row")
-        weight = row.access.tensor if row else None
+        # The per-leaf scalar multiplies both gradients (in their epilogues); its own
+        # gradient is not derived.
+        alpha_factor = ""
+        if alpha is not None:
+            decls[alpha.access.tensor] = _decl(spec.tensor(alpha.access.tensor))
+            alpha_factor = f"{alpha.access.tensor}[{alpha_ref}] * "
+            not_derived.setdefault(alpha.access.tensor, (
+                f"the per-leaf scalar of statement #{g.index}; its gradient, per leaf the sum of dD "
+                "times the product before the scalar, is not derived (no pass sums whole leaves)"
+            ))
+        bias = g.epilogue_of("bias")
+        if bias is not None:
+            not_derived.setdefault(bias.access.tensor, (
+                f"the bias of statement #{g.index}; its gradient, dD's columns summed over each "
+                "leaf's rows, is not derived (no pass sums columns)"
+            ))
         # The row weight multiplies dA's rows (DGRAD epilogue) and dD's rows (WGRAD operand).
         w_factor = ""
         w_grad = None  # (the DGRAD before the weight, the weight's gradient) where derived
         if weight is not None:
-            w_text = next(inner for name, inner in _ref_list(g.text) if name == weight)
+            w_text = next(inner for nm, inner in _ref_list(g.text) if nm == weight)
             w_factor = f"{weight}[{w_text}] * "
             decls[weight] = _decl(spec.tensor(weight))
-            if _row_dot_reads(ta):
-                # The DGRAD before the weight, G: the weight's gradient is rowdot(G, A), and
-                # dA = rowscale(G, weight = w), both row passes after the statements.
+            if w_rows:
                 w_factor = ""
                 w_grad = (names.fresh(f"d{ta.name}_pre"), names.fresh(f"d{weight}", f"grad_{weight}"))
         if g.scatter:
             decls[g.scatter] = _decl(spec.tensor(g.scatter))
 
         # DGRAD: dA = sum[n] dD * B, B read with n contiguous.
-        da = names.fresh(f"d{ta.name}", f"grad_{ta.name}")
-        decls[da] = f"  tensor {da} : {grad_type} [{', '.join(ta.dims)}]"
         b_name = tb.name
         if fp8:
             n_dim = tb.dims[g.b.axis_of_role("n")]
@@ -506,39 +609,82 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         # Gathered A rows (`x[idx[t], k]`): the DGRAD writes the statement's rows, and
         # scatter_add adds them into the rows of dA they were read from.
         a_rows = [g.m.var if i == 0 and g.gather else idx for i, idx in enumerate(a_idx)]
+        a_decl = f"  tensor {{}} : {grad_type} [{', '.join(ta.dims)}]"
         if g.gather:
+            da = names.fresh(f"d{ta.name}", f"grad_{ta.name}")
+            grad_name[ta.name], by_pass[ta.name] = da, g.index
             da_rows = names.fresh(f"{da}_rows")
             decls[da_rows] = f"  tensor {da_rows} : {grad_type} [{g.m.dim}, {ta.dims[1]}]"
             decls[da] = f"  tensor {da} : {grad_type} [{', '.join(ta.dims)}] = scatter_add({da_rows}, rows = {g.gather})"
             decls.setdefault(g.gather, _decl(spec.tensor(g.gather)))
-            body.append(f"  {da_rows}[{', '.join(a_rows)}] = {product}")
-            text = f"{da_rows}[{', '.join(a_rows)}] = {product}; {da} = scatter_add({da_rows}, rows = {g.gather})"
+            body.append(f"  {da_rows}[{', '.join(a_rows)}] = {alpha_factor}{product}")
+            text = f"{da_rows}[{', '.join(a_rows)}] = {alpha_factor}{product}; {da} = scatter_add({da_rows}, rows = {g.gather})"
         elif w_grad is None:
-            text = f"{da}[{', '.join(a_idx)}] = {w_factor}{product}"
+            da, op = grad_target(ta.name, a_decl)
+            text = f"{da}[{', '.join(a_idx)}] {op} {alpha_factor}{w_factor}{product}"
             body.append(f"  {text}")
         else:
             pre, dw = w_grad
+            da = names.fresh(f"d{ta.name}", f"grad_{ta.name}")
+            grad_name[ta.name], by_pass[ta.name] = da, g.index
             decls[pre] = f"  tensor {pre} : {grad_type} [{', '.join(ta.dims)}]"
             decls[da] = f"  tensor {da} : {grad_type} [{', '.join(ta.dims)}] = rowscale({pre}, weight = {weight})"
             decls[dw] = f"  tensor {dw} : f32 [{spec.tensor(weight).dims[0]}] = rowdot({pre}, {ta.name})"
             decls.setdefault(ta.name, _decl(ta))
-            body.append(f"  {pre}[{', '.join(a_idx)}] = {product}")
-            text = f"{pre}[{', '.join(a_idx)}] = {product}; {da} = rowscale({pre}, weight = {weight})"
+            body.append(f"  {pre}[{', '.join(a_idx)}] = {alpha_factor}{product}")
+            text = f"{pre}[{', '.join(a_idx)}] = {alpha_factor}{product}; {da} = rowscale({pre}, weight = {weight})"
         derived.append(Derived(g.index, "dgrad", ta.name, da, text))
         grads_of.setdefault(ta.name, []).append(da)
 
         # WGRAD: dB = sum over D's rows of dD * A, K-grouped when B is indexed by G(m).
-        db = names.fresh(f"d{tb.name}", f"grad_{tb.name}")
-        decls[db] = f"  tensor {db} : f32 [{', '.join(tb.dims)}]"
         groups_on_m = [
             (i, idx) for i, idx in enumerate(b_idx) if idx.endswith(f"({g.m.var})")
         ]
+        wgrad_why = None
         if len(groups_on_m) > 1:
-            skipped.append(Skipped(g.index, "its B operand is indexed by nested groups of its rows; the WGRAD would need one output index per group"))
-            body.pop()
-            derived.pop()
-            grads_of[ta.name].pop()
-            continue
+            wgrad_why = (
+                f"it is indexed by nested groups of the rows of statement #{g.index}; its WGRAD "
+                "would need one output index per group"
+            )
+        elif not fp8 and (g.scatter or weight):
+            what = " and ".join(w for w in (
+                f"scatters its rows through '{g.scatter}'" if g.scatter else "",
+                f"weights its rows by '{weight}'" if weight else "",
+            ) if w)
+            wgrad_why = (
+                f"statement #{g.index} {what} in {ta.dtype}: its WGRAD would read the output "
+                "gradient's rows gathered and weighted, which only the FP8 requantize pre-pass does "
+                "(no 16-bit pass writes them before a statement reads them)"
+            )
+        if wgrad_why is None and alpha is not None:
+            on_m = [i for i in _split_indices(alpha_ref) if re.search(rf"\b{g.m.var}\b", i)]
+            if on_m and not (groups_on_m and all(i == groups_on_m[0][1] for i in on_m)):
+                wgrad_why = (
+                    f"statement #{g.index} scales it by {alpha.access.tensor}[{alpha_ref}], one value per "
+                    f"segment of the rows its WGRAD sums over ({tb.name} is not indexed by that group), "
+                    "and no pass weighs dD's rows by a per-segment scalar"
+                )
+        if wgrad_why is None:
+            wgrad(g, ta, tb, td, dd, a_idx, b_idx, d_rows, a_rows, weight, groups_on_m, alpha, alpha_ref, alpha_factor)
+        else:
+            not_derived.setdefault(tb.name, wgrad_why)
+        if w_grad is not None:
+            pre, dw = w_grad
+            text = f"{dw} = rowdot({pre}, {ta.name}): {dw}[{g.m.var}] = sum[{g.k.var}] {pre}[{', '.join(a_idx)}] * {ta.name}[{', '.join(a_idx)}]"
+            derived.append(Derived(g.index, "rowdot", weight, dw, text))
+        elif weight is not None:
+            not_derived.setdefault(weight, (
+                f"the row weight of statement #{g.index}; its gradient, row by row the dot "
+                f"product of {dd}'s row with the product before the weight, needs that product, "
+                "which the forward does not keep"
+            ))
+
+    def wgrad(g, ta, tb, td, dd, a_idx, b_idx, d_rows, a_rows, weight, groups_on_m, alpha, alpha_ref, alpha_factor) -> None:
+        """The WGRAD of `g`: dB = sum over D's rows of dD * A (K-grouped by G when B is
+        indexed by G(m)); dD's operand weighted by the row weight."""
+        fp8 = ta.dtype in FP8_TYPES
+        m_out = g.out.axis_of_role("m")
+        alpha_w = alpha_factor
         m_dim = g.m.dim if g.gather else ta.dims[g.a.axis_of_role("m")]
         if groups_on_m:
             axis, ref = groups_on_m[0]
@@ -547,8 +693,11 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             db_idx = [e if i == axis else idx for i, idx in enumerate(b_idx)]
             sums = f"{g.m.var} in {group}({e})"
             seg_layout, per = f"segment_major({group}) pad {WGRAD_PAD}", f" per {group}"
+            if alpha is not None:
+                alpha_w = f"{alpha.access.tensor}[{', '.join(e if i == ref else i for i in _split_indices(alpha_ref))}] * "
         else:
             db_idx, sums, seg_layout, per = b_idx, g.m.var, f"major({m_dim})", ""
+        db, op = grad_target(tb.name, f"  tensor {{}} : f32 [{', '.join(tb.dims)}]")
         a_ref, d_ref = ta.name, dd
         if fp8:
             use_copy = copies and not g.gather
@@ -593,19 +742,33 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 )
         else:
             decls.setdefault(ta.name, _decl(ta))
-        text = f"{db}[{', '.join(db_idx)}] = sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_rows)}]"
+        text = f"{db}[{', '.join(db_idx)}] {op} {alpha_w}sum[{sums}] {d_ref}[{', '.join(d_rows)}] * {a_ref}[{', '.join(a_rows)}]"
         body.append(f"  {text}")
         derived.append(Derived(g.index, "wgrad", tb.name, db, text))
-        if w_grad is not None:
-            pre, dw = w_grad
-            text = f"{dw} = rowdot({pre}, {ta.name}): {dw}[{g.m.var}] = sum[{g.k.var}] {pre}[{', '.join(a_idx)}] * {ta.name}[{', '.join(a_idx)}]"
-            derived.append(Derived(g.index, "rowdot", weight, dw, text))
-        elif weight is not None:
-            not_derived.setdefault(weight, (
-                f"the row weight of statement #{g.index}; its gradient, row by row the dot "
-                f"product of {dd}'s row with the product before the weight, needs that product, "
-                "which the forward does not keep"
-            ))
+
+    swiglus = [g for g in spec.gemms if g.swiglu and _swiglu_eligible(spec, g) is None]
+    # A statement whose output later statements read (16-bit) takes its output's
+    # gradient from their DGRADs: derived after them, the last such first.
+    chained = [
+        g for g in spec.gemms
+        if g not in swiglus and _eligible(spec, g) is None and any(g.out.tensor in x.reads for x in spec.gemms if x is not g)
+    ]
+    for g in spec.gemms:
+        if g not in swiglus and g not in chained:
+            derive_one(g, None)
+    for g in reversed(chained):
+        readers = [x for x in spec.gemms if x is not g and g.out.tensor in x.reads]
+        as_a = all(x.a.tensor == g.out.tensor and g.out.tensor not in (x.b.tensor, *(e.access.tensor for e in x.epilogue)) for x in readers)
+        grads = grads_of.get(g.out.tensor, [])
+        if not as_a or len(grads) != len(readers) or g.out.tensor in by_pass:
+            why = (
+                "a statement reads it as other than its A operand" if not as_a
+                else "a statement that reads it has no derived DGRAD" if len(grads) != len(readers)
+                else "its gradient is a row pass's target, which no statement reads"
+            )
+            skipped.append(Skipped(g.index, f"its output '{g.out.tensor}' takes its gradient from the statements that read it, but {why}"))
+            continue
+        derive_one(g, grads[0])
 
     for g in swiglus:
         readers = [x for x in spec.gemms if g.out.tensor in x.reads]
@@ -615,7 +778,7 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
                 f"its output '{g.out.tensor}' is read by a statement whose gradient is not derived"
             )))
             continue
-        if len(grads) > 1:
+        if len(set(grads)) > 1:
             skipped.append(Skipped(g.index, (
                 f"its output '{g.out.tensor}' is read by {len(grads)} statements; its gradient would be "
                 "their DGRADs' sum, which no pass adds"

@@ -62,11 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Explain how FILE is lowered: the nest of groups, whether it flattens into one "
             "launch or splits (with every reason), each launch's kernel signature and flat "
-            "problem formulas, and any requantization/transpose pre-passes."
+            "problem formulas, and any requantization/transpose pre-passes. With --backward, "
+            "the derived backward spec instead: what was derived (and what not, and why), its "
+            ".gspec text and its explain. --json carries the backward under each spec's "
+            "'backward' key."
         ),
     )
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the documented JSON form instead")
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="explain the derived backward (DGRAD/WGRAD) spec: its text and its explain",
+    )
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser(
@@ -82,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("-o", "--output", metavar="DIR", type=_output_path, default=Path("out"), help="output directory (default: out)")
     p.add_argument("--cubin", action="store_true", help="also compile each .cu to an sm_90a cubin with NVRTC")
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="also derive each spec's backward and write its text (<spec>_backward.gspec) and compiled files",
+    )
     p.add_argument(
         "--list",
         action="store_true",
@@ -171,15 +184,42 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     _check_output_dirs(args)
     lowered = lower_and_dump(args.file, args.dump_ir)
+    sources: dict[str, str] = {}
+    if args.backward:
+        backwards = [_backward_of(x.spec) for x in lowered]
+        for bw, _ in backwards:
+            _note_not_derived(bw)
+            sources[bw.spec_name] = bw.source
+        lowered = [*lowered, *(x for _, x in backwards)]
     programs = [(x.spec, x.schedule, emit(x.spec, x.schedule)) for x in lowered]
     if args.list:
-        names = [SHARED_HEADER, *(n for sf in plan_programs(programs, args.cubin) for n in sf.files)]
+        names = [SHARED_HEADER, *(n for sf in plan_programs(programs, args.cubin, sources) for n in sf.files)]
         for name in names:
             print(args.output / name)
         return 0
-    for path in write_programs(programs, args.output, cubins=args.cubin):
+    for path in write_programs(programs, args.output, cubins=args.cubin, sources=sources):
         print(path)
     return 0
+
+
+def _backward_of(spec):
+    """The derived backward of `spec` and its lowered form; an error with every reason
+    when no statement derives."""
+    from .pipeline import lower_backward
+
+    bw, lowered = lower_backward(spec)
+    if lowered is None:
+        why = "; ".join(f"statement #{s.forward}: {s.reason}" for s in bw.skipped) or "no statement"
+        raise GemmspecError(f"{spec.path}: {spec.name}: no backward derived ({why})")
+    return bw, lowered
+
+
+def _note_not_derived(bw) -> None:
+    """What a backward leaves out, on stderr (the spec is written all the same)."""
+    for s in bw.skipped:
+        print(f"gemmspec: note: {bw.spec_name}: statement #{s.forward} not derived: {s.reason}", file=sys.stderr)
+    for name, why in bw.not_derived:
+        print(f"gemmspec: note: {bw.spec_name}: gradient of '{name}' not derived: {why}", file=sys.stderr)
 
 
 def _output_path(text: str) -> Path:
@@ -296,13 +336,20 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .explain import explain_text, schedule_json
+    from .explain import backward_json, explain_text, schedule_json
     from .output import lower_and_dump
 
     _check_output_dirs(args)
     lowered = lower_and_dump(args.file, args.dump_ir)
     if args.json:
-        print(json.dumps([schedule_json(x.spec, x.schedule) for x in lowered], indent=2))
+        docs = [{**schedule_json(x.spec, x.schedule), "backward": backward_json(x.spec)} for x in lowered]
+        print(json.dumps(docs, indent=2))
+    elif args.backward:
+        parts = []
+        for x in lowered:
+            bw, b = _backward_of(x.spec)
+            parts.append("\n".join([bw.text(), "", bw.source.rstrip("\n"), "", explain_text(b.spec, b.schedule, backward=False)]))
+        print("\n\n".join(parts))
     else:
         print("\n\n".join(explain_text(x.spec, x.schedule) for x in lowered))
     return 0

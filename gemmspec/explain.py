@@ -249,7 +249,29 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
     return f"{gemm_symbol(spec.name, launch.index, gemm_kernel_name(cfg))} ({', '.join(parts)})"
 
 
-def explain_text(spec: Spec, schedule: Schedule) -> str:
+def backward_json(spec: Spec) -> dict:
+    """The `backward` key of `explain --json`: the derived backward spec's text, what it
+    derives and refuses, and its own explain JSON (null when nothing derives)."""
+    from .backward import derive_backward
+    from .errors import GemmspecError
+    from .pipeline import lower_derived
+
+    bw = derive_backward(spec)
+    doc = bw.to_json()
+    doc["explain"] = None
+    try:
+        lowered = lower_derived(bw)
+    except GemmspecError as e:  # a derivation the rest of the compiler refuses: say so
+        doc["refused"].append({"statement": None, "reason": f"the derived spec does not compile: {e}"})
+        return doc
+    if lowered is not None:
+        doc["explain"] = schedule_json(lowered.spec, lowered.schedule)
+    return doc
+
+
+def explain_text(spec: Spec, schedule: Schedule, backward: bool = True) -> str:
+    """What `explain` prints; `backward=False` leaves out the derived backward's summary
+    (the explain of a backward spec itself)."""
     lines = [f"spec {spec.name} ({spec.path}:{spec.line})"]
     lines.append("nest:")
     if not spec.groups:
@@ -278,7 +300,8 @@ def explain_text(spec: Spec, schedule: Schedule) -> str:
     placement = _check_placement(spec, schedule)
     if placement is not None:
         lines.append(f"offsets check (on the device): {placement}")
-    from .backward import derive_backward  # the gradients a training step would run
+    if backward:
+        from .backward import derive_backward  # the gradients a training step would run
 
-    lines += derive_backward(spec).text().splitlines()
+        lines += derive_backward(spec).text().splitlines()
     return "\n".join(lines)

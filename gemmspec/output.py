@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,13 +163,16 @@ class SpecFiles:
 
 
 def spec_files(
-    spec: Spec, schedule: Schedule, program: EmittedProgram, cubins: bool = False
+    spec: Spec, schedule: Schedule, program: EmittedProgram, cubins: bool = False, source: str | None = None
 ) -> SpecFiles:
     """Every file of one spec: per kernel a .cu (and a .cubin), the host launcher, the
-    .h, the launch manifest and the schedule, all from the manifest's data."""
+    .h, the launch manifest and the schedule, all from the manifest's data; with
+    `source`, the spec's .gspec text too (a derived backward's, `<stem>.gspec`)."""
     stem = file_stem(spec.name)
     manifest = launch_manifest(spec, program, stem)
     files: dict[str, bytes] = {}
+    if source is not None:
+        files[f"{stem}.gspec"] = source.encode("utf-8")
     for fname, source in program.sources().items():
         if fname.startswith(program.spec):
             fname = stem + fname[len(program.spec) :]
@@ -236,20 +239,29 @@ def _clash(spec: Spec, name: str, other: Spec | None, other_name: str) -> str:
 
 
 def plan_programs(
-    programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], cubins: bool = False
+    programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], cubins: bool = False,
+    sources: Mapping[str, str] | None = None,
 ) -> list[SpecFiles]:
-    """Every spec's files in memory, their names and symbols checked; nothing written."""
-    planned = [spec_files(spec, schedule, program, cubins) for spec, schedule, program in programs]
+    """Every spec's files in memory, their names and symbols checked; nothing written.
+    `sources` (spec name -> .gspec text) adds a spec's text to its files: the derived
+    backward specs of `compile --backward`, which exist nowhere else."""
+    sources = sources or {}
+    planned = [
+        spec_files(spec, schedule, program, cubins, sources.get(spec.name))
+        for spec, schedule, program in programs
+    ]
     check_file_names(planned)
     check_symbols(planned)
     return planned
 
 
 def write_programs(
-    programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], out: Path, cubins: bool = False
+    programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], out: Path, cubins: bool = False,
+    sources: Mapping[str, str] | None = None,
 ) -> list[Path]:
-    """Write every spec's files and the shared PTX header into `out`; returns the paths."""
-    planned = plan_programs(programs, cubins)
+    """Write every spec's files and the shared PTX header into `out`; returns the paths.
+    `sources` as for `plan_programs`."""
+    planned = plan_programs(programs, cubins, sources)
     for name in [SHARED_HEADER, *(n for sf in planned for n in sf.files)]:
         if (out / name).is_dir():
             raise OutputError(f"cannot write {out / name}: a directory is in the way", str(out / name))

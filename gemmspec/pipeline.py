@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import ast
 from .analyse import NestDecision, analyse
+from .backward import Backward, derive_backward
 from .check import check
 from .gather_plan import plan_gathers
 from .lower.lowering import lower
@@ -49,3 +50,24 @@ def lower_file(source: str | Path | ast.FileAst) -> list[Lowered]:
         schedule = lower(spec, decision)
         out.append(Lowered(spec, decision, schedule))
     return out
+
+
+def backward_path(bw: Backward) -> str:
+    """The file name the derived backward's text goes by (what `compile --backward`
+    writes), so its explain and any error name it."""
+    return f"{bw.spec_name}.gspec"
+
+
+def lower_backward(spec: Spec, copies: bool = True) -> tuple[Backward, Lowered | None]:
+    """The derived backward of `spec` (gemmspec.backward) and, where anything was derived,
+    its text carried through the front half like any written spec (None otherwise)."""
+    bw = derive_backward(spec, copies)
+    return bw, lower_derived(bw)
+
+
+def lower_derived(bw: Backward) -> Lowered | None:
+    """A derived backward's text through the front half (None when nothing derived)."""
+    if not bw.source:
+        return None
+    (lowered,) = lower_file(parse(bw.source, backward_path(bw)))
+    return lowered

@@ -124,3 +124,12 @@ def test_required_prepass_keys_present(capsys):
     for p in doc["prepasses"]:
         assert set(keys) <= set(p)
         assert p["kind"] in ("requantize", "transpose")
+
+
+def test_required_backward_keys_present(capsys):
+    keys = required_keys("## Backward object")
+    assert {"source", "refused", "explain"} <= set(keys)
+    for example in ("moe_fp8_forward", "moe_masked_decode"):
+        (doc,) = explain_json(EXAMPLES / f"{example}.gspec", capsys)
+        assert set(keys) == set(doc["backward"])
+    assert doc["backward"]["refused"] and doc["backward"]["explain"] is None
