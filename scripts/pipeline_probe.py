@@ -11,7 +11,7 @@ against the default configuration's output. Prints one line per variant, with th
 clock and board power of its kernel kept running for a second after its timing (where
 nvidia-smi is on the PATH; as `gemmspec bench` reads them).
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8] [--idle MS]
 """
 
 from __future__ import annotations
@@ -152,6 +152,32 @@ GATHER_VARIANTS = {
 }
 
 
+# Decode-sized FP8 MoE (a few tokens per expert): each active expert's weights are read
+# once, so the kernel is bound by HBM and latency. The prefill tile (128 x 192, CTA pairs)
+# against 64-row tiles of one CTA, ring depths and widths.
+DECODE_VARIANTS = {
+    "as compiled": {},
+    "64 x 192, one CTA per tile": {"tile_m": 64, "cluster": 1, "multicast_b": False},
+    "64 x 192, one CTA per tile, registers epilogue (7 stages)": {"tile_m": 64, "cluster": 1, "multicast_b": False,
+                                                                  "store_tma": False},
+    "64 x 96, one CTA per tile": {"tile_m": 64, "tile_n": 96, "cluster": 1, "multicast_b": False},
+    "64 x 192, one CTA per tile, whole tiles (no split K)": {"tile_m": 64, "cluster": 1, "multicast_b": False,
+                                                             "split_k": False},
+    "64 x 128, one CTA per tile": {"tile_m": 64, "tile_n": 128, "cluster": 1, "multicast_b": False},
+    "64 x 160, one CTA per tile": {"tile_m": 64, "tile_n": 160, "cluster": 1, "multicast_b": False},
+    "64 x 192, one CTA per tile, L2 hints": {"tile_m": 64, "cluster": 1, "multicast_b": False, "cache_hints": True},
+    "128 x 192, one CTA per tile": {"cluster": 1, "multicast_b": False},
+    "as compiled (again: drift over the run)": {},
+}
+# Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with
+# T = 1024 (22 experts non-empty, 1-129 tokens each) and E = 8 with T = 128.
+DECODE_LENGTHS = {
+    "e32": [0, 55, 57, 2, 0, 18, 9, 0, 61, 46, 40, 56, 2, 25, 0, 106, 0, 86, 0, 61, 14, 0, 91, 0, 0, 108, 33, 1, 0,
+            129, 1, 23],
+    "e8": [0, 49, 53, 2, 0, 16, 8, 0],
+}
+
+
 def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
     """The benchmark's LoRA shrink: tokens split evenly over adapters, randomly over experts."""
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -188,6 +214,8 @@ def main() -> int:
     ap.add_argument("--expand", action="store_true", help="probe the scaled multi-LoRA expand (BF16 D +=) instead")
     ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
     ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
+    ap.add_argument("--decode", choices=sorted(DECODE_LENGTHS),
+                    help="probe the FP8 kernel at a decode case's token counts (N and K from --shape)")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
         help="time 60 launches each after MS ms of GPU idling (the card's power and thermal state "
@@ -238,12 +266,19 @@ def main() -> int:
         tensors, variants = {"x": x, "w": w}, BF16_VARIANTS
         spec = moe_spec("moe_bf16", n=n, k=k, e=e)
     else:
+        lengths = DECODE_LENGTHS[args.decode] if args.decode else [m] * e
+        e, t = len(lengths), sum(lengths)
         x, w = random_fp8((t, k)), random_fp8((e, n, k))
         xs, ws = random_scales((k // 128, t)).t(), random_scales((e, n // 128, k // 128))
-        tensors, variants = {"x": x, "x_scale": xs, "w": w, "w_scale": ws}, VARIANTS
+        tensors = {"x": x, "x_scale": xs, "w": w, "w_scale": ws}
+        variants = DECODE_VARIANTS if args.decode else VARIANTS
         spec = moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True)
-    offs = offsets_tensor([m] * e)
+    offs = offsets_tensor(lengths if args.decode else [m] * e)
     flops = 2.0 * t * n * k
+    # Bytes a decode call must move: the weights of every expert with a token (and their
+    # scales), the tokens and the output.
+    decode_bytes = (sum(1 for c in lengths if c) * n * k * (1 + 4 / 128 / 128) + t * k * (1 + 4 / 128) + 2 * t * n
+                    if args.decode else 0)
     reference = None
     sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
@@ -283,7 +318,12 @@ def main() -> int:
         else:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
         clock = sustained_clock(sampler, run.enqueue)
-        rate = f"{ms * 1e3:8.1f} us" if args.lora or args.expand else f"{flops / ms / 1e9:8.1f} TFLOPS"
+        if args.decode:
+            rate = f"{ms * 1e3:8.1f} us {decode_bytes / ms / 1e9:6.2f} TB/s"
+        elif args.lora or args.expand:
+            rate = f"{ms * 1e3:8.1f} us"
+        else:
+            rate = f"{flops / ms / 1e9:8.1f} TFLOPS"
         print(f"{label:40} {cfg.name:78} {ms:8.3f} ms {rate} {check}{'  ' + clock.describe() if clock else ''}",
               flush=True)
     return 0
