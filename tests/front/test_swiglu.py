@@ -310,3 +310,14 @@ def test_tile_directive_must_split_halves_whole():
     assert "tile(128, 128)" in info.value.note
     (spec,) = check(parse(text.replace("tile(128, 72)", "tile(128, 128)")))
     assert spec.directives.tile == (128, 128)
+
+
+@pytest.mark.parametrize("statement", [SEPARATE, STACKED], ids=["separate", "stacked"])
+def test_the_backward_skips_halves_with_the_reason(statement):
+    from gemmspec.backward import derive_backward
+
+    (spec,) = check(parse(with_up_weight("bf16 [E, F, K]", statement)))
+    derived = derive_backward(spec)
+    (skipped,) = derived.skipped
+    assert skipped.forward == 0 and "gate and up rows are not interleaved" in skipped.reason
+    assert not derived.statements
