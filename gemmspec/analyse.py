@@ -89,7 +89,9 @@ def n_extents(spec: Spec, g: Gemm) -> dict[int, int | None]:
         if grp.kind in ("split", "uniform"):
             return dict(enumerate(grp.sizes))
         return {-1: None}
-    return {-1: spec.dim(role.dim).size}
+    size = spec.dim(role.dim).size
+    # A SwiGLU over gate and up halves: the GEMM runs over D's columns twice (fixed).
+    return {-1: 2 * size if g.swiglu_halves and size is not None else size}
 
 
 def m_bound(spec: Spec, g: Gemm) -> int | None:
@@ -119,7 +121,7 @@ def tile_for(spec: Spec, g: Gemm, n_extents: list[int | None]) -> TileChoice:
         n_extents, m_bound(spec, g), scaled, b_scale_block_n(spec, g), bias, swiglu=g.swiglu,
         per_channel=spec.per_channel(g), gather=g.kernel_gather is not None,
         fp8_out=spec.tensor(g.out.tensor).dtype in FP8_TYPES, copy=g.copy is not None,
-        masked=g.m.masked_by is not None,
+        masked=g.m.masked_by is not None, halves=g.swiglu_halves,
     )
 
 
@@ -308,6 +310,8 @@ def _extent_bound(spec: Spec, g: Gemm, role: str, sizes: dict[str, int]) -> int 
         if grp.kind in ("split", "uniform"):
             return max(grp.sizes)
     size = spec.dim(rd.dim).size  # a fixed dim, a masked padded size, or a ragged dim's whole
+    if role == "n" and g.swiglu_halves and size is not None:
+        return 2 * size  # gate rows, then up rows
     return sizes.get(rd.dim) if size is None else size
 
 
@@ -446,9 +450,19 @@ def _plan_launches(
     out_t = spec.tensor(g.out.tensor)
     fp8_out = out_t.dtype in FP8_TYPES
     if g.swiglu:
+        where = (
+            "each tile's columns 2j (gate) and 2j + 1 (up, the weight's interleaved rows) become "
+            "output column j"
+            if not g.swiglu_halves else
+            f"each tile loads the gate rows of its output columns from '{g.b.tensor}' and the same "
+            f"up rows from '{g.swiglu_up}'"
+            + (f" ({g.swiglu_up_rows} rows on)" if g.swiglu_up_rows else "")
+            + ", two TMA boxes per stage into the tile's halves (each half with its own scales), and "
+            "the epilogue pairs column c with c + tile_n/2 (a quad shuffle then lays the results out "
+            "as the interleaved form's)"
+        )
         reasons.append(
-            f"{prefix}SwiGLU: each tile's columns 2j (gate) and 2j + 1 (up, the weight's "
-            "interleaved rows) become output column j, silu(gate) * up in f32, so the output "
+            f"{prefix}SwiGLU: {where}, silu(gate) * up in f32, so the output "
             "tile is half the GEMM tile's width"
             + (
                 "; stores straight from registers, masked at the leaf's edges (neighbouring lanes "

@@ -331,6 +331,11 @@ def _wgrad_copy(spec: Spec, a: Tensor, group: str | None, m_dim: str) -> tuple[T
 def _swiglu_eligible(spec: Spec, g: Gemm) -> str | None:
     """Why SwiGLU statement `g` gets no derived backward, or None when it does."""
     ta, tb = spec.tensor(g.a.tensor), spec.tensor(g.b.tensor)
+    if g.swiglu_halves:
+        return (
+            "its gate and up rows are not interleaved (two weights, or stacked halves); the derived "
+            "SwiGLU backward reads one weight's interleaved rows 2j and 2j + 1"
+        )
     if g.accumulate or g.epilogue:
         return "it fuses SwiGLU with an epilogue or `+=`; only a plain silu(gate) * up is derived"
     if ta.dtype not in FP8_TYPES or tb.dtype not in FP8_TYPES:

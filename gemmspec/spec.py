@@ -390,12 +390,25 @@ class Gemm:
     # SwiGLU: the GEMM's columns 2j (gate) and 2j + 1 (up) become output column j,
     # silu(gate) * up, before the epilogue factors; `n` runs over B's interleaved rows.
     swiglu: bool = False
+    # A SwiGLU whose up rows are not interleaved with the gate's: up row j is row
+    # `swiglu_up_rows` + j of `swiglu_up` (a second weight declared as B is, read with B's
+    # indices, or B itself: stacked halves), and B's row j the gate. `n` then runs over
+    # D's columns; the kernel's tiles hold gate rows, then as many up rows (see
+    # `swiglu_halves`). None: interleaved rows.
+    swiglu_up: str | None = None
+    swiglu_up_rows: int = 0
     # `T = copy(D)` of this statement's FP8 output D: the epilogue writes T too (its own
     # layout and scale blocks, segment_major over the row group, 128x1 scales).
     copy: str | None = None
     # A's rows gathered by a pre-pass into this derived tensor (planned by the compiler):
     # the kernel loads it as a plain operand; `a` stays the statement as written.
     a_gathered: str | None = None
+
+    @property
+    def swiglu_halves(self) -> bool:
+        """A SwiGLU over gate and up rows that are not interleaved: its GEMM has twice as
+        many columns as `n` has (each tile: gate rows, then the same up rows)."""
+        return self.swiglu_up is not None
 
     @property
     def loaded_a(self) -> Access:
@@ -418,8 +431,10 @@ class Gemm:
 
     @property
     def reads(self) -> tuple[str, ...]:
-        """Every tensor the statement reads: both factors, then its epilogue operands."""
-        return (self.a.tensor, self.b.tensor, *(e.access.tensor for e in self.epilogue))
+        """Every tensor the statement reads: both factors (a SwiGLU's second weight after
+        the first), then its epilogue operands."""
+        up = (self.swiglu_up,) if self.swiglu_up not in (None, self.b.tensor) else ()
+        return (self.a.tensor, self.b.tensor, *up, *(e.access.tensor for e in self.epilogue))
 
     @property
     def gather(self) -> str | None:
@@ -559,6 +574,7 @@ class Spec:
                 f"    m={g.m.var}:{g.m.dim} n={g.n.var}:{g.n.dim} k={g.k.var}:{g.k.dim}"
                 f" leaves={' x '.join(str(a) for a in g.leaf_axes) or '1'}"
                 + (" swiglu" if g.swiglu else "")
+                + (f" up={g.swiglu_up}+{g.swiglu_up_rows}" if g.swiglu_up else "")
                 + (f" gather={g.gather}" if g.gather else "")
                 + (f" scatter={g.scatter}" if g.scatter else "")
                 + (f" copy={g.copy}" if g.copy else "")

@@ -108,6 +108,7 @@ def choose_tile(
     fp8_out: bool = False,
     copy: bool = False,
     masked: bool = False,
+    halves: bool = False,
 ) -> TileChoice:
     """Tile for one launch. `n_extents`: N of each leaf class (None: known at run time);
     `m_bound`: the most rows any leaf can have (None: unbounded or run-time); `swiglu`:
@@ -115,7 +116,8 @@ def choose_tile(
     rows come through an index tensor, copied row by row (no A tile to multicast); `fp8_out`:
     the output is FP8, quantized per row and 128 of its columns in the epilogue; `copy`: the
     epilogue writes its segment-major copy too, whose [128, 1] scale blocks are 128-row tiles;
-    `masked`: a leaf's rows are a count below `m_bound` known only at run time."""
+    `masked`: a leaf's rows are a count below `m_bound` known only at run time; `halves`: a
+    SwiGLU's tile holds gate rows, then as many up rows (not interleaved pairs)."""
     known = [n for n in n_extents if n is not None]
     skinny = bool(known) and len(known) == len(n_extents) and max(known) <= 32
     if copy:
@@ -138,6 +140,10 @@ def choose_tile(
         # Tiles start at multiples of their width: an even width never splits a gate/up
         # pair between two tiles (every candidate is a multiple of 8 today).
         widths = tuple(w for w in widths if w % 2 == 0)
+    if halves:
+        # Each half whole 8-column wgmma blocks; scaled, each half one 128-row scale block
+        # of its weight (the checker makes B's blocks 128 rows), two wgmma halves per K block.
+        widths = (FP8_OUT_SWIGLU_WIDTH,) if scaled and not per_channel else tuple(w for w in widths if w % 16 == 0)
     if fp8_out:
         # Whole 128-column scale blocks of the output per tile (tiles start at multiples of
         # their width): the output tile of a SwiGLU is half the GEMM tile.

@@ -69,7 +69,20 @@ def check_directives(ctx: Context, gemms: tuple[Gemm, ...]) -> Directives:
                     d.pos,
                     f"use tile(128, {tn})",
                 )
+            for g, st in zip(gemms, ctx.ast.statements):
+                # Gate rows, then up rows: each half whole 8-column wgmma blocks; scaled, one
+                # 128-row scale block of each weight per half.
+                need = 2 * FP8_OUT_BLOCK if g.swiglu_halves and scaled else 16
+                if g.swiglu_halves and (tn % need or (scaled and tn != need)):
+                    raise ctx.error(
+                        f"tile({tm}, {tn}) splits the SwiGLU on line {st.pos.line} badly: its tiles "
+                        f"hold gate rows, then as many up rows, "
+                        + ("each half one 128-row scale block" if scaled else "each half whole 8-row blocks"),
+                        d.pos,
+                        f"use tile({tm}, {need if scaled else 128})",
+                    )
             halves = bool(fp8_out) and all(g.swiglu for g, _ in fp8_out) and len(fp8_out) == len(gemms)
+            halves = halves or any(g.swiglu_halves for g in gemms)
             if tn > 192 and scaled and not (halves and tn == 2 * FP8_OUT_BLOCK):
                 raise ctx.error(
                     f"tile({tm}, {tn}) is too wide for scaled FP8: those kernels keep two "

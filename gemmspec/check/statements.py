@@ -15,11 +15,16 @@ from .groups import check_group_ref, check_sum_restriction, role_dim
 from .names import check_identifier
 from .operands import check_types
 from .swiglu import (
+    INTERLEAVED,
+    SEPARATE,
+    STACKED,
     SwigluPair,
     check_index_exprs,
     check_swiglu_columns,
     check_swiglu_dims,
     check_swiglu_form,
+    check_swiglu_halves,
+    check_swiglu_up,
 )
 
 
@@ -86,7 +91,7 @@ def check_statement(ctx: Context, index: int, s: ast.Statement) -> Gemm:
                 )
             if idx.group is None:
                 used.add(idx.var.text)
-                if pair is not None and ref is s.rhs and axis == pair.axis:
+                if pair is not None and ref is s.rhs and axis == pair.axis and pair.form != SEPARATE:
                     continue  # 2*j and 2*j + 1 range over the weight's rows, j over the output's
                 if idx.via is not None:
                     # `idx[t]`: t ranges over the index tensor's dim, the position over t's own.
@@ -219,7 +224,8 @@ def check_statement(ctx: Context, index: int, s: ast.Statement) -> Gemm:
         check_swiglu_columns(ctx, s, pair, pair_dim, dims_of[n_var], ordered)
     roles = {
         "m": role_dim(ctx, "m", m_var, dims_of[m_var], ordered, s),
-        # A SwiGLU's GEMM runs over the weight's gate/up rows, twice the output's columns.
+        # An interleaved SwiGLU's GEMM runs over the weight's gate/up rows, twice the
+        # output's columns; the other forms count the output's (pair_dim says which).
         "n": role_dim(ctx, "n", n_var, pair_dim or dims_of[n_var], ordered, s),
         "k": role_dim(ctx, "k", k_var, dims_of[k_var], ordered, s),
     }
@@ -265,8 +271,15 @@ def check_statement(ctx: Context, index: int, s: ast.Statement) -> Gemm:
         leaf_axes=leaf_axes,
         where=ctx.where(s.pos),
         swiglu=pair is not None,
+        swiglu_up=pair.up_tensor if pair is not None else None,
+        # Stacked halves: the up half starts the output's column count on (checked).
+        swiglu_up_rows=(ctx.dims[dims_of[n_var]].size or 0) if pair is not None and pair.form == STACKED else 0,
     )
     check_types(ctx, gemm, s)
+    if pair is not None and pair.form == SEPARATE:
+        check_swiglu_up(ctx, s)
+    if pair is not None and pair.form != INTERLEAVED:
+        check_swiglu_halves(ctx, s, pair, gemm)
     if pair is not None:
         assert n_var == pair.var  # j indexes the output and the weight, not the input
         if out_t.dtype not in SWIGLU_OUTPUT_TYPES:

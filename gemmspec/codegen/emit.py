@@ -408,6 +408,8 @@ def _signature_config(launch: Launch) -> GemmKernelConfig:
         multicast_b=sig.multicast_b,
         epilogue=sig.epilogue,
         swiglu=sig.swiglu,
+        swiglu_halves=sig.swiglu_halves,
+        swiglu_up_rows=sig.swiglu_up_rows,
         gather=sig.gather,
         # Rows by TMA measured 11 % faster than the producer's copies on the H200 (FP8,
         # top-2 routing); leaves TMA cannot describe are still copied by hand.
@@ -482,7 +484,10 @@ def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator) -> bool:
     """Whether a launch's table can be built by each block of its GEMM (given that no other
     kernel of the call reads the table or the checked offsets): few leaves (each block
     builds them all) and no rows through index tensors."""
-    return pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps and not (cfg.gather or cfg.scatter)
+    return (
+        pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps and not (cfg.gather or cfg.scatter)
+        and not cfg.swiglu_halves  # its builder writes no up map
+    )
 
 
 def emit_launch(
@@ -613,6 +618,8 @@ def emit_launch(
         b_bytes=ELEMENT_BYTES[cfg.b_type],
         d_bytes=ELEMENT_BYTES[cfg.d_type],
         store_tma=cfg.store_tma,
+        swiglu_halves=cfg.swiglu_halves,
+        swiglu_up_rows=cfg.swiglu_up_rows,
         maps_per_leaf=len(map_specs(cfg)),
         epilogue_fields=epilogue_fields,
         gather_fields=gather_fields,

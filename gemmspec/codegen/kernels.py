@@ -213,6 +213,12 @@ class GemmKernelConfig:
     # SwiGLU: tile columns 2j (gate) and 2j + 1 (up) become D's column j, silu(gate) * up,
     # before the epilogue operands; D is addressed by its own (half as many) columns.
     swiglu: bool = False
+    # A SwiGLU over gate and up rows not interleaved: a tile's B rows are the gate rows of
+    # D's columns n0/2 .., loaded from B, then the same up rows, from the up weight U (B
+    # itself ``swiglu_up_rows`` rows on); a third tensor map per leaf, U and its scales SU
+    # as kernel parameters (U shares B's per-leaf offsets and strides).
+    swiglu_halves: bool = False
+    swiglu_up_rows: int = 0
     # Rows through index tensors: A's gathered, D's scattered.
     gather: bool = False
     scatter: bool = False
@@ -418,6 +424,13 @@ class GemmKernelConfig:
                 raise ValueError("a SwiGLU tile holds whole gate/up column pairs: tile_n must be even")
             if self.store_tma:
                 raise ValueError("a SwiGLU stores from registers (its output tile is half the tile's width)")
+        if self.swiglu_halves:
+            if not self.swiglu or self.tile_n % 16 or self.cluster != 1:
+                raise ValueError("gate and up halves belong to a SwiGLU: whole 8-row blocks per half, one CTA per tile")
+            if self.blockwise and (self.tile_n != 2 * self.sb_bn or self.swiglu_up_rows % self.sb_bn):
+                raise ValueError("scaled gate and up halves: each half one B scale block (tile_n = 2 * sb_bn)")
+        elif self.swiglu_up_rows:
+            raise ValueError("up rows belong to gate and up halves")
         if self.gather_tma and not self.gather:
             raise ValueError("rows by TMA are for a gathered A")
         if self.gather and (self.cluster != 1 or self.per_channel):
@@ -741,8 +754,11 @@ def map_specs(cfg: GemmKernelConfig) -> tuple[MapSpec, ...]:
     maps = (
         MapSpec("a", cfg.a_type, cfg.atom_k,
                 1 if cfg.gather_tma else cfg.tile_m // (1 if cfg.multicast_b else cfg.cluster)),
-        MapSpec("b", cfg.b_type, cfg.atom_k, cfg.tile_n // (cfg.cluster if cfg.multicast_b else 1)),
+        MapSpec("b", cfg.b_type, cfg.atom_k,
+                cfg.tile_n // 2 if cfg.swiglu_halves else cfg.tile_n // (cfg.cluster if cfg.multicast_b else 1)),
     )
+    if cfg.swiglu_halves:  # the gate rows from B's map, the up rows from this one
+        return maps + (MapSpec("u", cfg.b_type, cfg.atom_k, cfg.tile_n // 2),)
     # The staged epilogue stores each consumer warpgroup's 64 rows one box at a time.
     return maps + (MapSpec("d", cfg.d_type, cfg.box_cols, 64),) if cfg.store_tma else maps
 
@@ -765,6 +781,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_e" + "".join(f"{k[0]}{t}" for k, t in cfg.epilogue)
     if cfg.swiglu:
         staged += "_swiglu"
+    if cfg.swiglu_halves:
+        staged += "_halves" + (str(cfg.swiglu_up_rows) if cfg.swiglu_up_rows else "")
     if cfg.gather:
         staged += "_gather" if cfg.gather_tma else "_gathercopy"  # by TMA: the default
     if cfg.blockwise and cfg.ring_rounds != cfg.rounds_by_default():  # not the default
@@ -1016,6 +1034,12 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         mma_parts=cfg.mma_parts,
         epilogue=dict(cfg.epilogue),
         swiglu=cfg.swiglu,
+        swiglu_halves=cfg.swiglu_halves,
+        swiglu_up_rows=cfg.swiglu_up_rows,
+        # B's scales as the kernel's parts take them: a scaled SwiGLU over gate and up
+        # halves passes the gate's and the up weight's together.
+        sb_decl="GsHalfScales SB" if cfg.swiglu_halves and cfg.blockwise else "const float* __restrict__ SB",
+        sb_arg="GsHalfScales{SB, SU}" if cfg.swiglu_halves and cfg.blockwise else "SB",
         gather=cfg.gather,
         gather_tma=cfg.gather_tma,
         scatter=cfg.scatter,

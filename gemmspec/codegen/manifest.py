@@ -128,7 +128,7 @@ class Workspace:
 class MapTemplate:
     """One tensor-map template (cuTensorMapEncodeTiled) of a launch; see TENSOR_MAP_FIXED."""
 
-    operand: str  # "a", "b" or "d"
+    operand: str  # "a", "b", "d", or "u" (a SwiGLU's up rows)
     dtype: str
     box_inner: int  # contiguous elements per box row (one 128-byte swizzle row)
     box_rows: int
@@ -785,6 +785,8 @@ class _Builder:
             Param("maps", "GsTensorMap*", maps_ws),
             Param("templates", "const GsTensorMap*", templates),
             *(Param(op.upper(), "const void*", self.where[operand[op]]) for op in TABLE_OPERANDS),
+            # A SwiGLU's up weight (B itself for stacked halves): the builder writes its map.
+            *((Param("U", "const void*", self.where[pg.u.tensor]),) if pg.u is not None else ()),
             *self.table_operands(x),
         ]
         one = Formula.const(1)
@@ -828,7 +830,13 @@ class _Builder:
             Param("D", _ptr(cfg.d_type, const=False), self.where[pg.d.tensor]),
             Param("SA", "const float*", self.where[pg.sa.tensor] if pg.sa else null),
             Param("SB", "const float*", self.where[pg.sb.tensor] if pg.sb else null),
-        ]
+        ] + (
+            [  # a SwiGLU's up rows and their scales (B's and SB for stacked halves)
+                Param("U", _ptr(cfg.b_type), self.where[pg.u.tensor]),
+                Param("SU", "const float*", self.where[pg.su.tensor] if pg.su else null),
+            ]
+            if pg.u is not None else []
+        )
 
     def split_params(self, x: EmittedLaunch) -> list[Param]:
         """A split-K GEMM's arrival counters (uploaded as zeros; each launch leaves them at

@@ -52,6 +52,9 @@ def _group_chain(spec: Spec, group: str) -> tuple[str, ...]:
 def _extent(spec: Spec, gemm: Gemm, role: str) -> Extent:
     rd = gemm.role(role)
     size = _dim_size(spec, rd.dim)
+    if role == "n" and gemm.swiglu_halves:
+        # Gate rows, then up rows: the GEMM has twice D's columns (never split by a group).
+        return Extent(role, rd.dim, "fixed", size * 2)
     if rd.masked_by is not None:
         g = spec.group(rd.masked_by)
         return Extent(role, rd.dim, "masked", size, g.name, g.kind, g.tensor, (g.name,))
@@ -182,6 +185,30 @@ def _epilogue(spec: Spec, gemm: Gemm) -> tuple[EpilogueMap, ...]:
     return tuple(out)
 
 
+def _swiglu_up(spec: Spec, gemm: Gemm, b: OperandMap, sb: ScaleMap | None) -> tuple[OperandMap | None, ScaleMap | None]:
+    """A SwiGLU's up rows where they are not interleaved with the gate's: the second
+    weight read with B's indices, `swiglu_up_rows` rows on (stacked halves of B). The
+    kernel finds them from B's per-leaf offsets (a second tensor is declared as B is,
+    the checker saw to it), so the maps must be B's shifted by those rows."""
+    if not gemm.swiglu_halves:
+        return None, None
+    assert gemm.swiglu_up is not None
+    acc = Access(gemm.swiglu_up, gemm.b.uses)
+    u = _operand(spec, gemm, acc, ("n", "k"))
+    rows = gemm.swiglu_up_rows
+    u = replace(u, offset=u.offset + u.strides[0] * rows)
+    su = _scale(spec, gemm, acc, ("n", "k"))
+    if su is not None:
+        assert rows % su.block[0] == 0, "the checker keeps the up half on whole scale blocks"
+        su = replace(su, offset=su.offset + su.strides[0] * (rows // su.block[0]))
+    if (u.offset, u.strides) != (b.offset + b.strides[0] * rows, b.strides) or (
+        su is not None and sb is not None and (su.offset, su.strides, su.block)
+        != (sb.offset + sb.strides[0] * (rows // sb.block[0]), sb.strides, sb.block)
+    ):
+        raise GemmspecError(f"{spec.name}: the up rows of '{gemm.swiglu_up}' do not lie where the gate's do")
+    return u, su
+
+
 def _is_k_major(op: OperandMap) -> bool:
     s = op.strides[1]
     return s.is_const and s.value == 1
@@ -199,6 +226,7 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int, dim_order: dict[str, int])
     sb = _scale(spec, gemm, gemm.b, ("n", "k"))
     # An FP8 output's scales, written by the epilogue (one per row and 128 columns).
     sd = _scale(spec, gemm, gemm.out, ("m", "n"))
+    u, su = _swiglu_up(spec, gemm, b, sb)
     epilogue = _epilogue(spec, gemm)
     # `T = copy(D)`: T is indexed as D is; its anchored scale blocks start at `cbstart.m`.
     c = sc = None
@@ -238,6 +266,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int, dim_order: dict[str, int])
         sd=sd,
         c=c,
         sc=sc,
+        u=u,
+        su=su,
     )
     fp8 = a.dtype in FP8_TYPES
     sig = KernelSignature(
@@ -257,6 +287,8 @@ def _launch(spec: Spec, plan: LaunchPlan, index: int, dim_order: dict[str, int])
         multicast_b=plan.pair_rows,
         epilogue=tuple((e.kind, e.dtype) for e in epilogue),
         swiglu=gemm.swiglu,
+        swiglu_halves=gemm.swiglu_halves,
+        swiglu_up_rows=gemm.swiglu_up_rows,
         gather=a.rows is not None,
         scatter=d.rows is not None,
         d_scale_pow2=sd is not None and spec.tensor(d.tensor).scale.pow2,

@@ -202,6 +202,11 @@ class ProblemGenerator:
     # the leaf's first row: block i of the leaf is scale row `cbstart.m + i`.
     c: OperandMap | None = None
     sc: ScaleMap | None = None
+    # A SwiGLU over gate and up rows not interleaved: where up row n lies (`u`, strides
+    # B's) and its scales (`su`). B holds the gate rows; the kernel's tile n0 covers D's
+    # columns n0/2 .. n0/2 + tile_n/2: those gate rows, then the same up rows.
+    u: OperandMap | None = None
+    su: ScaleMap | None = None
 
     @property
     def scale_maps(self) -> tuple[ScaleMap, ...]:
@@ -250,10 +255,14 @@ class ProblemGenerator:
             lines.append(f"  pinned: g.{ax} = {i}")
         lines += [f"  {e}" for e in self.extents]
         lines += [f"  A {self.a}", f"  B {self.b}", f"  D {self.d}"]
+        if self.u is not None:
+            lines.append(f"  up {self.u}  (the up rows; B holds the gate rows)")
         if self.sa:
             lines.append(f"  scale A {self.sa}")
         if self.sb:
             lines.append(f"  scale B {self.sb}")
+        if self.su:
+            lines.append(f"  scale up {self.su}")
         if self.sd:
             lines.append(f"  scale D {self.sd}  (written)")
         if self.c is not None and self.sc is not None:
@@ -305,6 +314,11 @@ class KernelSignature:
     # Columns 2j (gate) and 2j + 1 (up) of a tile become D's column j, silu(gate) * up;
     # D's offset and strides address D's own columns.
     swiglu: bool = False
+    # The gate and up rows not interleaved (a SwiGLU over two weights, or stacked halves of
+    # B): a tile's B rows are D's columns' gate rows, then their up rows, loaded from B and
+    # from the up weight (B itself, `swiglu_up_rows` rows on, for stacked halves).
+    swiglu_halves: bool = False
+    swiglu_up_rows: int = 0
     # A's rows read through an index tensor (copied by the producer, no TMA map for A), and
     # D's rows written through one (stored from registers).
     gather: bool = False
@@ -326,6 +340,7 @@ class KernelSignature:
         `_swiglu` for a SwiGLU, `_gather` and `_scatter` for rows through index tensors."""
         name = "_e" + "".join(f"{k[0]}{t}" for k, t in self.epilogue) if self.epilogue else ""
         name += "_swiglu" if self.swiglu else ""
+        name += ("_halves" + (f"{self.swiglu_up_rows}" if self.swiglu_up_rows else "")) if self.swiglu_halves else ""
         name += ("_gather" if self.gather else "") + ("_scatter" if self.scatter else "")
         name += "_pow2" if self.d_scale_pow2 else ""
         return name + ("_copy128x1" + ("pow2" if self.copy_scale_pow2 else "") if self.copy else "")
@@ -372,7 +387,12 @@ class Launch:
         lines = [head, f"  kernel {self.signature.name}"]
         if self.note:
             lines.append(f"  {self.note}")
-        if self.signature.swiglu:
+        if self.signature.swiglu_halves:
+            lines.append(
+                "  swiglu: D(m, j) = silu(B rows) * up rows: tile n0's columns are gate rows j = n0/2 .. "
+                "n0/2 + tile_n/2 of B, then the same rows of up; D's n below is j"
+            )
+        elif self.signature.swiglu:
             lines.append("  swiglu: D(m, j) = silu(acc(m, 2j)) * acc(m, 2j + 1); D's n below is j")
         pg = self.problems
         if pg.a.rows is not None:

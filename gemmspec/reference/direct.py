@@ -23,7 +23,7 @@ import itertools
 import numpy as np
 
 from ..analyse import dependency_order
-from ..spec import FP8_TYPES, Gemm, Spec, Tensor
+from ..spec import FP8_TYPES, Access, Gemm, Spec, Tensor
 from .data import (
     Runtime,
     TensorData,
@@ -118,6 +118,10 @@ def statement_result(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, Tensor
     a_t, b_t = spec.tensor(gemm.a.tensor), spec.tensor(gemm.b.tensor)
     a_real = real_values(spec, rt, a_t, data[a_t.name])
     b_real = real_values(spec, rt, b_t, data[b_t.name])
+    # A SwiGLU over gate and up rows not interleaved: up row j is row swiglu_up_rows + j of
+    # its weight (B itself for stacked halves), read with B's indices.
+    up_t = spec.tensor(gemm.swiglu_up) if gemm.swiglu_up is not None else None
+    up_real = real_values(spec, rt, up_t, data[up_t.name]) if up_t is not None else None
     size = {r: dim_size(spec, rt, gemm.role(r).dim) for r in "mnk"}
     total = np.zeros(shape)
     written = np.zeros(shape, dtype=bool)
@@ -144,7 +148,10 @@ def statement_result(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, Tensor
         a_rows = im if not gemm.gather else rows_through(data, gemm.gather, im, a.shape[0], a_t.name)
         # Only the rows, columns and contraction range this leaf covers.
         part = a[np.ix_(a_rows, ik)] @ b[np.ix_(in_, ik)].T
-        if gemm.swiglu:
+        if up_t is not None:
+            up = _slice(Access(up_t.name, gemm.b.uses), up_real, at, ("n", "k"))
+            part = silu(part) * (a[np.ix_(a_rows, ik)] @ up[np.ix_(in_ + gemm.swiglu_up_rows, ik)].T)
+        elif gemm.swiglu:
             part, in_ = swiglu_pairs(part, in_)
         part = apply_epilogue(gemm, data, at, im, in_, part)
         sel = _out_index(gemm, at)

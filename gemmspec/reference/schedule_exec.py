@@ -44,7 +44,7 @@ from .data import (
     segments,
     swiglu_grad_values,
 )
-from .direct import chain_names, fp8_outputs, swiglu_pairs
+from .direct import chain_names, fp8_outputs, silu, swiglu_pairs
 
 K_BLOCK = 128
 
@@ -138,6 +138,32 @@ def _picked(flat: dict[str, np.ndarray], rows: IndexMap | None, env: dict[str, i
     return np.where(ok, picked, 0), ok
 
 
+class _Halves:
+    """A SwiGLU tile's columns as the kernel holds them when gate and up rows are not
+    interleaved: tile t's column t*TN + o is weight row t*TN/2 + o % (TN/2), from the gate
+    weight for o < TN/2 and from the up weight after; rows past the weight's (D's
+    columns, n/2) load as zeros, as TMA fills them. Whole tiles, as the kernel computes
+    them: the last tile's up half may lie past the leaf's n columns."""
+
+    def __init__(self, tile_n: int, n: int):
+        self.half = tile_n // 2
+        cols = np.arange(-(-n // tile_n) * tile_n)
+        o = cols % tile_n
+        self.up = o >= self.half
+        rows = (cols // tile_n) * self.half + o % self.half
+        self.exists = rows < n // 2
+        self.rows = np.where(self.exists, rows, 0)
+
+    def pick(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """Per column, the gate's or the up weight's row (zeros past the weight)."""
+        return np.where(self.up[:, None], up, gate) * self.exists[:, None]
+
+    def pair(self, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """silu(gate column c) * up column c + TN/2, as D's column (the weight row)."""
+        gate = np.flatnonzero(~self.up & self.exists)
+        return silu(acc[:, gate]) * acc[:, gate + self.half], self.rows[gate]
+
+
 def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarray]) -> None:
     pg = launch.problems
     sig = launch.signature
@@ -149,18 +175,30 @@ def run_launch(spec: Spec, rt: Runtime, launch: Launch, flat: dict[str, np.ndarr
         rm, rn = np.arange(m), np.arange(n)
         a_rows, a_ok = _picked(flat, pg.a.rows, env, rm)
         d_rows, d_ok = _picked(flat, pg.d.rows, env, rm)
-        acc = np.zeros((m, n))
+        halves = _Halves(sig.tile_n, n) if sig.swiglu_halves else None
+        acc = np.zeros((m, n if halves is None else len(halves.rows)))
         for k0 in range(0, k, K_BLOCK):
             rk = np.arange(k0, min(k, k0 + K_BLOCK))
             a = _gather(flat[pg.a.tensor], pg.a, env, a_rows, rk) * a_ok[:, None]
-            b = _gather(flat[pg.b.tensor], pg.b, env, rn, rk)
+            if halves is None:
+                b = _gather(flat[pg.b.tensor], pg.b, env, rn, rk)
+            else:
+                b = halves.pick(_gather(flat[pg.b.tensor], pg.b, env, halves.rows, rk),
+                                _gather(flat[pg.u.tensor], pg.u, env, halves.rows, rk))
             part = a @ b.T
             if sig.scaled:
                 sa = _gather(flat[pg.sa.tensor], pg.sa, env, a_rows // pg.sa.block[0], np.array([k0 // pg.sa.block[1]]))
-                sb = _gather(flat[pg.sb.tensor], pg.sb, env, rn // pg.sb.block[0], np.array([k0 // pg.sb.block[1]]))
+                kb = np.array([k0 // pg.sb.block[1]])
+                if halves is None:
+                    sb = _gather(flat[pg.sb.tensor], pg.sb, env, rn // pg.sb.block[0], kb)
+                else:
+                    sb = halves.pick(_gather(flat[pg.sb.tensor], pg.sb, env, halves.rows // pg.sb.block[0], kb),
+                                     _gather(flat[pg.su.tensor], pg.su, env, halves.rows // pg.su.block[0], kb))
                 part = part * sa * sb.T
             acc += part
-        if sig.swiglu:
+        if halves is not None:
+            acc, rn = halves.pair(acc)
+        elif sig.swiglu:
             # Gate column 2j and up column 2j + 1 become D's column j (N is even).
             acc, rn = swiglu_pairs(acc, rn)
         for e in pg.epilogue:

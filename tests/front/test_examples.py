@@ -21,6 +21,7 @@ EXPECTED = {
     "moe_bf16_in_fp8": ("flatten", [8], ["quantize"]),
     "moe_masked_decode": ("flatten", [8], []),
     "moe_swiglu_fp8": ("flatten", [8], []),
+    "moe_swiglu_fp8_separate": ("flatten", [8], []),
     "lora_moe_nested": ("flatten", [32], []),
     "lora_moe_scaled": ("flatten", [32], []),
     "lora_qkv_slices": ("flatten", [12], []),

@@ -21,6 +21,7 @@ gemm g {
   tensor w : bf16 [E, N, K]
   tensor wu : bf16 [E, N, K]
   tensor wf : bf16 [E, F, K]
+  tensor wn : bf16 [E, N, K]
   tensor wp : bf16 [P, N, K]
   tensor rw : f32 [T]
   tensor alpha : f32 [E]
@@ -32,7 +33,7 @@ gemm g {
   STATEMENT
 }
 """
-LINE = 19  # the statement's line in BASE
+LINE = 20  # the statement's line in BASE
 GATE = "sum[k] x[t, k] * w[expert(t), 2*j, k]"
 UP = "sum[k] x[t, k] * w[expert(t), 2*j + 1, k]"
 SWIGLU = f"h[t, j] = silu({GATE}) * {UP}"
@@ -104,17 +105,15 @@ CASES = [
     ),
     (
         f"h[t, j] = silu({GATE}) * sum[k] x[t, k] * wu[expert(t), 2*j + 1, k]",
-        "wu", "separate gate and up weights are not fused",
-        "stacked gate/up halves are not fused yet; interleave the weight rows",
+        "2*j + 1", "two gate and up weights are read row for row", "wu[e, j, k]",
     ),
     (
-        "h[t, j] = silu(sum[k] x[t, k] * wf[expert(t), j, k]) * sum[k] x[t, k] * wf[expert(t), j + F, k]",
-        "j + F", "two halves of one weight",
-        "stacked gate/up halves are not fused yet; interleave the weight rows",
+        "h[t, j] = silu(sum[k] x[t, k] * w[expert(t), j, k]) * sum[k] x[t, k] * w[expert(t), j + 64, k]",
+        "j + 64", "64 rows past the gate's, but stacked halves put the up half F = 128 rows", "rows F + j",
     ),
     (
-        "h[t, j] = silu(sum[k] x[t, k] * wf[expert(t), j, k]) * sum[k] x[t, k] * wf[expert(t), j + 128, k]",
-        "j + 128", "two halves of one weight", "stacked gate/up halves",
+        "h[t, j] = silu(sum[k] x[t, k] * w[expert(t), j + F, k]) * sum[k] x[t, k] * w[expert(t), j, k]",
+        "j + F", "of stacked halves the gate is the first", "the gate from rows j",
     ),
     (
         "h[t, j] = silu(sum[k] x[t, k] * w[expert(t), 2*j + 1, k]) * sum[k] x[t, k] * w[expert(t), 2*j, k]",
@@ -205,3 +204,120 @@ def test_the_statement_text_round_trips():
     s = f"h[t, j] = rw[t] * silu({GATE}) * {UP}"
     (file_spec,) = parse(spec_with(s)).specs
     assert str(file_spec.statements[0]) == s
+
+
+# ---- gate and up rows not interleaved ------------------------------------------------
+
+SEPARATE = "h[t, j] = silu(sum[k] x[t, k] * wf[expert(t), j, k]) * sum[k] x[t, k] * wg[expert(t), j, k]"
+STACKED = "h[t, j] = silu(sum[k] x[t, k] * w[expert(t), j, k]) * sum[k] x[t, k] * w[expert(t), F + j, k]"
+
+
+def with_up_weight(decl: str, statement: str = SEPARATE) -> str:
+    return spec_with(statement).replace("  tensor rw : f32 [T]\n", f"  tensor rw : f32 [T]\n  tensor wg : {decl}\n")
+
+
+@pytest.mark.parametrize("up", ["F + j", "j + F", "j + 128", "128 + j"])
+def test_stacked_halves_are_one_gemm_over_the_output_columns(up):
+    (spec,) = check(parse(spec_with(STACKED.replace("F + j", up))))
+    (g,) = spec.gemms
+    assert g.swiglu and g.swiglu_halves and (g.swiglu_up, g.swiglu_up_rows) == ("w", 128)
+    # The GEMM's n counts D's columns; the kernel runs over gate rows, then up rows.
+    assert (g.n.var, g.n.dim) == ("j", "F") and g.b.axis_of_role("n") == 1
+    assert g.reads == ("x", "w")
+
+
+def test_two_weights_are_one_gemm_reading_both():
+    (spec,) = check(parse(with_up_weight("bf16 [E, F, K]")))
+    (g,) = spec.gemms
+    assert g.swiglu_halves and (g.swiglu_up, g.swiglu_up_rows) == ("wg", 0)
+    assert (g.n.dim, g.reads) == ("F", ("x", "wf", "wg"))
+
+
+@pytest.mark.parametrize("statement", [SEPARATE, STACKED], ids=["separate", "stacked"])
+def test_halves_lower_to_twice_the_columns_with_the_up_map(statement):
+    (lowered,) = lower_file(with_up_weight("bf16 [E, F, K]", statement))
+    (launch,) = lowered.schedule.launches
+    sig, pg = launch.signature, launch.problems
+    assert sig.swiglu and sig.swiglu_halves and sig.tile_n % 16 == 0
+    assert pg.extent("n").size.value == 256  # gate rows, then up rows
+    assert pg.u is not None and pg.u.strides == pg.b.strides
+    if statement is STACKED:
+        assert sig.swiglu_up_rows == 128 and pg.u.tensor == "w"
+        assert str(pg.u.offset) == str(pg.b.offset + pg.b.strides[0] * 128)
+        assert sig.name.endswith("_swiglu_halves128")
+    else:
+        assert sig.swiglu_up_rows == 0 and pg.u.tensor == "wg" and pg.u.offset == pg.b.offset
+        assert sig.name.endswith("_swiglu_halves")
+    assert any("two TMA boxes per stage" in r for r in lowered.schedule.reasons)
+
+
+@pytest.mark.parametrize(
+    "decl, fragment, fix",
+    [
+        ("bf16 [E, N, K]", "has dims [E, N, K] but the gate weight 'wf' [E, F, K]", "bf16 [E, F, K]"),
+        ("f16 [E, F, K]", "has type f16 but the gate weight 'wf' bf16", "bf16 [E, F, K]"),
+        ("bf16 [E, F, K] layout major(F)", "has layout major(F) but the gate weight 'wf' row_major", "bf16 [E, F, K]"),
+    ],
+)
+def test_the_up_weight_is_declared_as_the_gate(decl, fragment, fix):
+    text = with_up_weight(decl)
+    with pytest.raises(SpecError) as info:
+        check(parse(text, "s.gspec"))
+    err = info.value
+    assert fragment in err.message and "declare 'wg' as 'wf' is" in err.note, err.render()
+    line = text.splitlines()[err.location.line - 1]
+    assert line[err.location.column - 1:].startswith("wg :"), err.render()
+    (spec,) = check(parse(with_up_weight(fix)))  # the fix the note proposes is accepted
+    assert spec.gemms[0].swiglu_up == "wg"
+
+
+FP8_HALVES = """\
+gemm g {
+  dim T
+  dim F = FCOLS, K = 512
+  group expert[E = 4] = ragged(T, offsets = offs)
+  tensor x : e4m3 [T, K] scale f32 [1, 128]
+  tensor wg : e4m3 [E, F, K] scale f32 [1, BLOCK, 128]
+  tensor wu : e4m3 [E, F, K] scale f32 [1, BLOCK, 128]
+  tensor h : bf16 [T, F]
+  h[t, j] = silu(sum[k] x[t, k] * wg[expert(t), j, k]) * sum[k] x[t, k] * wu[expert(t), j, k]
+}
+"""
+
+
+def test_fp8_halves_take_128_row_scale_blocks_and_256_tiles():
+    (lowered,) = lower_file(FP8_HALVES.replace("FCOLS", "256").replace("BLOCK", "128"))
+    (launch,) = lowered.schedule.launches
+    assert launch.signature.tile_n == 256 and launch.problems.su is not None
+    assert launch.problems.su.tensor != launch.problems.sb.tensor
+
+
+@pytest.mark.parametrize("f, block", [(256, 64), (192, 128)])
+def test_fp8_halves_refuse_other_scale_blocks(f, block):
+    text = FP8_HALVES.replace("FCOLS", str(f)).replace("BLOCK", str(block))
+    with pytest.raises(SpecError) as info:
+        check(parse(text, "s.gspec"))
+    err = info.value
+    assert "each one scale block" in err.message and "use blocks of 128 rows" in err.note, err.render()
+    assert (err.location.line, err.location.column) == (6, text.splitlines()[5].index(str(block)) + 1)
+
+
+def test_tile_directive_must_split_halves_whole():
+    text = with_up_weight("bf16 [E, F, K]").replace("  STATEMENT", "").replace("gemm g {", "gemm g {\n  tile(128, 72)")
+    with pytest.raises(SpecError) as info:
+        check(parse(text, "s.gspec"))
+    assert "its tiles hold gate rows, then as many up rows" in info.value.message
+    assert "tile(128, 128)" in info.value.note
+    (spec,) = check(parse(text.replace("tile(128, 72)", "tile(128, 128)")))
+    assert spec.directives.tile == (128, 128)
+
+
+@pytest.mark.parametrize("statement", [SEPARATE, STACKED], ids=["separate", "stacked"])
+def test_the_backward_skips_halves_with_the_reason(statement):
+    from gemmspec.backward import derive_backward
+
+    (spec,) = check(parse(with_up_weight("bf16 [E, F, K]", statement)))
+    derived = derive_backward(spec)
+    (skipped,) = derived.skipped
+    assert skipped.forward == 0 and "gate and up rows are not interleaved" in skipped.reason
+    assert not derived.statements
