@@ -147,6 +147,20 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
     placement = _check_placement(spec, schedule)
     if placement is not None:
         doc["offsets_check"] = {"fused": placement.fused, "where": placement.reason}
+    variant = _decode_variant(spec, schedule, program)
+    if variant is not None:  # only where a launch has one: other documents stay as they were
+        rule = variant.rule
+        doc["run_time_choice"] = {
+            "dim": rule.dim,
+            "group": rule.group,
+            "segments": rule.segments,
+            "rows_per_segment": rule.rows_per_segment,
+            "max_rows": rule.max_rows,
+            "rule": rule.describe(),
+            "launches": [
+                {"launch": i, "compiled": before, "decode": after} for i, before, after in variant.launches
+            ],
+        }
     if program is not None:
         for launch, x in zip(doc["launches"], program.launches):
             # A GEMM that builds its leaf table itself has no builder kernel.
@@ -158,6 +172,14 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
             if len(p.kernels) > 1:  # scatter_add: its index kernels, then the one that sums
                 postpass["symbols"] = list(p.kernels)
     return doc
+
+
+def _decode_variant(spec: Spec, schedule: Schedule, program=None):
+    """The launches' decode variant and the rule that picks it per call (None: none has one)."""
+    from .codegen.emit import emit
+    from .codegen.variants import decode_variant
+
+    return decode_variant(spec, schedule, program if program is not None else emit(spec, schedule))
 
 
 def _check_placement(spec: Spec, schedule: Schedule):
@@ -291,6 +313,13 @@ def explain_text(spec: Spec, schedule: Schedule, backward: bool = True) -> str:
         body = str(launch).splitlines()
         body[1] = f"  kernel {_kernel_line(spec, schedule, launch)}"
         lines += ["  " + ln for ln in body]
+    variant = _decode_variant(spec, schedule)
+    if variant is not None:
+        from .codegen.variants import DECODE_TILE_M
+
+        lines.append(f"at call time: the decode variant when {variant.rule.describe()}, else as above:")
+        for i, _, after in variant.launches:
+            lines.append(f"  launch {i}: {after} ({DECODE_TILE_M}-row tiles, one CTA per tile)")
     if schedule.order:
         lines.append("order: " + ", ".join(f"{kind} {i}" for kind, i in schedule.order))
     if schedule.postpasses:

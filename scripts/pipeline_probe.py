@@ -198,6 +198,7 @@ def variant(exe, fuse_check=True, inline_tables=True, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows);
     `fuse_check` False runs the offsets check as a kernel of its own; `inline_tables` False
     puts a leaf-table builder before a GEMM that would build its table itself."""
+    exe.choose_at_call = False  # the variant at every size, not the decode variant's pick
     if not fuse_check or not inline_tables:
         exe.program = emit(exe.spec, exe.schedule, fuse_check=fuse_check, inline_tables=inline_tables)
     exe.program = with_kernel_config(exe.spec, exe.program, **changes)

@@ -41,6 +41,7 @@ from ..codegen.emit import EmittedProgram
 from ..codegen.kernels import include_dir
 from ..codegen.manifest import CHECK_FLAGS, Manifest, launch_manifest
 from ..codegen.validate import group_chain_count, index_rows, read_groups
+from ..codegen.variants import DecodeVariant, decode_variant
 from ..errors import ArgumentError, GemmspecError
 from ..lower.schedule import Schedule
 from ..spec import INDEX_TYPE, Spec, Tensor
@@ -195,6 +196,10 @@ class Executable:
         self._cubins: dict[str, CompiledCubin] = {}
         self._plans: OrderedDict[tuple, PreparedRun] = OrderedDict()
         self._recent: tuple[tuple, PreparedRun] | None = None  # the last call's key and plan
+        # Whether a call picks its launches' decode variant by the run-time dims (see
+        # codegen/variants.py); False runs `program` at every size (for comparisons).
+        self.choose_at_call = True
+        self._variant_manifests: dict[int, Manifest] = {}
 
     @property
     def sources(self) -> dict[str, str]:
@@ -662,9 +667,42 @@ class Executable:
         """Every kernel of a call in order, with its arguments (`<spec>.manifest.json`)."""
         return launch_manifest(self.spec, self.program, self.program.spec)
 
-    def _step_kernel(self, run: PreparedRun):
-        sources = self.program.sources()
+    @functools.cached_property
+    def decode(self) -> DecodeVariant | None:
+        """The decode variant of the launches over ragged rows of a run-time dim, with the
+        rule that picks it per call (None: no launch has one). Made from `program` when
+        first asked for."""
+        return decode_variant(self.spec, self.schedule, self.program)
+
+    def program_for(self, dims: dict[str, int]) -> EmittedProgram:
+        """The program a call with these run-time dims runs: the decode variant where its
+        rule picks it, else the program as compiled."""
+        if self.choose_at_call and self.decode is not None and self.decode.rule.picks_decode(dims):
+            return self.decode.program
+        return self.program
+
+    def _manifest_of(self, program: EmittedProgram) -> Manifest:
+        if program is self.program:
+            return self.manifest
+        found = self._variant_manifests.get(id(program))
+        if found is None:
+            found = self._variant_manifests[id(program)] = launch_manifest(self.spec, program, program.spec)
+        return found
+
+    def _step_kernel(self, run: PreparedRun, program: EmittedProgram):
+        sources = program.sources()
         return lambda step: self._kernel(sources[step.file], step.symbol, run.device)
+
+    def _compile_variants(self, device: int) -> None:
+        """Compile (and load) every kernel of both programs once, so that no later call
+        compiles: a call whose size crosses the rule's threshold, a CUDA-graph capture
+        included, finds its kernels ready."""
+        if not self.choose_at_call or self.decode is None:
+            return
+        for program in (self.program, self.decode.program):
+            sources = program.sources()
+            for step in self._manifest_of(program).launches:
+                self._kernel(sources[step.file], step.symbol, device)
 
     def _writes_nothing(self, dims: dict[str, int]) -> bool:
         """No statement has an element to write: each output is empty, or adds a sum
@@ -826,18 +864,22 @@ class Executable:
         run.dims = dict(bound.dims)
         if self._writes_nothing(bound.dims):
             return run
+        program = self.program_for(bound.dims)
+        manifest = self._manifest_of(program)
+        run.program = program
         with on_device(device):
+            self._compile_variants(device)
             ptrs: dict[str, object] = {name: _Arg(name) for name in bound.arrays}
             # The same steps, in the same order, as the emitted host launcher; the offsets
             # check among them (its flags and checked copies are workspaces).
             buffers = plan_steps(
-                self.manifest, run, ptrs, bound.dims, num_sms(run.device), self._step_kernel(run),
+                manifest, run, ptrs, bound.dims, num_sms(run.device), self._step_kernel(run, program),
                 lambda name, axis: bound.arrays[name].shape[axis],
             )
         # Every workspace by its manifest name (`prepass0.x_q` ...): what reads a derived
         # tensor or a scale grid back after a call, as the tests of the passes do.
         run.buffers = buffers
-        check = self.manifest.offsets_check
+        check = manifest.offsets_check
         if check is not None:
             run.flags, run.checks = buffers[CHECK_FLAGS], check.checks
         return run
@@ -875,6 +917,7 @@ class PreparedRun:
     dims: dict = field(default_factory=dict)
     names: tuple = ()  # the arguments, in the order of the pointers `launch` takes
     buffers: dict = field(default_factory=dict)  # the workspaces by manifest name
+    program: EmittedProgram | None = None  # what it launches: as compiled, or the decode variant
     guard: _PointerGuard | None = None  # the pointer checks of a cached plan
     # The cells of the pointers, the launches that read them, with their parameters
     # packed for this run's stream, and the switch to the run's device (made when first

@@ -1,0 +1,117 @@
+"""On a Hopper GPU: the decode variant (64-row tiles of one CTA, picked per call where the
+average rows per expert are at most DECODE_ROWS_PER_SEGMENT) computes what the compiled
+launch computes, on both sides of the rule's threshold, for FP8 blockwise and BF16
+operands, over leaves of 0, 1, 2, 7, 8, 9, 63, 64, 65, 127 and 129 rows; a CUDA graph
+captured on it replays with new counts. Judged element by element against the float64
+reference (gemmspec.runtime.verify), guard bytes included. Skipped elsewhere, with a
+reason."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gemmspec
+from gemmspec.codegen.variants import DECODE_ROWS_PER_SEGMENT
+from gemmspec.runtime.verify import check_random
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from judge import assert_close_elementwise  # noqa: E402
+
+E = 8
+SPEC = """
+gemm decode_{kind} {{
+  dim T
+  dim N = 384, K = 512
+  group expert[E = 8] = ragged(T, offsets = offs)
+  tensor x : {t} [T, K]{xs}
+  tensor w : {t} [E, N, K]{ws}
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}}
+"""
+KINDS = {
+    "fp8": dict(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]"),
+    "bf16": dict(t="bf16", xs="", ws=""),
+}
+THRESHOLD = DECODE_ROWS_PER_SEGMENT * E
+# Token counts per expert: below, at and above the threshold (T = 512 for 8 experts).
+COUNTS = {
+    "edges_low": [0, 1, 2, 7, 8, 9, 63, 64],  # T = 154
+    "edges_high": [65, 127, 129, 0, 0, 1, 2, 7],  # T = 331
+    "at_threshold": [64] * E,  # T = 512: still the decode variant
+    "one_past": [65] + [64] * (E - 1),  # T = 513: as compiled
+    "prefill_edges": [0, 1, 129, 127, 65, 1000, 9, 8],  # T = 1339
+}
+
+
+def spec_text(kind: str) -> str:
+    return SPEC.format(kind=kind, **KINDS[kind])
+
+
+@pytest.mark.parametrize("counts", sorted(COUNTS))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_side_of_the_threshold_matches_the_reference(kind, counts):
+    exe = gemmspec.build(spec_text(kind))
+    assert exe.decode is not None, "a ragged launch over a run-time dim has a decode variant"
+    lengths = COUNTS[counts]
+    t = sum(lengths)
+    picked = exe.program_for({"T": t})
+    assert (picked is exe.decode.program) == (t <= THRESHOLD)
+    assert "t64x" in picked.launches[0].gemm.name or t > THRESHOLD
+    for seed in (0, 1):  # two calls with fresh data on one executable (one plan)
+        report = check_random(exe, lengths={"expert": lengths}, seed=seed).report
+        print(report.describe())
+        assert report.ok, report.describe()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_decode_variant_can_be_turned_off(kind):
+    exe = gemmspec.build(spec_text(kind))
+    exe.choose_at_call = False
+    assert exe.program_for({"T": 8}) is exe.program
+    report = check_random(exe, lengths={"expert": COUNTS["edges_low"]}, seed=2).report
+    assert report.ok, report.describe()
+
+
+def test_a_graph_captured_on_the_decode_variant_replays_with_new_counts():
+    torch = pytest.importorskip("torch")
+    exe = gemmspec.build(spec_text("fp8"))
+    first = [0, 1, 2, 7, 8, 9, 63, 64]
+    t = sum(first)
+    assert exe.program_for({"T": t}) is exe.decode.program
+    g = torch.Generator(device="cpu").manual_seed(5)
+    x = (torch.randn((t, 512), generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+    xs = (torch.rand((t, 4), generator=g) * 0.01 + 0.001).cuda()
+    w = (torch.randn((E, 384, 512), generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+    ws = (torch.rand((E, 3, 4), generator=g) * 0.01 + 0.001).cuda()
+    offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    y = torch.full((t, 384), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def set_counts(counts):
+        offs.copy_(torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32))
+
+    set_counts(first)
+    exe(x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)  # warm-up: the plan exists before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        exe(x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
+    xa = (x.double().view(t, 4, 128) * xs.double().view(t, 4, 1)).view(t, 512).cpu().numpy()
+    wb = (w.double().view(E, 3, 128, 4, 128) * ws.double().view(E, 3, 1, 4, 1)).view(E, 384, 512).cpu().numpy()
+    for counts in ([64, 0, 1, 2, 7, 8, 9, 63], [0, 0, 0, 154, 0, 0, 0, 0], first):
+        set_counts(counts)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = np.empty((t, 384))
+        start = 0
+        for e, c in enumerate(counts):
+            ref[start:start + c] = xa[start:start + c] @ wb[e].T
+            start += c
+        assert_close_elementwise(y, ref, dtype="bf16")
