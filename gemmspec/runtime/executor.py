@@ -701,7 +701,7 @@ class Executable:
             return
         for program in (self.program, self.decode.program):
             sources = program.sources()
-            for step in self._manifest_of(program).launches:
+            for step in self._manifest_of(program).kernels:
                 self._kernel(sources[step.file], step.symbol, device)
 
     def _writes_nothing(self, dims: dict[str, int]) -> bool:

@@ -19,7 +19,7 @@ from test_nest_in_fixed_groups import OUTERS, nested  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-LENGTHS = {"split": [0, 1, 199, 129, 0, 1, 0, 0, 0], "uniform": [110, 0, 0, 1, 109, 0, 0, 0, 110]}
+LENGTHS = {"split": [0, 1, 199, 0, 0, 0, 129, 0, 1], "uniform": [110, 0, 0, 1, 109, 0, 0, 0, 110]}
 
 
 @pytest.mark.parametrize("outer", sorted(OUTERS))
