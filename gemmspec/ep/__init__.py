@@ -4,4 +4,16 @@ and combined back (see docs/scaling-out.md)."""
 
 from .placement import EPPlan, ExpertFFN, Placement, RankPlan, contiguous, expert_ffn, plan
 
-__all__ = ["EPPlan", "ExpertFFN", "Placement", "RankPlan", "contiguous", "expert_ffn", "plan"]
+__all__ = [
+    "EPMoE", "EPMoEDecode", "EPPlan", "ExpertFFN", "ExpertParallel", "Placement", "RankPlan",
+    "contiguous", "expert_ffn", "plan",
+]
+
+
+def __getattr__(name: str):
+    # The layers import torch; the plan does not need it (gemmspec.ep.plan works without).
+    if name in ("EPMoE", "EPMoEDecode", "ExpertParallel"):
+        from . import layer
+
+        return getattr(layer, name)
+    raise AttributeError(name)
