@@ -39,6 +39,8 @@ class Case:
     allowed: tuple[int, ...]  # experts any token may pick (the others stay empty)
     chunks: int = 1
     seed: int = 0
+    capacity: int | None = None  # a decode case (EPMoEDecode): rows per rank pair, None: tokens * k
+    decode: bool = False
 
     def spec(self, decode: bool = False) -> str:
         return (DECODE_SPEC if decode else SPEC).replace("E = 8", f"E = {self.experts}")
@@ -71,6 +73,11 @@ class Case:
 CASE_2 = Case("2 ranks", world=2, experts=4, tokens=(12, 9), k=2, allowed=(0, 1, 2))
 CASE_2_CHUNKS = Case("2 ranks, 3 chunks", world=2, experts=4, tokens=(12, 9), k=2, allowed=(0, 1, 2), chunks=3, seed=1)
 CASE_3 = Case("3 ranks, empty experts and ranks", world=3, experts=6, tokens=(10, 0, 7), k=2, allowed=(0, 2, 3), chunks=2)
+# Decode with capacity buffers: the default capacity (nothing dropped) and 2 rows per
+# rank pair (rows past it dropped); rank 2 again receives nothing.
+DECODE_3 = Case("decode, 3 ranks", world=3, experts=6, tokens=(4, 4, 4), k=2, allowed=(0, 2, 3), decode=True, seed=2)
+DECODE_3_DROP = Case("decode, 3 ranks, capacity 2", world=3, experts=6, tokens=(4, 4, 4), k=2, allowed=(0, 2, 3),
+                     decode=True, capacity=2, seed=2)
 
 
 def free_port() -> int:
@@ -96,6 +103,34 @@ def step(layer, case: Case, rank: int, device: str):
     }
 
 
+def decode_step(case: Case, group, rank: int, device: str, graph: bool = False) -> dict:
+    """EPMoEDecode on rank `rank`'s inputs: its output (twice, for determinism) and the
+    rows it dropped; with `graph`, the second call is a CUDA graph's replay."""
+    from gemmspec.ep import EPMoEDecode
+
+    x, idx, w = (t.to(device) for t in case.inputs(rank))
+    layer = EPMoEDecode(case.spec(decode=True), tokens=case.tokens[rank], top_k=case.k, group=group,
+                        capacity=case.capacity)
+    full, e = case.weights(), layer.rank_plan.experts
+    layer.load({n: full[n][e.start:e.stop].to(device) for n in layer.roles.weights})
+    first = layer.decode(x, idx, w)
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer.decode(x, idx, w)  # warm: plans made, NCCL communicators up
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured = layer.decode(x, idx, w)
+        g.replay()
+        torch.cuda.synchronize()
+        again = captured.clone()
+    else:
+        again = layer.decode(x, idx, w)
+    return {"out": first.cpu(), "again": again.cpu(), "dropped": int(layer.dropped)}
+
+
 def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, device: str) -> None:
     """Every rank's part: each case's step twice (the second for determinism), and the
     first step's FFN inputs (the dispatched buffers), saved for the parent to check. A
@@ -114,6 +149,9 @@ def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, 
             # Every process creates every group (collective), members run the case.
             group = dist.new_group(list(range(case.world))) if case.world < world else None
             if rank >= case.world:
+                continue
+            if case.decode:
+                results[case.name] = decode_step(case, group, rank, device, graph=device != "cpu")
                 continue
             layer = ExpertParallel(case.spec(), group=group, chunks=case.chunks)
             layer.record = []
@@ -197,3 +235,37 @@ def expected_dispatch(case: Case, rank: int, chunk: int) -> dict:
         "src": torch.tensor(order, dtype=torch.int32),
         "expert_offsets": torch.tensor(offsets, dtype=torch.int32),
     }
+
+
+def dropped_rows(case: Case, rank: int) -> list[tuple[int, int]]:
+    """The (token, slot) pairs of rank `rank` that EPMoEDecode drops: in its send order
+    (by expert, then token, then slot), the rows of each destination past the capacity."""
+    from gemmspec.ep import plan
+
+    placement = plan(case.spec(), case.world).placement
+    _, idx, _ = case.inputs(rank)
+    rows = sorted((int(idx[t, c]), t, c) for t in range(idx.shape[0]) for c in range(case.k))
+    seen = [0] * case.world
+    out = []
+    for e, t, c in rows:
+        d = placement.owner(e)
+        if seen[d] >= case.capacity:
+            out.append((t, c))
+        seen[d] += 1
+    return out
+
+
+def one_process_forward(case: Case, dropped: dict[int, list[tuple[int, int]]]) -> list[torch.Tensor]:
+    """The one-process layer's output per rank, with the router weights of the
+    `dropped` rows (by rank) set to zero: what dropping them must give."""
+    from gemmspec.ep import ExpertParallel
+
+    layer = ExpertParallel(case.spec())
+    xs, idxs, ws = zip(*(case.inputs(r) for r in range(case.world)))
+    ws = [w.clone() for w in ws]
+    for r, pairs in dropped.items():
+        for t, c in pairs:
+            ws[r][t, c] = 0.0
+    full = case.weights()
+    out = layer(torch.cat(xs), torch.cat(idxs), torch.cat(ws), {n: full[n] for n in layer.roles.weights})
+    return list(out.detach().split(list(case.tokens)))

@@ -13,7 +13,10 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
-from ep_cases import CASE_2, CASE_2_CHUNKS, CASE_3, expected_dispatch, one_process, run_ranks  # noqa: E402
+from ep_cases import (  # noqa: E402
+    CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP, dropped_rows, expected_dispatch, one_process,
+    one_process_forward, run_ranks,
+)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +83,7 @@ OWN_BLOCKS = (2**-3, 1.5)
 def results(tmp_path_factory):
     """One spawn of three processes over gloo runs every case (the two-rank ones on a
     group of ranks 0 and 1), to pay for the processes' start once."""
-    return run_ranks([CASE_2, CASE_2_CHUNKS, CASE_3], tmp_path_factory.mktemp("ep"))
+    return run_ranks([CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP], tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.parametrize("case", [CASE_2, CASE_2_CHUNKS, CASE_3], ids=lambda c: c.name)
@@ -107,3 +110,22 @@ def test_three_ranks_with_empty_experts_and_ranks(results):
     assert results[1][CASE_3.name]["first"]["out"].shape == (0, 128)
     assert sum(c["x"].shape[0] for c in results[1][CASE_3.name]["dispatched"]) > 0
     assert results[1][CASE_3.name]["bytes"] > 0
+
+
+def test_decode_with_capacity_buffers_matches_one_process(results):
+    want = one_process_forward(DECODE_3, {})
+    for rank in range(3):
+        got = results[rank][DECODE_3.name]
+        assert got["dropped"] == 0
+        assert torch.equal(_bits(got["out"]), _bits(got["again"]))
+        _close(got["out"], want[rank], f"decode rank {rank}", 2**-8, 2**-10)
+
+
+def test_decode_drops_the_rows_past_the_capacity(results):
+    dropped = {r: dropped_rows(DECODE_3_DROP, r) for r in range(3)}
+    assert any(dropped.values())  # the case does drop rows
+    want = one_process_forward(DECODE_3_DROP, dropped)
+    for rank in range(3):
+        got = results[rank][DECODE_3_DROP.name]
+        assert got["dropped"] == len(dropped[rank])
+        _close(got["out"], want[rank], f"decode capacity 2 rank {rank}", 2**-8, 2**-10)
