@@ -14,8 +14,16 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
 from ep_cases import (  # noqa: E402
-    CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP, dropped_rows, expected_dispatch, one_process,
-    one_process_forward, run_ranks,
+    CASE_2,
+    CASE_2_CHUNKS,
+    CASE_3,
+    DECODE_3,
+    DECODE_3_DROP,
+    dropped_rows,
+    expected_dispatch,
+    one_process,
+    one_process_forward,
+    run_ranks,
 )
 
 
