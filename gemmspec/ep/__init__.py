@@ -5,13 +5,17 @@ and combined back (see docs/scaling-out.md)."""
 from .placement import EPPlan, ExpertFFN, Placement, RankPlan, contiguous, expert_ffn, plan
 
 __all__ = [
-    "EPMoE", "EPMoEDecode", "EPPlan", "ExpertFFN", "ExpertParallel", "Placement", "RankPlan",
+    "SINGLE", "EPMoE", "EPMoEDecode", "EPPlan", "ExpertFFN", "ExpertParallel", "Placement", "RankPlan",
     "contiguous", "expert_ffn", "plan",
 ]
 
 
 def __getattr__(name: str):
     # The layers import torch; the plan does not need it (gemmspec.ep.plan works without).
+    if name == "SINGLE":
+        from .exchange import SINGLE
+
+        return SINGLE
     if name in ("EPMoE", "EPMoEDecode", "ExpertParallel"):
         from . import layer
 

@@ -27,17 +27,27 @@ import torch.distributed as dist
 
 from .placement import Placement
 
-__all__ = ["Exchange", "Route", "exchange_counts", "local_rows", "route", "sum_slots"]
+__all__ = ["SINGLE", "Exchange", "Route", "exchange_counts", "local_rows", "route", "sum_slots"]
+
+
+class _Single:
+    def __repr__(self) -> str:
+        return "gemmspec.ep.SINGLE"
+
+
+# As a group: this process alone, even where a default process group is initialized
+# (the one-process layer a distributed run compares itself with).
+SINGLE = _Single()
 
 
 class Exchange:
     """`all_to_all_single` over `group` (the default group when None and one is
-    initialized); with one rank (no group) every exchange hands back what it was given.
-    Counts the bytes it sends to other ranks."""
+    initialized; `SINGLE`: this process alone); with one rank every exchange hands back
+    what it was given. Counts the bytes it sends to other ranks."""
 
     def __init__(self, group=None):
-        self.group = group
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = group is not SINGLE and dist.is_available() and dist.is_initialized()
+        self.group = None if group is SINGLE else group
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.bytes_sent = 0  # to other ranks, since the last reset
