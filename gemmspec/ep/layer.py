@@ -341,7 +341,12 @@ class EPMoEDecode:
             else:
                 out[w], out[t.scale.name] = gt.quantize(value, t.dtype, t.scale.block)
         self.weights = out
-        if next(iter(out.values())).device.type == "cpu":
+        device = next(iter(out.values())).device
+        # The rank owning each expert, made here: a copy from the host has no place in a
+        # call that a CUDA graph captures.
+        sizes = torch.tensor(self.placement.sizes)
+        self._owner = torch.repeat_interleave(torch.arange(self.placement.world), sizes).to(device)
+        if device.type == "cpu":
             register_reference(self.op)
 
     def decode(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -352,8 +357,7 @@ class EPMoEDecode:
         ex, roles, placement, cap = self.exchange, self.roles, self.placement, self.capacity
         spec, world, device = self.op.exe.spec, ex.world, x.device
         r = route(topk_idx, placement.experts)
-        owner = torch.repeat_interleave(torch.arange(world, device=device),
-                                        torch.tensor(placement.sizes, device=device), output_size=placement.experts)
+        owner = self._owner
         dest = owner[topk_idx.reshape(-1).long()[r.order]]
         per_rank = rank_counts(r.expert_counts, placement)
         start = torch.cumsum(per_rank, 0) - per_rank

@@ -255,7 +255,7 @@ def dropped_rows(case: Case, rank: int) -> list[tuple[int, int]]:
     return out
 
 
-def one_process_forward(case: Case, dropped: dict[int, list[tuple[int, int]]]) -> list[torch.Tensor]:
+def one_process_forward(case: Case, dropped: dict[int, list[tuple[int, int]]], device: str = "cpu") -> list[torch.Tensor]:
     """The one-process layer's output per rank, with the router weights of the
     `dropped` rows (by rank) set to zero: what dropping them must give."""
     from gemmspec.ep import ExpertParallel
@@ -267,5 +267,6 @@ def one_process_forward(case: Case, dropped: dict[int, list[tuple[int, int]]]) -
         for t, c in pairs:
             ws[r][t, c] = 0.0
     full = case.weights()
-    out = layer(torch.cat(xs), torch.cat(idxs), torch.cat(ws), {n: full[n] for n in layer.roles.weights})
-    return list(out.detach().split(list(case.tokens)))
+    out = layer(torch.cat(xs).to(device), torch.cat(idxs).to(device), torch.cat(ws).to(device),
+                {n: full[n].to(device) for n in layer.roles.weights})
+    return list(out.detach().cpu().split(list(case.tokens)))
