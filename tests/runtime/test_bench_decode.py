@@ -231,7 +231,11 @@ def test_sweep_report_and_plot_series():
     assert "DeepGEMM 2.6.1" not in series  # never timed
 
 
-def test_sweep_options():
+def test_sweep_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    assert "--sweep NAME" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         bench.main(["--sweep", "decode", "--only", "decode"])
     assert e.value.code == 2
