@@ -6,8 +6,8 @@ The package, from the bottom up: `inputs` (random operands, offsets), `compare`
 the clock under load, `Result`), `anchors/` (PyTorch and DeepGEMM, each an adapter
 timed on the inputs gemmspec ran on), `measure` (gemmspec's side of each case),
 `cases` (the table: shape, types, anchors and target per case), `report` and `plot`
-(the table, its JSON, the chart) and `run` (the command). `run.py` says what the
-command measures and how.
+(the table, its JSON, the chart), `sweep` (`--sweep`: one shape over token counts)
+and `run` (the command). `run.py` says what the command measures and how.
 """
 
 from .cases import CASES, LORA_EXPAND_COUNTS, MASKED, RAGGED, Case, Target, selected_cases

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from . import measure
 from .anchors import Problem, deepgemm
 from .anchors import torch as torch_anchor
+from .inputs import masked_counts, routed_counts
 from .timing import Result
+
+# The H200's measured HBM copy rate: decode rows are judged as a share of it, and their
+# bytes over it are the floor of their time.
+COPY_RATE_TBS = 4.2
 
 RAGGED = [1, 127, 0, 5155, 10949, 129, 10269, 6138]
 MASKED = [983, 769, 816, 1024, 734, 666]
@@ -32,17 +37,21 @@ LORA_EXPAND_COUNTS = [
 @dataclass(frozen=True)
 class Target:
     """What a row must reach: an absolute rate and/or a ratio to the torch anchor, or to
-    every other row of its case (`vs_separate`: the same work done as separate launches)."""
+    every other row of its case (`vs_separate`: the same work done as separate launches),
+    or a share of the HBM copy rate in TB/s of the bytes it must move (`copy_share`)."""
 
     tflops: float | None = None
     vs_torch: float | None = None
     max_us: float | None = None
     vs_separate: float | None = None
+    copy_share: float | None = None
 
     def describe(self) -> str:
         parts = []
         if self.tflops:
             parts.append(f">= {self.tflops:.0f} TFLOPS")
+        if self.copy_share:
+            parts.append(f">= {self.copy_share:.0%} of {COPY_RATE_TBS} TB/s")
         if self.vs_torch:
             parts.append(f">= {self.vs_torch:.2f}x torch")
         if self.max_us:
@@ -130,6 +139,64 @@ CASES = [
          Target(vs_separate=1.0), measure.lora_expand, memory_bound=True,
          shape=dict(counts=LORA_EXPAND_COUNTS, r=16, n=4096), dtypes="bf16 x bf16 -> bf16 +="),
 ]
+
+# ------------------------------------------------------------------------------ decode
+# A few tokens per expert: each active expert's weights are read once, so these rows are
+# bound by HBM bandwidth and launch latency, and rated in TB/s of the bytes they must move
+# (`measure.decode_bytes`) against the 4.2 TB/s copy rate. Ragged rows are contiguous tokens
+# with offsets; the routed rows draw each token's experts by a seeded top-k routing.
+DECODE_E32 = [0, 55, 57, 2, 0, 18, 9, 0, 61, 46, 40, 56, 2, 25, 0, 106, 0, 86, 0, 61, 14, 0, 91, 0, 0, 108, 33, 1, 0,
+              129, 1, 23]
+DECODE_E8 = [0, 49, 53, 2, 0, 16, 8, 0]
+DECODE_MASKED = masked_counts(32, 38, 64, seed=0)  # E = 32 groups of M = 64 rows
+DECODE_TOP_K = 8
+DSV3_EXPERTS = 256  # DeepSeek-V3's routed experts: gate/up N = 4096 (2 x 2048), K = 7168; down N = 7168, K = 2048
+QWEN3_EXPERTS = 128  # Qwen3-30B-A3B: hidden 2048, intermediate 768
+DSV3_SHAPES = [(4096, 7168, "gate/up"), (7168, 2048, "down")]
+QWEN3_SHAPES = [(1536, 2048, "gate/up"), (2048, 768, "down")]
+DSV3_TOKENS = [64, 512]
+QWEN3_TOKENS = [16, 128, 512]
+
+RAGGED_DECODE_TARGET = Target(vs_torch=1.3, copy_share=0.85)
+MASKED_DECODE_TARGET = Target(copy_share=0.90)
+ROUTED_DECODE_TARGET = Target(vs_torch=1.3, copy_share=0.85)
+BF16 = "bf16 x bf16 -> bf16"
+
+
+def _decode_cases() -> list[Case]:
+    out = []
+    for counts, n, k in ((DECODE_E32, 4096, 7168), (DECODE_E32, 7168, 2048), (DECODE_E8, 4096, 7168)):
+        e, t = len(counts), sum(counts)
+        out.append(Case(f"decode_ragged_E{e}_T{t}_N{n}_K{k}", f"FP8 decode, ragged counts {counts}",
+                        RAGGED_DECODE_TARGET, measure.decode_fp8, memory_bound=True,
+                        shape=dict(lengths=counts, n=n, k=k), dtypes=FP8, anchors=FP8_ANCHORS))
+    for n, k in ((4096, 7168), (7168, 2048)):
+        out.append(Case(f"decode_masked_E32xM64_N{n}_K{k}", f"FP8 masked decode, 32 x 64 rows, counts {DECODE_MASKED}",
+                        MASKED_DECODE_TARGET, measure.decode_masked, memory_bound=True,
+                        shape=dict(counts=DECODE_MASKED, m=64, n=n, k=k), dtypes=FP8,
+                        anchors=(torch_anchor.scaled_grouped_mm_3d, deepgemm.m_grouped_fp8_masked)))
+    for t in DSV3_TOKENS:
+        lengths = routed_counts(t, DSV3_EXPERTS, DECODE_TOP_K, seed=t)
+        for n, k, what in DSV3_SHAPES:
+            out.append(Case(f"decode_dsv3_fp8_T{t}_N{n}_K{k}",
+                            f"DeepSeek-V3 {what}: {t} tokens top-{DECODE_TOP_K} of {DSV3_EXPERTS} experts, FP8",
+                            ROUTED_DECODE_TARGET, measure.decode_fp8, memory_bound=True,
+                            shape=dict(lengths=lengths, n=n, k=k), dtypes=FP8, anchors=FP8_ANCHORS))
+    for t in QWEN3_TOKENS:
+        lengths = routed_counts(t, QWEN3_EXPERTS, DECODE_TOP_K, seed=t)
+        for n, k, what in QWEN3_SHAPES:
+            for fp8 in (False, True):
+                kind = "fp8" if fp8 else "bf16"
+                out.append(Case(f"decode_qwen3_{kind}_T{t}_N{n}_K{k}",
+                                f"Qwen3-30B-A3B {what}: {t} tokens top-{DECODE_TOP_K} of {QWEN3_EXPERTS} experts, "
+                                f"{kind.upper()}", ROUTED_DECODE_TARGET,
+                                measure.decode_fp8 if fp8 else measure.decode_bf16, memory_bound=True,
+                                shape=dict(lengths=lengths, n=n, k=k), dtypes=FP8 if fp8 else BF16,
+                                anchors=FP8_ANCHORS if fp8 else (torch_anchor.grouped_mm, deepgemm.m_grouped_bf16)))
+    return out
+
+
+CASES += _decode_cases()
 
 
 def selected_cases(only: list[str] | None) -> list[Case]:

@@ -1,11 +1,15 @@
 """The inputs of the bench's rows, made by torch on the GPU: random FP8 values and
-scales, offsets from segment lengths, and the token counts of a LoRA x expert nest.
+scales, offsets from segment lengths, the token counts of a LoRA x expert nest, and
+the seeded routings and counts of the decode rows (plain Python: the table is built
+without torch).
 
 torch is imported when a row runs, not with the package: `gemmspec bench --list` needs
 no torch.
 """
 
 from __future__ import annotations
+
+import random
 
 
 def load_torch():
@@ -66,3 +70,36 @@ def token_leaves(counts: list[list[int]], device):
     flat = torch.tensor([c for row in counts for c in row], device=device)
     leaf = torch.repeat_interleave(torch.arange(flat.numel(), device=device), flat)
     return leaf // experts, leaf % experts
+
+
+# ------------------------------------------------------------ decode routing (no torch)
+def topk_routing(tokens: int, experts: int, top_k: int, seed: int) -> list[list[int]]:
+    """Each token's `top_k` distinct experts, drawn uniformly by a generator seeded with
+    `seed` (Python's `random`, so the table is the same on every machine and needs no
+    torch)."""
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top-{top_k} routing needs 1 <= top_k <= experts ({experts})")
+    rng = random.Random(seed)
+    return [rng.sample(range(experts), top_k) for _ in range(tokens)]
+
+
+def expert_counts(routing: list[list[int]], experts: int) -> list[int]:
+    """Rows per expert of a routing: the lengths of its ragged expert segments (tokens
+    sorted by expert, each token once per expert it picked)."""
+    counts = [0] * experts
+    for chosen in routing:
+        for e in chosen:
+            counts[e] += 1
+    return counts
+
+
+def routed_counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> list[int]:
+    """The expert segment lengths of `tokens` tokens routed top-`top_k` over `experts`
+    (`topk_routing`): they sum to tokens * top_k."""
+    return expert_counts(topk_routing(tokens, experts, top_k, seed), experts)
+
+
+def masked_counts(experts: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Valid rows per group of a masked decode batch: uniform in [low, high], seeded."""
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(experts)]

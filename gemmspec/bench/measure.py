@@ -29,14 +29,16 @@ from .timing import Result, result, timed
 Measured = tuple[list[Result], Problem | None]
 
 
-def fp8_grouped(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
-    """FP8 M-grouped with DeepSeek-V3 scales (1x128 per token, MN-major; 128x128 weights)."""
+def fp8_grouped(repeat: int, *, name: str, lengths: list[int], n: int, k: int, weights=None) -> Measured:
+    """FP8 M-grouped with DeepSeek-V3 scales (1x128 per token, MN-major; 128x128 weights).
+    `weights`: (w, w_scale) made once by the caller (a sweep over token counts), else random."""
     torch = load_torch()
     e, t = len(lengths), sum(lengths)
     exe = specs.build_spec(specs.moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True))
-    x, w = random_fp8((t, k)), random_fp8((e, n, k))
+    x = random_fp8((t, k))
+    w = random_fp8((e, n, k)) if weights is None else weights[0]
     xs = random_scales((k // 128, t)).t()  # 1x128 per token, MN-major as declared
-    ws = random_scales((e, n // 128, k // 128))
+    ws = random_scales((e, n // 128, k // 128)) if weights is None else weights[1]
     y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     offs = offsets_tensor(lengths)
     run = exe.prepare(torch.cuda.current_stream(), x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
@@ -225,6 +227,49 @@ def masked(repeat: int, *, name: str, counts: list[int], m: int, n: int, k: int)
     flops = 2.0 * sum(counts) * n * k
     out = [result(name, "gemmspec", timed(run.enqueue, repeat), flops, check=check)]
     return out, Problem(work=flops, x=x, xs=xs, w=w, ws=ws, y=y, counts=counts)
+
+
+def decode_bytes(counts: list[int], n: int, k: int, *, fp8: bool) -> int:
+    """Bytes a decode call must move: the weights of every expert with at least one row
+    (N x K, and its 128x128 scales in FP8), the rows read once (T x K, and their 1x128
+    scales in FP8) and the BF16 output written (T x N). A decode GEMM reads each active
+    expert's weights once, so this, over the HBM copy rate, is the floor of its time."""
+    elem = 1 if fp8 else 2
+    active, t = sum(1 for c in counts if c), sum(counts)
+    weights, rows = active * n * k * elem, t * k * elem
+    if fp8:
+        weights += active * (n // 128) * (k // 128) * 4
+        rows += t * (k // 128) * 4
+    return weights + rows + t * n * 2
+
+
+def _in_bytes(measured: Measured, moved: int) -> Measured:
+    """A procedure's rows (and its anchors' `Problem`) rated in TB/s of `moved` bytes."""
+    rows, problem = measured
+    for r in rows:
+        r.work, r.unit = moved, "TB/s"
+    if problem is not None:
+        problem.work, problem.unit = moved, "TB/s"
+    return rows, problem
+
+
+def decode_fp8(repeat: int, *, name: str, lengths: list[int], n: int, k: int, weights=None) -> Measured:
+    """FP8 M-grouped at decode token counts (`fp8_grouped`, checked the same way), rated
+    in TB/s of `decode_bytes`."""
+    measured = fp8_grouped(repeat, name=name, lengths=lengths, n=n, k=k, weights=weights)
+    return _in_bytes(measured, decode_bytes(lengths, n, k, fp8=True))
+
+
+def decode_bf16(repeat: int, *, name: str, lengths: list[int], n: int, k: int) -> Measured:
+    """BF16 M-grouped at decode token counts (`bf16_grouped`), rated in TB/s of `decode_bytes`."""
+    measured = bf16_grouped(repeat, name=name, lengths=lengths, n=n, k=k)
+    return _in_bytes(measured, decode_bytes(lengths, n, k, fp8=False))
+
+
+def decode_masked(repeat: int, *, name: str, counts: list[int], m: int, n: int, k: int) -> Measured:
+    """FP8 masked decode (`masked`), rated in TB/s of `decode_bytes` of its valid rows."""
+    measured = masked(repeat, name=name, counts=counts, m=m, n=n, k=k)
+    return _in_bytes(measured, decode_bytes(counts, n, k, fp8=True))
 
 
 def gather(repeat: int, *, name: str, tokens: int, e: int, n: int, k: int) -> Measured:

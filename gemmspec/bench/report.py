@@ -1,6 +1,8 @@
 """The bench's table and its JSON summary: every case's rows, each row's ratio to
 gemmspec's, its clock and power, the check it passed, and the case's verdict against
-its target (with DeepGEMM's recorded figure where it did not run live).
+its target (with DeepGEMM's recorded figure where it did not run live). Rows judged
+against the HBM copy rate (the decode rows) also show their share of it, and their case
+the bytes it reads and the floor those bytes set.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ..clocks import at_power_cap, peak_tflops
-from .cases import CASES, Case
+from .cases import CASES, COPY_RATE_TBS, Case
 from .timing import Result
 
 
@@ -20,6 +22,8 @@ def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Res
         ok &= bool(others) and all(r.ms / ours.ms >= t.vs_separate for r in others)
     if t.tflops is not None:
         ok &= ours.rate >= t.tflops
+    if t.copy_share is not None:
+        ok &= ours.unit == "TB/s" and ours.rate >= t.copy_share * COPY_RATE_TBS
     if t.max_us is not None:
         ok &= ours.ms * 1e3 <= t.max_us
     if t.vs_torch is not None:
@@ -32,6 +36,22 @@ def _clock(r: Result) -> str:
         return f"{'':17}"
     cap = "*" if r.power_capped is not None and at_power_cap(r.power_capped) else " "
     return f"{r.sm_mhz:5.0f} MHz {r.power_w:4.0f} W{cap}"
+
+
+def copy_share(r: Result) -> float:
+    """A TB/s row's rate as a share of the HBM copy rate."""
+    return r.rate / COPY_RATE_TBS
+
+
+def hbm_floor_us(moved: float) -> float:
+    """The time `moved` bytes take at the HBM copy rate, in microseconds."""
+    return moved / (COPY_RATE_TBS * 1e12) * 1e6
+
+
+def _rate(r: Result, share: bool) -> str:
+    if not share:
+        return f"{r.rate:7.1f} {r.unit:>4}"
+    return f"{r.rate:7.2f} {r.unit:>4} {copy_share(r):4.0%} of {COPY_RATE_TBS}"
 
 
 def report(results: list[Result], failures: dict[str, str], sms: int | None = None) -> tuple[str, list[dict]]:
@@ -51,10 +71,11 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
             continue
         ours = rows[0]
         torch_row = next((r for r in rows[1:] if r.impl.startswith("torch")), None)
+        share = case.target.copy_share is not None
         for r in rows:
             ratio = r.ms / ours.ms if r is not ours else 1.0
             lines.append(
-                f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {r.rate:7.1f} {r.unit:>4} "
+                f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {_rate(r, share)} "
                 f"{ratio:10.2f}x  {_clock(r)}  {r.check}"
             )
         live = any(r.impl.startswith("DeepGEMM") for r in rows)
@@ -69,16 +90,24 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
             f"; the {case.peak.upper()} peak at {ours.sm_mhz:.0f} MHz is {roof:.0f} TFLOPS: "
             f"{ours.rate / roof:.0%} of it" if roof else ""
         )
-        lines.append(f"{'':36} target {case.target.describe()}: {case_verdict}{at_clock}")
-        summary.append(
-            {
-                "case": case.name,
-                "what": case.what,
-                "target": case.target.describe(),
-                "verdict": case_verdict,
-                "deepgemm_recorded_tflops": dg,
-                "peak_at_clock_tflops": roof,
-                "rows": [asdict(r) | {"rate": r.rate} for r in rows],
-            }
+        floor = (
+            f"; reads {ours.work / 1e6:.1f} MB: {hbm_floor_us(ours.work):.1f} us at {COPY_RATE_TBS} TB/s"
+            if share and ours.unit == "TB/s" else ""
         )
+        lines.append(f"{'':36} target {case.target.describe()}: {case_verdict}{at_clock}{floor}")
+        entry = {
+            "case": case.name,
+            "what": case.what,
+            "target": case.target.describe(),
+            "verdict": case_verdict,
+            "deepgemm_recorded_tflops": dg,
+            "peak_at_clock_tflops": roof,
+            "rows": [asdict(r) | {"rate": r.rate} for r in rows],
+        }
+        if share:
+            entry["bytes_read"] = ours.work
+            entry["hbm_floor_us"] = hbm_floor_us(ours.work)
+            for d, r in zip(entry["rows"], rows):
+                d["copy_share"] = copy_share(r)
+        summary.append(entry)
     return "\n".join(lines), summary

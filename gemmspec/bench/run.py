@@ -16,9 +16,13 @@ DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed as record
 references. Where nvidia-smi is on the PATH, each row also shows the SM clock and board
 power of its kernel kept running for a second after it is timed (a sustained FP8 GEMM
 runs at the card's power cap, at a clock well below the maximum), and each compute-bound
-case the share of the tensor cores' peak at the clock gemmspec's row ran at.
+case the share of the tensor cores' peak at the clock gemmspec's row ran at. The
+decode rows (`--only decode`) are bound by HBM bandwidth: they report TB/s of the bytes
+they must read and write and its share of the 4.2 TB/s copy rate. `--sweep decode` times
+one decode shape over token counts instead of the table (see `sweep.py`).
 
     gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png] [--no-deepgemm]
+    gemmspec bench --sweep decode [--repeat N] [--json FILE] [--plot FILE.png] [--no-deepgemm]
     python -m gemmspec.bench ...
 """
 
@@ -34,8 +38,9 @@ from . import specs, timing
 from .anchors import deepgemm
 from .cases import CASES, selected_cases
 from .inputs import load_torch
-from .plot import plot
+from .plot import plot, plot_sweep
 from .report import report
+from .sweep import SWEEPS, run_sweep, sweep_report
 from .timing import Result
 
 
@@ -46,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
     ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
+    ap.add_argument(
+        "--sweep", choices=sorted(SWEEPS), metavar="NAME",
+        help="instead of the table, time one shape over token counts: 'decode' is DeepSeek-V3's FP8 gate/up "
+        "(256 experts top-8, N=4096, K=7168) at T = 1, 2, 4, ..., 4096 for gemmspec, torch and DeepGEMM (where "
+        "importable), each point's time beside its HBM floor (bytes read / 4.2 TB/s); --plot draws time "
+        "against T, log-log, --json writes the points",
+    )
     ap.add_argument("--no-deepgemm", action="store_true",
                     help="do not run DeepGEMM even where deep_gemm is importable (print its recorded figures)")
     ap.add_argument("--tile", metavar="MxN", help="force this tile on every gemmspec launch (a tile directive)")
@@ -58,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.idle < 0:
         ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
+    if args.sweep and (args.only is not None or args.list):
+        ap.error("--sweep runs one shape over token counts: it takes no --only or --list")
     timing.IDLE_MS = args.idle
     if args.tile:
         try:
@@ -82,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     dg = deepgemm.DEEPGEMM = None if args.no_deepgemm else deepgemm.load()
     if dg is not None:
         print(f"DeepGEMM {deepgemm.version(dg)} found: timed beside gemmspec", file=sys.stderr)
+    if args.sweep:
+        return _sweep(args, torch, props, dg)
     chosen = selected_cases(args.only)
     results: list[Result] = []
     failures: dict[str, str] = {}
@@ -111,4 +127,24 @@ def main(argv: list[str] | None = None) -> int:
                        "cases": summary}, f, indent=1)
     if args.plot:
         plot(summary, args.plot)
+    return 1 if failures else 0
+
+
+def _sweep(args, torch, props, dg) -> int:
+    """`--sweep NAME`: the sweep's points timed, its table printed, written and drawn."""
+    sweep = SWEEPS[args.sweep]
+    with ClockSampler(gpu_id(props)) as sampler:
+        timing.SAMPLER = sampler
+        results, failures = run_sweep(sweep, args.repeat)
+    timing.SAMPLER = None
+    text, summary = sweep_report(sweep, results, failures)
+    print(f"GPU: {torch.cuda.get_device_name()} ({props.multi_processor_count} SMs), torch {torch.__version__}")
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            version = deepgemm.version(dg) if dg is not None else None
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": version}
+                      | summary, f, indent=1)
+    if args.plot:
+        plot_sweep(summary, args.plot)
     return 1 if failures else 0

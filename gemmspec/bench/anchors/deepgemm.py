@@ -42,9 +42,10 @@ def _check(pairs, limit: float) -> str:
     return checked(max(rel_error(out, ref) for out, ref in pairs), limit, "gemmspec's output")
 
 
-def row(name: str, flops: float, repeat: int, make) -> list[Result]:
+def row(name: str, flops: float, repeat: int, make, unit: str = "TFLOPS") -> list[Result]:
     """DeepGEMM's row of a case, where it is importable: `make(dg)` returns (callable,
-    check, how it ran); a failure is reported in the row instead of ending the case."""
+    check, how it ran); a failure is reported in the row instead of ending the case.
+    `flops` is the row's work in `unit` (bytes for "TB/s")."""
     dg = DEEPGEMM
     if dg is None:
         return []
@@ -53,19 +54,20 @@ def row(name: str, flops: float, repeat: int, make) -> list[Result]:
         call, check, how = make(dg)
     except Exception as e:  # noqa: BLE001 - the anchor failing is reported, gemmspec's rows stand
         print(f"      DeepGEMM anchor of {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return [Result(name, impl, float("nan"), flops, "TFLOPS", f"not run: {type(e).__name__}: {str(e)[:80]}")]
-    return [result(name, f"{impl} ({how})", timed(call, repeat), flops, check=check)]
+        return [Result(name, impl, float("nan"), flops, unit, f"not run: {type(e).__name__}: {str(e)[:80]}")]
+    return [result(name, f"{impl} ({how})", timed(call, repeat), flops, unit=unit, check=check)]
 
 
 # ---------------------------------------------------------------------------- adapters
 def m_grouped_fp8(name: str, repeat: int, p: Problem) -> list[Result]:
     """FP8 1x128 / 128x128 M-grouped, on the row's ragged groups."""
-    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_fp8(dg, p.x, p.xs, p.w, p.ws, p.lengths, p.y))
+    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_fp8(dg, p.x, p.xs, p.w, p.ws, p.lengths, p.y),
+               unit=p.unit)
 
 
 def m_grouped_bf16(name: str, repeat: int, p: Problem) -> list[Result]:
-    """BF16 M-grouped, on the row's (128-row aligned) groups."""
-    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_bf16(dg, p.x, p.w, p.lengths, p.y))
+    """BF16 M-grouped, on the row's ragged groups."""
+    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_bf16(dg, p.x, p.w, p.lengths, p.y), unit=p.unit)
 
 
 def k_grouped_fp8_wgrad(name: str, repeat: int, p: Problem) -> list[Result]:
@@ -78,7 +80,8 @@ def k_grouped_fp8_wgrad(name: str, repeat: int, p: Problem) -> list[Result]:
 
 def m_grouped_fp8_masked(name: str, repeat: int, p: Problem) -> list[Result]:
     """FP8 masked decode, on the row's per-group counts."""
-    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_fp8_masked(dg, p.x, p.xs, p.w, p.ws, p.counts, p.y))
+    return row(name, p.work, repeat, lambda dg: prepare_m_grouped_fp8_masked(dg, p.x, p.xs, p.w, p.ws, p.counts, p.y),
+               unit=p.unit)
 
 
 def dense_fp8(name: str, repeat: int, p: Problem) -> list[Result]:
@@ -140,23 +143,34 @@ def prepare_m_grouped_fp8(dg, x, xs, w, ws, lengths: list[int], y) -> tuple[Call
 
 
 def prepare_m_grouped_bf16(dg, x, w, lengths: list[int], y):
-    """BF16 M-grouped (`m_grouped_bf16_gemm_nt_contiguous`), groups 128-row aligned."""
+    """BF16 M-grouped (`m_grouped_bf16_gemm_nt_contiguous`). Ragged groups are copied once
+    into the 128-row aligned layout DeepGEMM needs (not timed: the row says so)."""
     import torch
 
-    if any(m % 128 for m in lengths):
-        raise ValueError("the BF16 anchor takes 128-row aligned groups only")
-    idx = torch.repeat_interleave(
-        torch.arange(len(lengths), dtype=torch.int32, device=x.device),
-        torch.tensor(lengths, device=x.device),
-    ).to(torch.int32)
-    d = torch.empty((x.shape[0], w.shape[1]), dtype=torch.bfloat16, device=x.device)
+    t, k = x.shape
+    starts, tp = _padded_rows(lengths)
+    padded = tp != t
+    if padded:
+        xp = torch.zeros((tp, k), dtype=x.dtype, device=x.device)
+        src = 0
+        for s, m in zip(starts, lengths):
+            xp[s : s + m] = x[src : src + m]
+            src += m
+    else:
+        xp = x
+    idx = torch.full((tp,), -1, dtype=torch.int32, device=x.device)
+    for g, (s, m) in enumerate(zip(starts, lengths)):
+        idx[s : s + m] = g
+    d = torch.empty((tp, w.shape[1]), dtype=torch.bfloat16, device=x.device)
 
     def call():
-        dg.m_grouped_bf16_gemm_nt_contiguous(x, w, d, idx)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xp, w, d, idx)
 
     call()
     torch.cuda.synchronize()
-    return call, _check([(d, y)], 1e-2), "contiguous"
+    rows = torch.cat([torch.arange(s, s + m, device=x.device) for s, m in zip(starts, lengths) if m])
+    what = "padded to 128 rows, untimed" if padded else "contiguous"
+    return call, _check([(d[rows], y)], 1e-2), what
 
 
 def prepare_k_grouped_fp8_wgrad(dg, dy, dys, x, xs, lengths: list[int], n: int, k: int, dw_ref):
