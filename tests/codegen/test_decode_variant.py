@@ -1,0 +1,103 @@
+"""The decode variant (codegen/variants.py): which launches get one, the rule that picks
+it per call, that both programs' manifests name kernels their sources define, and that
+the decode kernels compile for sm_90a without spills."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gemmspec
+from gemmspec.codegen.kernels import include_dir
+from gemmspec.codegen.manifest import launch_manifest
+from gemmspec.codegen.variants import DECODE_ROWS_PER_SEGMENT, decode_variant
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from nvrtc_helper import spill_free_sass  # noqa: E402
+
+EXAMPLES = HERE.parents[1] / "examples"
+WITH_VARIANT = ["moe_fp8_forward", "moe_bf16_forward", "moe_fp8_rowwise", "moe_swiglu_fp8", "lora_moe_scaled"]
+# Masked rows are tiled by their bound already; a K-grouped WGRAD's rows are not ragged;
+# gathered rows keep their measured tiling; a compile-time T needs no choice.
+WITHOUT_VARIANT = ["moe_masked_decode", "moe_fp8_wgrad", "moe_fp8_gather_scatter", "linear_fp8_training"]
+
+
+@pytest.mark.parametrize("name", WITH_VARIANT)
+def test_ragged_launches_over_a_run_time_dim_get_a_64_row_variant(name):
+    exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
+    variant = exe.decode
+    assert variant is not None
+    assert variant.rule.dim == "T" and variant.rule.rows_per_segment == DECODE_ROWS_PER_SEGMENT
+    group = exe.spec.group(variant.rule.group)
+    assert variant.rule.segments % group.count == 0
+    for index, before, after in variant.launches:
+        assert exe.program.launches[index].gemm.name == before
+        assert variant.program.launches[index].gemm.name == after
+        assert before != after and "_t64x" in after and "c2b" not in after
+    # Launches the rule does not change are the compiled ones, source for source.
+    changed = {i for i, _, _ in variant.launches}
+    for x, y in zip(exe.program.launches, variant.program.launches):
+        if x.launch.index not in changed:
+            assert x.source == y.source
+
+
+@pytest.mark.parametrize("name", WITHOUT_VARIANT)
+def test_other_launches_have_none(name):
+    assert gemmspec.build(EXAMPLES / f"{name}.gspec").decode is None
+
+
+def test_the_rule_picks_per_call_and_can_be_turned_off():
+    exe = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")
+    limit = DECODE_ROWS_PER_SEGMENT * 8  # eight experts
+    assert exe.decode.rule.max_rows == limit
+    assert exe.program_for({"T": 0}) is exe.decode.program
+    assert exe.program_for({"T": limit}) is exe.decode.program
+    assert exe.program_for({"T": limit + 1}) is exe.program
+    exe.choose_at_call = False
+    assert exe.program_for({"T": 1}) is exe.program
+
+
+@pytest.mark.parametrize("name", ["moe_fp8_forward", "lora_moe_scaled"])
+def test_both_manifests_launch_kernels_their_sources_define(name):
+    exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
+    for program in (exe.program, exe.decode.program):
+        sources = program.sources()
+        manifest = launch_manifest(exe.spec, program, program.spec)
+        assert manifest.kernels
+        for step in manifest.kernels:
+            assert re.search(rf"\b{re.escape(step.symbol)}\b", sources[step.file]), step.symbol
+
+
+@pytest.mark.parametrize("name", ["moe_fp8_forward", "moe_bf16_forward"])
+def test_decode_kernels_compile_without_spills(name):
+    exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
+    for index, _, after in exe.decode.launches:
+        source = exe.decode.program.launches[index].source
+        sass = spill_free_sass(source, [include_dir()], f"{after}.cu")
+        assert re.search(r"\b[QH]GMMA\b", sass)
+
+
+def test_explain_prints_the_rule_and_its_json_carries_it():
+    path = str(EXAMPLES / "moe_fp8_forward.gspec")
+    text = subprocess.run([sys.executable, "-m", "gemmspec", "explain", path], capture_output=True, text=True,
+                          check=True).stdout
+    assert "at call time: the decode variant when T <= 64 x 8 segments of 'expert' = 512 rows" in text
+    doc = json.loads(subprocess.run([sys.executable, "-m", "gemmspec", "explain", "--json", path],
+                                    capture_output=True, text=True, check=True).stdout)[0]
+    choice = doc["run_time_choice"]
+    assert choice["max_rows"] == 512 and choice["dim"] == "T" and choice["group"] == "expert"
+    ((launch),) = choice["launches"]
+    assert launch["launch"] == 0 and "_t64x192x128_" in launch["decode"] and "c2b" in launch["compiled"]
+
+
+def test_decode_variant_is_none_without_ragged_launches():
+    (x,) = gemmspec.pipeline.lower_file(EXAMPLES / "moe_masked_decode.gspec")
+    from gemmspec.codegen.emit import emit
+
+    assert decode_variant(x.spec, x.schedule, emit(x.spec, x.schedule)) is None
