@@ -194,7 +194,7 @@ def _check_strides(ctx: Context, t: ast.TensorDecl, view: Tensor, source: Tensor
     )
     plain = tuple(row_major([ctx.size_poly(d) for d in view.dims], None))
     if t.layout is not None and _maps(ctx, view, plain, source):
-        raise ctx.error(message, at, "drop the view's layout: it is row-major",
+        raise ctx.error(message, at, f"drop the layout of '{view.name}': row-major addresses them",
                         fix(drop_layout(ctx, view.name)))
     src_plain = tuple(row_major([ctx.size_poly(d) for d in source.dims], None))
     if src_decl.layout is not None and view.layout.kind == "strided" and _maps_with(ctx, view, source, src_plain):
