@@ -79,6 +79,10 @@ def test_views_of_other_shapes_that_address_the_same_elements():
     # A source stored with strides that are row-major's, written out.
     text = edited("tensor a  : bf16 [T, R3]", "tensor a  : bf16 [T, R3] layout strides(48, 1)", TEXT)
     spec_of(text)
+    # A column-major view of a column-major source: both step through T first.
+    text = edited("tensor a  : bf16 [T, R3]", "tensor a  : bf16 [T, R3] layout major(T)", TEXT)
+    spec = spec_of(edited("[T, S, R] = view(a)", "[T, S, R] layout major(T) = view(a)", text))
+    assert [str(s) for s in spec.tensor("a3").layout.strides] == ["1", "16*T", "T"]
     # A view with its row-major strides written out.
     text = edited("[T, S, R] = view(a)", "[T, S, R] layout strides(48, 16, 1) = view(a)", TEXT)
     spec_of(text)

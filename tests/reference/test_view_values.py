@@ -53,3 +53,12 @@ def test_direct_semantics_is_the_lora_by_hand(lengths, expand_first, seed):
     want = expected(data["x"].values, data["wa"].values, data["wb"].values, lengths, "bf16")
     for name in ("a", "y"):
         np.testing.assert_allclose(got[name], want[name], rtol=2**-7, atol=1e-12, err_msg=name)
+
+
+@settings(max_examples=4, deadline=None)
+@given(lengths=st.lists(EDGE_LENGTHS, min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_a_column_major_view_of_a_column_major_source(lengths, seed):
+    # Both store T contiguous: the view's strides (1, 16*T, T) address a's (1, T).
+    text = qkv_view().replace("tensor a  : bf16 [T, R3]", "tensor a  : bf16 [T, R3] layout major(T)")
+    text = text.replace("[T, S, R] = view(a)", "[T, S, R] layout major(T) = view(a)")
+    assert_same(*both_executors(text, seed, {"lora": lengths}))
