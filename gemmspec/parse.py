@@ -47,7 +47,7 @@ _TERMINAL_WORDS = {
     "INT": "an integer",
     "DTYPE": "an element type (e4m3, e5m2, bf16, f16, f32, i32)",
     "ASSIGN": "'=' or '+='",
-    "DERIVE_OP": "'requantize', 'transpose', 'quantize', 'copy', 'rowdot', 'rowscale', 'scatter_add' or 'swiglu_grad'",
+    "DERIVE_OP": "'requantize', 'transpose', 'quantize', 'copy', 'rowdot', 'rowscale', 'scatter_add', 'swiglu_grad' or 'view'",
     "LBRACE": "'{'",
     "RBRACE": "'}'",
     "LSQB": "'['",

@@ -180,7 +180,9 @@ class Scale:
 
 @dataclass(frozen=True)
 class Derivation:
-    op: str  # "requantize", "transpose", "quantize", "gather" or "swiglu_grad"
+    # "requantize", "transpose", "quantize", "gather", "swiglu_grad", or "view": no pass,
+    # the source's bytes under another shape (see `Tensor.view_of`, `Spec.storage`).
+    op: str
     source: str
     # quantize(SOURCE, pow2): every scale the pass writes is a power of two, the least one
     # (at least 2^-127) whose multiple of the FP8 max holds the block's amax.
@@ -216,6 +218,10 @@ class Derivation:
         if self.weight:
             args.append(f"weight = {self.weight}")
         return f"{self.op}({', '.join(args)})"
+
+
+# `= view(SOURCE)`: another shape of SOURCE's bytes, bound to SOURCE's buffer (no pass).
+VIEW_OP = "view"
 
 
 # Row passes: run after every statement, on whole rows of 2-D tensors that statements
@@ -274,6 +280,15 @@ class Tensor:
     @property
     def rank(self) -> int:
         return len(self.dims)
+
+    @property
+    def view_of(self) -> str | None:
+        """`= view(SOURCE)`: the tensor whose buffer this one reads under its own shape (row
+        major over the same elements; the checker saw to it). No pass writes it: it is
+        derived so that a caller does not pass it, and what reads it waits for what writes
+        its source, as for a pre-pass's target."""
+        d = self.derived
+        return d.source if d is not None and d.op == VIEW_OP else None
 
     def __str__(self) -> str:
         s = f"{self.name}: {self.dtype} [{', '.join(self.dims)}] layout {self.layout}"
@@ -532,6 +547,11 @@ class Spec:
 
     def tensor(self, name: str) -> Tensor:
         return self._by_name[2][name]
+
+    def storage(self, name: str) -> str:
+        """The tensor whose buffer `name` binds: a view's source, else the tensor itself
+        (the checker keeps views of views out)."""
+        return self.tensor(name).view_of or name
 
     @property
     def runtime_dims(self) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ their own modules."""
 from __future__ import annotations
 
 from .. import ast
-from ..spec import FP8_TYPES, INDEX_TYPE, KERNEL_K_BLOCK, ROW_PASS_OPS, Tensor
+from ..spec import FP8_TYPES, INDEX_TYPE, KERNEL_K_BLOCK, ROW_PASS_OPS, VIEW_OP, Tensor
 from .context import (
     COPY_OP,
     QUANTIZE_POW2,
@@ -19,6 +19,7 @@ from .copies import check_copy_declaration
 from .fixes import did_you_mean
 from .row_passes import check_row_pass
 from .swiglu_grad import check_swiglu_grad
+from .views import check_view
 
 
 def check_derivation(ctx: Context, t: ast.TensorDecl) -> None:
@@ -35,6 +36,9 @@ def check_derivation(ctx: Context, t: ast.TensorDecl) -> None:
         return
     if op.text == SWIGLU_GRAD_OP:
         check_swiglu_grad(ctx, t)
+        return
+    if op.text == VIEW_OP:
+        check_view(ctx, t)
         return
     check_derivation_options(ctx, op, t.derived.options)
     check_derivation_keywords(ctx, t)

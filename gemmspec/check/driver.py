@@ -17,6 +17,7 @@ from .row_passes import check_row_pass_targets
 from .statements import check_statement
 from .swiglu_grad import check_no_cycle
 from .tensors import declare_tensor
+from .views import check_view_uses
 from .writes import check_outputs_do_not_alias, check_written_once
 
 
@@ -39,6 +40,7 @@ def check_spec(ctx: Context) -> Spec:
         )
     gemms = tuple(check_statement(ctx, i, s) for i, s in enumerate(ctx.ast.statements))
     gemms = check_copies(ctx, gemms)
+    check_view_uses(ctx, gemms)
     check_row_pass_targets(ctx, gemms)
     check_no_cycle(ctx, gemms)
     check_written_once(ctx, gemms)

@@ -17,8 +17,8 @@ def check_derived_emittable(ctx: Context, gemms: tuple[Gemm, ...]) -> None:
     say so here, at the declaration, rather than when code is emitted."""
     read = {t for g in gemms for t in (g.a.tensor, g.b.tensor)}
     for t in ctx.tensors.values():
-        if t.derived is None or t.name not in read or t.derived.op == SWIGLU_GRAD_OP:
-            continue  # a derived tensor nobody reads gets no pre-pass; check_swiglu_grad
+        if t.derived is None or t.name not in read or t.derived.op == SWIGLU_GRAD_OP or t.view_of:
+            continue  # a derived tensor nobody reads gets no pre-pass; check_swiglu_grad; a view none
         src = ctx.tensors[t.derived.source]
         op = ctx.tensor_ast[t.name].derived.op
         if t.derived.op == "quantize":

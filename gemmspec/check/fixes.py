@@ -142,3 +142,13 @@ def drop_layout(ctx: Context, tensor: str) -> Edit:
     while col > 1 and text[col - 2] in " \t":
         col -= 1
     return Edit(line, col, *_end(clause), "")
+
+
+def drop_scale(ctx: Context, tensor: str) -> Edit:
+    """Remove `tensor`'s scale clause and the space before it."""
+    clause = _child(_decl_tree(ctx, "tensor_decl", tensor), "scale_clause")
+    line, col = _start(clause)
+    text = ctx.lines[line - 1]
+    while col > 1 and text[col - 2] in " \t":
+        col -= 1
+    return Edit(line, col, *_end(clause), "")

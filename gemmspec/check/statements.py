@@ -114,6 +114,14 @@ def check_statement(ctx: Context, index: int, s: ast.Statement) -> Gemm:
                 group_refs.append((t.name, idx, dim))
     # Pass 3: classify indices.
     out_t = ctx.tensors[s.out.tensor.text]
+    if out_t.view_of is not None:
+        raise ctx.error(
+            f"'{out_t.name}' is a view of '{out_t.view_of}' and cannot be written by a "
+            "statement; a view is read-only",
+            s.out.tensor.pos,
+            f"write '{out_t.view_of}' itself, indexed by its own dims "
+            f"[{', '.join(ctx.tensors[out_t.view_of].dims)}]",
+        )
     if out_t.derived is not None:
         raise ctx.error(
             f"'{out_t.name}' is derived by {out_t.derived.op}({out_t.derived.source}) and "

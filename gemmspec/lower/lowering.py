@@ -117,7 +117,10 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
             else:
                 offset = offset + Poly.sym(f"g.{use.axis}") * s
     rows = _rows(spec, gemm, acc)
-    return OperandMap(t.name, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows, pad)
+    # A view is read with its own strides from its source's buffer: the schedule names
+    # the buffer, so every later stage binds the source's pointer.
+    buffer = spec.storage(t.name)
+    return OperandMap(buffer, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows, pad)
 
 
 def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str], block_start: str = "bstart") -> ScaleMap | None:
@@ -181,7 +184,7 @@ def _epilogue(spec: Spec, gemm: Gemm) -> tuple[EpilogueMap, ...]:
             stride = s
             if gemm.role(use.role).group is not None:
                 offset = offset + Poly.sym(f"start.{use.role}") * s
-        out.append(EpilogueMap(e.kind, t.name, t.dtype, offset, stride))
+        out.append(EpilogueMap(e.kind, spec.storage(t.name), t.dtype, offset, stride))
     return tuple(out)
 
 

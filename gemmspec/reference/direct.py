@@ -8,7 +8,8 @@ outside the tensor's rows, or two rows written to one element, is a ValueError).
 their sources first (requantize: dequantize, then quantize with the target's
 blocks, in float32 as the kernel does, with `rows` and `weight` as
 data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values;
-swiglu_grad: as data.swiglu_grad_values says, once what it reads is written).
+swiglu_grad: as data.swiglu_grad_values says, once what it reads is written; a view: its
+source's values reshaped, once the source is final).
 Row passes (`rowdot`, `rowscale`, `scatter_add`) run once what they read is written, as data.row_pass_values says.
 An FP8 output is the result rounded to bf16 and quantized as `quantize` does, with its
 own scale grid (returned under the scale's name beside the values); any other output
@@ -65,6 +66,9 @@ def _derived(spec: Spec, rt: Runtime, t: Tensor, data: dict[str, TensorData]) ->
     gathered x[idx[t], k] as written: the gather pre-pass is the schedule's business,
     schedule_exec.run_prepass)."""
     src = spec.tensor(t.derived.source)
+    if t.view_of is not None:  # the source's values reshaped in row-major order
+        shape = tuple(dim_size(spec, rt, d) for d in t.dims)
+        return TensorData(data[src.name].values.reshape(shape))
     if t.derived.op == "transpose":
         return TensorData(data[src.name].values, data[src.name].scale_grid)
     if t.derived.op == "swiglu_grad":
@@ -318,6 +322,10 @@ def run_direct(
         statements.remove(ready)
         gemm = spec.gemms[ready]
         name = gemm.out.tensor
+        # A view of the output shows what was there before: derived again once it is written.
+        for v in spec.tensors:
+            if v.view_of == name:
+                data.pop(v.name, None)
         out_t = spec.tensor(name)
         if out_t.dtype in FP8_TYPES:
             if name in given:

@@ -334,3 +334,59 @@ CASES += [
         "2:10", "unexpected character '/'",
     ),
 ]
+
+# Multi-LoRA over QKV as one spec: the shrink writes a [T, 3R], the expand reads it
+# through a view [T, 3, R] (examples/lora_qkv_one_spec.gspec).
+LORA_QKV_VIEW = """\
+gemm lora_qkv_one_spec {{
+  dim T
+  dim K = 4096, R = 16, R3 = 48, N = 6144
+  group lora[L = 4]  = ragged(T, offsets = lora_offsets)
+  group slice[S = 3] = split(N, sizes = [4096, 1024, 1024])
+  tensor x  : bf16 [T, K]
+  tensor wa : bf16 [L, R3, K]
+  tensor a  : bf16 [T, R3]{a}
+  tensor a3 : {a3} [T, S, R]{a3_layout} = view({source})
+  tensor wb : bf16 [L, N, R]
+  tensor y  : bf16 [T, N]{more}
+  a[t, r3] = sum[k] x[t, k] * wa[lora(t), r3, k]
+  y[t, n]  = sum[r] a3[t, slice(n), r] * wb[lora(t), n, r]
+}}
+"""
+
+
+def _qkv_view(a="", a3="bf16", a3_layout="", source="a", more=""):
+    return LORA_QKV_VIEW.format(a=a, a3=a3, a3_layout=a3_layout, source=source, more=more)
+
+
+CASES += [
+    Case(
+        "lora_view_of_another_type",
+        _qkv_view(a3="f16"), "9:15", "'a3' is f16 but views 'a', which is bf16",
+    ),
+    Case(
+        "lora_view_of_a_view",
+        _qkv_view(source="a2", more="\n  tensor a2 : bf16 [T, R3] = view(a)"),
+        "9:37", "'a2' is itself a view of 'a'",
+    ),
+    Case(
+        "lora_view_of_a_column_major_source",
+        _qkv_view(a=" layout major(T)"),
+        "9:37", "does not address the elements of 'a' (stored major(T)",
+    ),
+    Case(
+        "lora_view_of_a_segment_major_source",
+        _qkv_view(a=" layout segment_major(lora)"),
+        "9:37", "'a' is stored segment_major(lora), in segments",
+    ),
+    Case(
+        "lora_view_with_strides_of_its_own",
+        _qkv_view(a3_layout=" layout major(T)"),
+        "9:30", "'a3' (strides 1, 16*T, T) does not address the elements of 'a'",
+    ),
+    Case(
+        "lora_view_of_another_type_of_a_view",
+        _qkv_view(a3="f16", source="a2", more="\n  tensor a2 : bf16 [T, R3] = view(a)"),
+        "9:36", "'a2' is itself a view of 'a'", steps=2,
+    ),
+]

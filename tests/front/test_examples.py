@@ -25,6 +25,7 @@ EXPECTED = {
     "lora_moe_nested": ("flatten", [32], []),
     "lora_moe_scaled": ("flatten", [32], []),
     "lora_qkv_slices": ("flatten", [12], []),
+    "lora_qkv_one_spec": ("split", [4, 12], []),
     "split_nest": ("split", [8, 4], []),
     "moe_fp8_wgrad": ("flatten", [8], []),
     "moe_fp8_rowwise": ("flatten", [8], []),
