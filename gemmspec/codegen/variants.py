@@ -18,7 +18,8 @@ replays in a CUDA graph):
     decode variant  when  size(dim) <= DECODE_ROWS_PER_SEGMENT x segments
 
 where `segments` counts the group's segments (E for MoE experts; L x E for an expert
-group nested in adapters): at most that many rows per segment on average.
+group nested in adapters): at most that many rows per segment on average. A spec with a
+`tile(M, N)` directive gets no variant: the tile it asks for is the tile every call runs.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _eligible(launch: Launch) -> bool:
 def decode_variant(spec: Spec, schedule: Schedule, program: EmittedProgram) -> DecodeVariant | None:
     """The decode variant of `program`, or None where no launch has one. One rule serves
     a program: the launches over the first eligible launch's dim and group."""
+    if spec.directives.tile is not None:
+        return None  # a tile the spec asks for is the tile every call runs
     rule: DecodeRule | None = None
     changed: list[tuple[int, str, str]] = []
     variant = program

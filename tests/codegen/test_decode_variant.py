@@ -101,3 +101,10 @@ def test_decode_variant_is_none_without_ragged_launches():
     from gemmspec.codegen.emit import emit
 
     assert decode_variant(x.spec, x.schedule, emit(x.spec, x.schedule)) is None
+
+
+def test_a_tile_directive_keeps_its_tile_at_every_size():
+    text = (EXAMPLES / "moe_fp8_forward.gspec").read_text()
+    at = text.index("{") + 1
+    exe = gemmspec.build(text[:at] + "\n  tile(128, 192)\n" + text[at:])
+    assert exe.decode is None and exe.program_for({"T": 1}) is exe.program
