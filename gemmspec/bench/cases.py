@@ -198,6 +198,27 @@ def _decode_cases() -> list[Case]:
 
 CASES += _decode_cases()
 
+# ------------------------------------------------------------------------------ decode FFN
+# The whole routed-expert FFN at decode in one spec (examples/moe_ffn_fp8_decode.gspec, the
+# top-k combine into token order in it), against the same steps as separate calls and
+# against torch's chain, every implementation captured in a CUDA graph. Rated in TB/s of
+# the bytes the layer must move (`measure.ffn_decode_bytes`).
+FFN_DECODE_TARGET = Target(vs_torch=1.5, vs_separate=1.2)
+FFN_DECODE = "e4m3 x e4m3 -> e4m3 h -> bf16 rows -> bf16 y (scatter_add)"
+FFN_DECODE_SHAPES = [  # (model, tokens, experts, hidden, intermediate)
+    ("dsv3", 64, DSV3_EXPERTS, 7168, 2048),
+    ("dsv3", 512, DSV3_EXPERTS, 7168, 2048),
+    ("qwen3", 128, QWEN3_EXPERTS, 2048, 768),
+]
+CASES += [
+    Case(f"ffn_decode_{model}_T{t}",
+         f"{'DeepSeek-V3' if model == 'dsv3' else 'Qwen3-30B-A3B'} decode expert FFN, {t} tokens top-{DECODE_TOP_K} "
+         f"of {e} experts, one spec with the combine vs separate calls vs torch (CUDA graphs)",
+         FFN_DECODE_TARGET, measure.ffn_decode, memory_bound=True,
+         shape=dict(tokens=t, experts=e, top_k=DECODE_TOP_K, hidden=hidden, f=f, seed=t), dtypes=FFN_DECODE)
+    for model, t, e, hidden, f in FFN_DECODE_SHAPES
+]
+
 
 def selected_cases(only: list[str] | None) -> list[Case]:
     """The cases `--only` names by prefix (every case without it)."""

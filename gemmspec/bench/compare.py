@@ -25,3 +25,17 @@ def checked(err: float, limit: float, against: str) -> str:
     if not err < limit:  # NaN fails too
         raise AssertionError(f"gemmspec differs from {against}: rel error {err:.3e} >= {limit:.0e}")
     return f"{against}: {err:.2e}"
+
+
+def elementwise(name: str, got, ref, dtype: str, against: str) -> str:
+    """`got` against the float64 `ref` element by element, by the rule of `gemmspec run`
+    (verify.compare_output: within rtol*|ref| + atol*rms(row) for an output of type
+    `dtype`, every element finite); raises with the worst elements, else says how close."""
+    from ..runtime.verify import compare_output
+
+    torch = load_torch()
+    c = compare_output(name, got.detach().to(torch.float64).cpu().numpy(), ref.detach().to(torch.float64).cpu().numpy(),
+                       dtype=dtype)
+    if not c.ok:
+        raise AssertionError(f"gemmspec differs from {against}: {c.describe()}")
+    return f"{name} vs {against}: {c.over_bound} of {c.elements} over bound, rel {c.rel_error:.2e}"

@@ -103,3 +103,16 @@ def masked_counts(experts: int, low: int, high: int, seed: int = 0) -> list[int]
     """Valid rows per group of a masked decode batch: uniform in [low, high], seeded."""
     rng = random.Random(seed)
     return [rng.randint(low, high) for _ in range(experts)]
+
+
+def routed_rows(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """The routed rows of a seeded top-k routing (`topk_routing`) as an expert FFN reads
+    them: the token of each row, rows sorted by expert and, within an expert, by token
+    (`src`, tokens * top_k entries, each token `top_k` times), and the expert segment
+    lengths (`expert_counts`)."""
+    routing = topk_routing(tokens, experts, top_k, seed)
+    by_expert: list[list[int]] = [[] for _ in range(experts)]
+    for token, chosen in enumerate(routing):
+        for e in chosen:
+            by_expert[e].append(token)
+    return [s for rows in by_expert for s in rows], [len(rows) for rows in by_expert]

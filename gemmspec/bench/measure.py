@@ -14,7 +14,7 @@ from __future__ import annotations
 from . import specs
 from .anchors import Problem
 from .anchors.torch import lora_epilogue_ops, quantize_1x128
-from .compare import checked, dequantized, rel_error
+from .compare import checked, dequantized, elementwise, rel_error
 from .inputs import (
     load_torch,
     nested_offsets,
@@ -22,6 +22,7 @@ from .inputs import (
     random_fp8,
     random_nested_counts,
     random_scales,
+    routed_rows,
     token_leaves,
 )
 from .timing import Result, result, timed
@@ -524,3 +525,186 @@ def lora_expand(repeat: int, *, name: str, counts: list[list[int]], r: int, n: i
         samples = timed(fn, repeat, before=lambda y=y: y.copy_(y0))
         out.append(result(name, impl, samples, moved, unit="TB/s", check="" if out else check + torch_note))
     return out, None
+
+
+# ------------------------------------------------------------------ the decode FFN
+def ffn_decode_bytes(lengths: list[int], tokens: int, hidden: int, f: int) -> int:
+    """Bytes the decode FFN must move: the gate, up and down weights of every expert with
+    a row, with their 128x128 scales; each token's x read once with its 1x128 scales, its
+    y written in BF16; the routing (src, route_w). The intermediates (h, y_rows) are the
+    implementation's: this, over the HBM copy rate, is the floor of the whole layer."""
+    active, t = sum(1 for c in lengths if c), sum(lengths)
+    weights = active * 3 * (hidden * f + (hidden // 128) * (f // 128) * 4)
+    return weights + tokens * (hidden + hidden // 128 * 4) + tokens * hidden * 2 + t * 8
+
+
+def graphed(fn, stream):
+    """`fn` (which enqueues on `stream`) captured in a CUDA graph after a warm-up on that
+    stream; returns the graph's replay (on the caller's current stream). A capture torch
+    refuses raises its RuntimeError."""
+    torch = load_torch()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs, made on the current stream
+    with torch.cuda.stream(stream):
+        fn()  # warm-up: plans, workspaces and torch's kernels exist before the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph.replay
+
+
+def _random_fp8_experts(shape):
+    """random_fp8 of an [E, ...] weight made an expert at a time (DeepSeek-V3's 256
+    experts would need tens of GB of float32 at once)."""
+    torch = load_torch()
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+    for e in range(shape[0]):
+        out[e] = random_fp8(shape[1:])
+    return out
+
+
+def _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, tokens):
+    """Float64 h (SwiGLU of the dequantized inputs) of the routed rows of `tokens`, and y
+    of those tokens from h as the GPU wrote it (FP8 rounding is discontinuous: a result a
+    hair off may round to the next FP8 value, so the down-projection is judged on the h it
+    read), summed over each token's rows."""
+    torch = load_torch()
+    h_ref, h_rows, y_ref = [], [], []
+    for s in tokens:
+        acc = torch.zeros(wd.shape[1], dtype=torch.float64, device=x.device)
+        for t in torch.nonzero(src == s)[:, 0].tolist():
+            e = int(expert_of[t])
+            xa = dequantized(x[s:s + 1], xs[s:s + 1], 1, 128)
+            gate = xa @ dequantized(wg[e], wgs[e], 128, 128).t()
+            up = xa @ dequantized(wu[e], wus[e], 128, 128).t()
+            h_ref.append(gate * torch.sigmoid(gate) * up)
+            got = dequantized(h[t:t + 1], hs[t:t + 1], 1, 128)
+            h_rows.append(got)
+            acc += route_w[t].double() * (got @ dequantized(wd[e], wds[e], 128, 128).t())[0]
+        y_ref.append(acc)
+    return torch.cat(h_rows), torch.cat(h_ref), torch.stack(y_ref)
+
+
+def ffn_decode(repeat: int, *, name: str, tokens: int, experts: int, top_k: int, hidden: int, f: int,
+               seed: int = 0) -> Measured:
+    """The decode expert FFN of examples/moe_ffn_fp8_decode.gspec (at `hidden`, `f`,
+    `experts`) on `tokens` tokens routed top-`top_k` (seeded), each implementation captured
+    in a CUDA graph after a warm-up and timed by replaying it: (a) the one spec (gather, up
+    with the SwiGLU into FP8 h, weighted down, the deterministic scatter_add combine into
+    token order); (b) the same steps as separate calls: the up spec, the down spec into the
+    routed rows, their combine by torch's index_add_ into FP32 zeros; (c) torch alone:
+    index_select, `_scaled_grouped_mm` over the concatenated gate/up weights, silu * up,
+    a per-row FP8 quantization, `_scaled_grouped_mm` down, the router weight, index_add_.
+    torch's grouped FP8 GEMM takes rowwise scales only, so (c) runs on random rowwise
+    scales of the same shapes: its time counts, its values are not compared. (a) is
+    checked first against a float64 reference on sampled tokens (h, and y from the h the
+    GPU wrote), element by element, then against (b), and two replays must give the same
+    bits. Rated in TB/s of `ffn_decode_bytes`."""
+    torch = load_torch()
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    src_list, lengths = routed_rows(tokens, experts, top_k, seed)
+    t = len(src_list)
+    one = specs.build_spec(specs.ffn_decode_text(hidden=hidden, f=f, e=experts, name=f"ffn_decode_{hidden}_{f}"))
+    up = specs.build_spec(specs.FFN_DECODE_UP.format(h=hidden, f=f, e=experts))
+    down = specs.build_spec(specs.FFN_DECODE_DOWN.format(h=hidden, f=f, e=experts))
+    src = torch.tensor(src_list, dtype=torch.int32, device="cuda")
+    rows = src.long()
+    offs = offsets_tensor(lengths)
+    x, xs = random_fp8((tokens, hidden)), random_scales((tokens, hidden // 128))
+    wg, wu, wd = (_random_fp8_experts(s) for s in ((experts, f, hidden), (experts, f, hidden), (experts, hidden, f)))
+    wgs, wus = random_scales((experts, f // 128, hidden // 128)), random_scales((experts, f // 128, hidden // 128))
+    wds = random_scales((experts, hidden // 128, f // 128))
+    route_w = torch.rand((t,), device="cuda")
+
+    def outputs():
+        return (torch.full((t, f), float("nan"), device="cuda").to(fp8), torch.full((t, f // 128), float("nan"), device="cuda"),
+                torch.full((t, hidden), float("nan"), dtype=bf16, device="cuda"),
+                torch.full((tokens, hidden), float("nan"), dtype=bf16, device="cuda"))
+
+    h, hs, y_rows, y = outputs()
+    h2, hs2, y_rows2, y2 = outputs()
+    acc = torch.zeros((tokens, hidden), device="cuda")
+    stream = torch.cuda.Stream()
+    w = dict(wg=wg, wg_scale=wgs, wu=wu, wu_scale=wus)
+    wdown = dict(w_down=wd, w_down_scale=wds, route_w=route_w, expert_offsets=offs)
+    run_one = one.prepare(stream, src=src, x=x, x_scale=xs, h=h, h_scale=hs, y_rows=y_rows, y=y, **w, **wdown)
+    run_up = up.prepare(stream, src=src, x=x, x_scale=xs, h=h2, h_scale=hs2, expert_offsets=offs, **w)
+    run_down = down.prepare(stream, h=h2, h_scale=hs2, y_rows=y_rows2, **wdown)
+
+    def separate():
+        run_up.enqueue()
+        run_down.enqueue()
+        acc.zero_()
+        acc.index_add_(0, rows, y_rows2.float())
+        y2.copy_(acc)
+
+    replay_one, replay_separate = graphed(run_one.enqueue, stream), graphed(separate, stream)
+    replay_one()
+    replay_separate()
+    torch.cuda.synchronize()
+    first = y.clone()
+    # Float64 reference on up to 16 sampled tokens (all their routed rows), element by element.
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    sample = torch.randperm(tokens, generator=g)[:16].tolist()
+    expert_of = torch.repeat_interleave(torch.arange(experts), torch.tensor(lengths))
+    h_got, h_ref, y_ref = _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, sample)
+    check = "; ".join([
+        elementwise("h", h_got, h_ref, "e4m3", "float64 reference (sampled tokens)"),
+        elementwise("y", y[sample], y_ref, "bf16", "float64 reference (sampled tokens)"),
+        elementwise("y", y, y2.double(), "bf16", "separate calls"),
+    ])
+    replay_one()
+    torch.cuda.synchronize()
+    if not torch.equal(y.view(torch.int16), first.view(torch.int16)):
+        raise AssertionError("gemmspec's y differs between two replays: the combine is not deterministic")
+    check += "; the same bits on a second replay"
+    moved = ffn_decode_bytes(lengths, tokens, hidden, f)
+    out = [
+        result(name, "gemmspec one spec, combine in it (graph)", timed(replay_one, repeat), moved, unit="TB/s",
+               check=check),
+        result(name, "gemmspec up, down + index_add_ (graph)", timed(replay_separate, repeat), moved, unit="TB/s"),
+    ]
+    torch_rows, note = _torch_ffn_decode(name, repeat, moved, stream, x, wg, wu, wd, route_w, rows, offs, tokens, f)
+    out[0].check += note
+    return out + torch_rows, None
+
+
+def _torch_ffn_decode(name, repeat, moved, stream, x, wg, wu, wd, route_w, rows, offs, tokens, f):
+    """The torch chain of `ffn_decode` (c), captured in a graph where torch allows it,
+    else timed as it runs: its rows and a note for gemmspec's row (no row, and the
+    reason, where this torch has no usable grouped FP8 GEMM)."""
+    torch = load_torch()
+    fp8 = torch.float8_e4m3fn
+    experts, hidden = wd.shape[0], wd.shape[1]
+    w13 = torch.cat([wg, wu], dim=1)  # [E, 2F, H]: one GEMM for gate and up (made once, untimed)
+    sa, sb13, sbd = random_scales((tokens,)), random_scales((experts, 2 * f)), random_scales((experts, hidden))
+    ends = offs[1:].contiguous()
+    y3 = torch.empty((tokens, hidden), dtype=torch.bfloat16, device="cuda")
+    acc = torch.zeros((tokens, hidden), device="cuda")
+
+    def chain():
+        xg = x.view(torch.uint8).index_select(0, rows).view(fp8)
+        gu = torch._scaled_grouped_mm(xg, w13.transpose(-2, -1), sa.index_select(0, rows), sb13, offs=ends,
+                                      out_dtype=torch.bfloat16)
+        gate, up = gu.split(f, dim=1)
+        hb = (torch.nn.functional.silu(gate) * up).float()
+        amax = hb.abs().amax(dim=1)
+        hs = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        hq = (hb / hs[:, None]).clamp(-448, 448).to(fp8)
+        yr = torch._scaled_grouped_mm(hq, wd.transpose(-2, -1), hs, sbd, offs=ends, out_dtype=torch.bfloat16)
+        acc.zero_()
+        acc.index_add_(0, rows, yr.float() * route_w[:, None])
+        y3.copy_(acc)
+
+    impl = "torch index_select, _scaled_grouped_mm x2, index_add_"
+    try:
+        chain()
+        torch.cuda.synchronize()
+    except (AttributeError, TypeError, RuntimeError) as exc:  # a torch without a usable grouped FP8 GEMM
+        return [], f"; torch chain unavailable: {str(exc).splitlines()[0][:80]}"
+    try:
+        fn, how = graphed(chain, stream), "(graph, rowwise)"
+    except RuntimeError as exc:
+        fn, how = chain, f"(eager, rowwise; capture refused: {str(exc).splitlines()[0][:40]})"
+    return [result(name, f"{impl} {how}", timed(fn, repeat), moved, unit="TB/s",
+                   check="rowwise scales of the same shapes: values not compared")], ""

@@ -165,6 +165,50 @@ FFN_H_QUANTIZE_PASS = "tensor hb : bf16 [T, F]\n  tensor h : e4m3 [T, F] scale f
 FFN_H_FP8 = "tensor h : e4m3 [T, F] scale f32 [1, 128]"
 
 
+# The decode FFN (examples/moe_ffn_fp8_decode.gspec: gathered rows, SwiGLU over separate
+# gate and up weights into FP8 h, the weighted down-projection, the top-k combine by
+# scatter_add) at another model's sizes, and its steps as separate specs: the
+# up-projection, then the down-projection into the routed rows (their combine is torch's).
+FFN_DECODE_EXAMPLE = "moe_ffn_fp8_decode"
+FFN_DECODE_UP = """
+gemm ffn_decode_up {{
+  dim T, S
+  dim H = {h}, F = {f}
+  group expert[E = {e}] = ragged(T, offsets = expert_offsets)
+  tensor src : i32 [T]
+  tensor x   : e4m3 [S, H] scale f32 [1, 128]
+  tensor wg  : e4m3 [E, F, H] scale f32 [1, 128, 128]
+  tensor wu  : e4m3 [E, F, H] scale f32 [1, 128, 128]
+  tensor h   : e4m3 [T, F] scale f32 [1, 128]
+  h[t, j] = silu(sum[k] x[src[t], k] * wg[expert(t), j, k]) * sum[k] x[src[t], k] * wu[expert(t), j, k]
+}}
+"""
+FFN_DECODE_DOWN = """
+gemm ffn_decode_down {{
+  dim T
+  dim H = {h}, F = {f}
+  group expert[E = {e}] = ragged(T, offsets = expert_offsets)
+  tensor h       : e4m3 [T, F] scale f32 [1, 128]
+  tensor w_down  : e4m3 [E, H, F] scale f32 [1, 128, 128]
+  tensor route_w : f32  [T]
+  tensor y_rows  : bf16 [T, H]
+  y_rows[t, n] = route_w[t] * sum[f] h[t, f] * w_down[expert(t), n, f]
+}}
+"""
+
+
+def ffn_decode_text(*, hidden: int, f: int, e: int, name: str = FFN_DECODE_EXAMPLE) -> str:
+    """examples/moe_ffn_fp8_decode.gspec (DeepSeek-V3: hidden 7168, intermediate 2048, 256
+    experts) at `hidden`, `f` and `e`, named `name`."""
+    text = example_text(FFN_DECODE_EXAMPLE)
+    for old, new in (("H = 7168", f"H = {hidden}"), ("F = 2048", f"F = {f}"), ("E = 256", f"E = {e}"),
+                     (f"gemm {FFN_DECODE_EXAMPLE} {{", f"gemm {name} {{")):
+        if old not in text:
+            raise ValueError(f"examples/{FFN_DECODE_EXAMPLE}.gspec no longer says '{old}'")
+        text = text.replace(old, new, 1)
+    return text
+
+
 def with_directive(text: str, directive: str) -> str:
     """A one-spec text with `directive` added as its last item."""
     body = text.rstrip().rstrip("}")

@@ -33,6 +33,7 @@ EXPECTED = {
     "moe_fp8_gather_scatter": ("flatten", [8], ["gather"]),
     "moe_ffn_fp8": ("split", [8, 8], ["gather"]),
     "moe_ffn_fp8_train": ("split", [8, 8], ["gather"]),
+    "moe_ffn_fp8_decode": ("split", [256, 256], ["gather"]),
     "linear_fp8_training": ("split", [1, 1, 1], ["transpose", "requantize", "requantize"]),
 }
 
@@ -116,3 +117,16 @@ def test_cli_missing_file_and_help():
     for args in (["--help"], ["check", "--help"], ["explain", "--help"]):
         proc = subprocess.run([sys.executable, "-m", "gemmspec", *args], capture_output=True, text=True)
         assert proc.returncode == 0 and "usage: gemmspec" in proc.stdout
+
+
+def test_decode_ffn_combines_the_top_k_rows_in_the_spec(capsys):
+    # The top-k combine is the spec's own deterministic row pass, into token order.
+    (doc,) = explain_json(EXAMPLES / "moe_ffn_fp8_decode.gspec", capsys)
+    (combine,) = doc["postpasses"]
+    assert (combine["kind"], combine["source"], combine["target"], combine["index"]) == (
+        "scatter_add", "y_rows", "y", "src")
+    assert "deterministic" in combine["description"]
+    # The SwiGLU reads the gate and up weights as two tensors, the rows gathered through src.
+    up = doc["launches"][0]
+    assert "wg" in up["statement_text"] and "wu" in up["statement_text"]
+    assert doc["prepasses"][0]["source"] == "x"

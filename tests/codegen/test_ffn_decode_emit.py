@@ -1,0 +1,55 @@
+"""examples/moe_ffn_fp8_decode.gspec as emitted: one call is the gather pre-pass, the two
+grouped launches (each after its leaf-table builder) and scatter_add's five kernels, in
+that order, in the program as compiled and in its decode variant; every kernel file of
+both compiles for sm_90a with NVRTC, without warnings or spills, and defines the
+symbols the manifest launches."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import gemmspec
+from gemmspec.codegen.kernels import include_dir
+from gemmspec.codegen.manifest import launch_manifest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from nvrtc_helper import spill_free_sass  # noqa: E402
+
+EXAMPLE = HERE.parents[1] / "examples" / "moe_ffn_fp8_decode.gspec"
+ROLES = ["gather", "leaf_table", "gemm", "leaf_table", "gemm",
+         "scatter_zero", "scatter_count", "scatter_scan", "scatter_place", "scatter_add"]
+
+
+def programs():
+    exe = gemmspec.build(EXAMPLE)
+    assert exe.decode is not None, "the down-projection's ragged rows over T get a decode variant"
+    return exe, (exe.program, exe.decode.program)
+
+
+def test_one_call_runs_every_step_in_order():
+    exe, progs = programs()
+    for program in progs:
+        steps = launch_manifest(exe.spec, program, program.spec).kernels
+        assert [s.role for s in steps] == ROLES
+        assert [s.owner for s in steps][-5:] == ["postpass 0"] * 5
+    # The decode variant swaps the down-projection's kernel for its 64-row tile only.
+    ((index, compiled, decode),) = exe.decode.launches
+    assert index == 1 and "_t64x" in decode and "_t128x" in compiled
+
+
+def test_every_kernel_of_both_programs_compiles_for_sm90a():
+    exe, progs = programs()
+    compiled: dict[str, str] = {}
+    for program in progs:
+        sources = program.sources()
+        for step in launch_manifest(exe.spec, program, program.spec).kernels:
+            source = sources[step.file]
+            if source not in compiled:
+                compiled[source] = spill_free_sass(source, [include_dir()], step.file)
+            assert re.search(rf"\b{re.escape(step.symbol)}\b", compiled[source]), step.symbol
+            if step.role == "gemm":
+                assert re.search(r"\bQGMMA\b", compiled[source]), step.symbol
+    assert len(compiled) == 5  # pre-pass, two launches, their decode variant's down launch, the combine
