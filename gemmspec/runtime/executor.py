@@ -681,7 +681,9 @@ class Executable:
             return self.decode.program
         return self.program
 
-    def _manifest_of(self, program: EmittedProgram) -> Manifest:
+    def manifest_of(self, program: EmittedProgram) -> Manifest:
+        """The manifest of `program`: `manifest` for the program as compiled, else made once
+        (the decode variant's)."""
         if program is self.program:
             return self.manifest
         found = self._variant_manifests.get(id(program))
@@ -701,7 +703,7 @@ class Executable:
             return
         for program in (self.program, self.decode.program):
             sources = program.sources()
-            for step in self._manifest_of(program).kernels:
+            for step in self.manifest_of(program).kernels:
                 self._kernel(sources[step.file], step.symbol, device)
 
     def _writes_nothing(self, dims: dict[str, int]) -> bool:
@@ -865,7 +867,7 @@ class Executable:
         if self._writes_nothing(bound.dims):
             return run
         program = self.program_for(bound.dims)
-        manifest = self._manifest_of(program)
+        manifest = self.manifest_of(program)
         run.program = program
         with on_device(device):
             self._compile_variants(device)

@@ -60,19 +60,20 @@ def _arrays(exe, host, rng):
 def test_prepare_builds_one_argument_per_parameter(path, offline):
     exe = gemmspec.build(path)
     run = exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(0)))
+    program = run.program  # as compiled, or its decode variant at this size
     params = {}
-    for source in exe.sources.values():
+    for source in program.sources().values():
         for decl in entry_points(source):
             name = decl.split("void ", 1)[1].split("(", 1)[0]
             params[name] = decl.count(",") + 1
     names = [k.name for k, *_ in run.launches]
     # The offsets check runs in launch 0's leaf-table builder, or as a kernel of its own
     # that comes first.
-    check = exe.program.check
+    check = program.check
     alone = check is not None and not check.fused
     assert (names[0] == f"gs_{exe.spec.name}_check") == alone
     names = names[alone:]
-    expected = len(exe.program.prepasses) + sum(len(x.kernels) for x in exe.program.launches)
+    expected = len(program.prepasses) + sum(len(x.kernels) for x in program.launches)
     assert len(names) == expected
     for kernel, grid, block, smem, args, _ in run.launches:
         assert len(args) == params[kernel.name], kernel.name
@@ -80,4 +81,4 @@ def test_prepare_builds_one_argument_per_parameter(path, offline):
         assert all(not isinstance(a, (int, float)) or isinstance(a, np.generic) for a in args)
     # Every launch is a table builder followed by its GEMM (or a GEMM that builds its
     # table), after all pre-passes.
-    assert names[len(exe.program.prepasses):] == [k for x in exe.program.launches for k in x.kernels]
+    assert names[len(program.prepasses):] == [k for x in program.launches for k in x.kernels]

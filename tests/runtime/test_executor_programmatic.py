@@ -46,6 +46,7 @@ def forward_with_builder():
     """The forward spec with a leaf-table builder before its GEMM (by default the GEMM
     builds its table itself and is launched the ordinary way, alone)."""
     exe = gemmspec.build(FORWARD)
+    exe.choose_at_call = False  # the compiled kernels at every size
     exe.program = emit(exe.spec, exe.schedule, inline_tables=False)
     return exe
 
@@ -53,6 +54,7 @@ def forward_with_builder():
 def test_a_gemm_that_builds_its_table_is_an_ordinary_launch(offline, monkeypatch):
     monkeypatch.setenv("GEMMSPEC_PDL", "1")
     exe = gemmspec.build(FORWARD)
+    exe.choose_at_call = False  # the compiled kernels at every size
     exe(**forward_args())
     assert recorded() == [(exe.program.launches[0].gemm.name, False)]
 
@@ -70,6 +72,8 @@ def test_two_launches_alternate_builder_and_dependent(offline):
     from test_executor_plan import _arrays
 
     exe = gemmspec.build(ROOT / "examples" / "split_nest.gspec")
+
+    exe.choose_at_call = False  # the compiled kernels at every size
     exe.prepare(None, **_arrays(exe, offline, np.random.default_rng(0))).enqueue()
     gemms = [x.gemm.name for x in exe.program.launches]
     assert recorded() == [

@@ -21,9 +21,11 @@ def test_runtime_follows_the_manifest(path, offline):
     exe = gemmspec.build(path)
     arrays = _arrays(exe, offline, np.random.default_rng(1))
     run = exe.prepare(None, **arrays)
+    # The manifest of the program the call runs: as compiled, or its decode variant.
+    manifest = exe.manifest_of(run.program)
     launches = run.launches  # the offsets check among them: the manifest has it too
     env = {**run.dims, NUM_SMS: 132}
-    kernels = [s for s in exe.manifest.steps if isinstance(s, KernelLaunch)]
+    kernels = [s for s in manifest.steps if isinstance(s, KernelLaunch)]
     kernels = [k for k in kernels if min(g.evaluate(env) for g in k.grid) > 0]
     assert [k.name for k, *_ in launches] == [k.symbol for k in kernels]
     for (_kernel, grid, block, smem, args, programmatic), step in zip(launches, kernels):
@@ -41,6 +43,6 @@ def test_runtime_follows_the_manifest(path, offline):
             if p.source.kind == "extent":  # an argument's length: an anchored scale's rows
                 assert int(arg) == arrays[p.source.ref].shape[p.source.axis], (step.symbol, p.name)
     # One buffer per workspace: allocated, or uploaded by its step.
-    uploads = sum(isinstance(s, Upload) for s in exe.manifest.steps)
-    assert len(exe.manifest.workspaces) <= len(run.workspace)
-    assert uploads >= len(exe.program.launches)
+    uploads = sum(isinstance(s, Upload) for s in manifest.steps)
+    assert len(manifest.workspaces) <= len(run.workspace)
+    assert uploads >= len(run.program.launches)

@@ -20,7 +20,7 @@ from gemmspec.build import build_backward
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.gspec"))
 DERIVED = {
     "linear_fp8_training", "lora_moe_nested", "lora_moe_scaled", "lora_qkv_slices", "moe_bf16_forward", "moe_ffn_fp8", "moe_ffn_fp8_train",
-    "moe_fp8_forward", "moe_fp8_gather_scatter", "moe_swiglu_fp8", "split_nest",
+    "moe_fp8_forward", "moe_fp8_gather_scatter", "moe_swiglu_fp8", "split_nest", "lora_qkv_one_spec",
 }
 
 
