@@ -48,8 +48,10 @@ def gemm_symbol(spec_name: str, launch: int, procedural: str) -> str:
     return f"gs_{spec_name}_l{launch}_{_tail(procedural)}"
 
 
-def table_symbol(spec_name: str, launch: int) -> str:
-    return f"gs_{spec_name}_l{launch}_leaves"
+def table_symbol(spec_name: str, launch: int, tag: str = "") -> str:
+    """A launch's leaf-table builder; `tag` names a variant whose tiles differ (the table
+    counts tiles, so the variant's builder is another kernel and needs its own symbol)."""
+    return f"gs_{spec_name}_l{launch}_leaves" + (f"_{tag}" if tag else "")
 
 
 def check_symbol(spec_name: str) -> str:
