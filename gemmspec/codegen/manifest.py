@@ -1004,7 +1004,9 @@ def with_decode_choice(spec: Spec, manifest: Manifest, variant: DecodeVariant) -
         if isinstance(s, KernelLaunch) and s.owner.startswith("launch "):
             i = int(s.owner.split()[1])
             if i in changed_launches:
-                files[decode_file(manifest.stem, i)] = s.file
+                # The sources are keyed by the spec's name; file names use the stem.
+                assert s.file.startswith(manifest.stem)
+                files[decode_file(manifest.stem, i)] = variant.program.spec + s.file[len(manifest.stem) :]
                 s = replace(s, file=decode_file(manifest.stem, i))
         steps.append(s)
     choice = DecodeChoice(variant.rule, variant.launches, files, decode.workspaces, tuple(steps))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-# A stem plus its longest suffix (`_prepass<i>.cubin`, `.manifest.json`) stays well
+# A stem plus its longest suffix (`_launch<i>_decode.cubin`, `.manifest.json`) stays well
 # under MAX_FILE_NAME_BYTES, which leaves room for a temporary name below 255 bytes.
 _MAX_STEM_BYTES = 150
 MAX_FILE_NAME_BYTES = 200
