@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compile",
         help="emit CUDA: .cu files, a .h of their entry points and the schedule JSON",
         description=(
-            "Compile FILE to standalone CUDA in DIR: one .cu per launch and pre-pass, "
+            "Compile FILE to standalone CUDA in DIR: one .cu per launch and pre-pass "
+            "(and <spec>_launch<i>_decode.cu for a launch over ragged rows of a run-time dim: "
+            "its decode variant, which the host launcher picks per call for small sizes), "
             "gemmspec_ptx.cuh, <spec>_host.cu (the host launcher gemmspec_<spec>_run), <spec>.h, "
             "<spec>.manifest.json and <spec>.schedule.json. Each .cu builds with "
             "nvcc -gencode=arch=compute_90a,code=sm_90a -c."

@@ -23,8 +23,9 @@ from . import ast
 from .codegen.emit import EmittedProgram
 from .codegen.host import render_header, render_host
 from .codegen.kernels import include_dir
-from .codegen.manifest import SHARED_HEADER, Manifest, launch_manifest
+from .codegen.manifest import SHARED_HEADER, Manifest, launch_manifest, with_decode_choice
 from .codegen.names import MAX_FILE_NAME_BYTES, file_stem, header_guard
+from .codegen.variants import decode_variant
 from .errors import OutputError
 from .explain import schedule_json
 from .lower.schedule import Schedule
@@ -167,21 +168,33 @@ def spec_files(
 ) -> SpecFiles:
     """Every file of one spec: per kernel a .cu (and a .cubin), the host launcher, the
     .h, the launch manifest and the schedule, all from the manifest's data; with
-    `source`, the spec's .gspec text too (a derived backward's, `<stem>.gspec`)."""
+    `source`, the spec's .gspec text too (a derived backward's, `<stem>.gspec`). Where
+    launches have a decode variant (codegen/variants.py), its changed launches' files
+    too, as `<stem>_launch<i>_decode.cu`, and the launcher picks per call."""
     stem = file_stem(spec.name)
     manifest = launch_manifest(spec, program, stem)
+    variant = decode_variant(spec, schedule, program)
+    if variant is not None:
+        manifest = with_decode_choice(spec, manifest, variant)
     files: dict[str, bytes] = {}
     if source is not None:
         files[f"{stem}.gspec"] = source.encode("utf-8")
-    for fname, source in program.sources().items():
+    sources = []
+    for fname, text in program.sources().items():
         if fname.startswith(program.spec):
             fname = stem + fname[len(program.spec) :]
-        files[fname] = source.encode("utf-8")
+        sources.append((fname, text))
+    if variant is not None:
+        assert manifest.decode is not None
+        decode_sources = variant.program.sources()
+        sources += [(out, decode_sources[fname]) for out, fname in sorted(manifest.decode.files.items())]
+    for fname, text in sources:
+        files[fname] = text.encode("utf-8")
         if cubins:
             from .runtime.nvrtc import compile_cubin
 
             kernel = Path(fname).stem
-            compiled = compile_cubin(source, name=kernel, include_dirs=[include_dir()])
+            compiled = compile_cubin(text, name=kernel, include_dirs=[include_dir()])
             files[f"{kernel}.cubin"] = compiled.cubin
     files[f"{stem}_host.cu"] = render_host(manifest).encode("utf-8")
     files[f"{stem}.h"] = render_header(manifest).encode("utf-8")
@@ -196,7 +209,7 @@ def check_symbols(planned: Sequence[SpecFiles]) -> None:
     owners: dict[str, Spec] = {}
     for sf in planned:
         m = sf.manifest
-        symbols = [k.symbol for k in m.kernels]
+        symbols = [k.symbol for k in m.all_kernels]
         symbols += [f"{m.prefix}_run", f"{m.prefix}_workspace_bytes"]
         for symbol in symbols:
             other = owners.setdefault(symbol, sf.spec)

@@ -3,6 +3,9 @@
 # Hopper GPU: compiles moe_fp8_forward and linear_fp8_training into one folder, builds
 # every .cu with warnings as errors, links examples/cpp/embed_check.cpp against them,
 # runs it (it checks every output against its own CPU reference) and prints PASS/FAIL.
+# moe_fp8_forward runs at a T above the threshold of its decode variant and at one below
+# it, so the host launcher's both programs (`*_launch0.cu` and `*_launch0_decode.cu`,
+# both built by the glob below) are checked.
 #
 #   bash scripts/cpp_embed_check.sh          # logs and binaries under $OUT (default out/cpp_embed)
 #   NVCC=/usr/local/cuda/bin/nvcc PYTHON=.venv/bin/python bash scripts/cpp_embed_check.sh

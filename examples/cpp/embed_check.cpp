@@ -3,7 +3,9 @@
 // with data it makes itself, calls the host launchers and checks every output on
 // sampled elements against a float64 CPU reference it computes itself.
 //
-//   moe_fp8_forward      y = x * w[expert]^T, FP8 with 1x128 / 128x128 scales, ragged experts
+//   moe_fp8_forward      y = x * w[expert]^T, FP8 with 1x128 / 128x128 scales, ragged experts;
+//                        run at a T above the decode variant's threshold (the kernels as
+//                        compiled) and at one below it (the decode variant's kernels)
 //   linear_fp8_training  forward, DGRAD (through the transpose pre-pass) and WGRAD
 //                        (through the two requantize pre-passes) of one FP8 layer
 //
@@ -101,11 +103,18 @@ std::vector<int> sample(int n, int count) {
 }
 
 // ---- moe_fp8_forward ---------------------------------------------------------------------
-bool check_moe(cudaStream_t stream) {
-  const int lengths[E] = {300, 0, 129, 128, 1, 0, 517, 64};  // ragged, empty experts included
+// One call of `lengths` tokens per expert; `decode` says which side of the launcher's
+// run-time choice T must fall on (T <= gemmspec_moe_fp8_forward_decode_max_rows: the
+// decode variant's kernels), so both programs are checked.
+bool check_moe(cudaStream_t stream, const int (&lengths)[E], bool decode) {
   std::vector<int> offsets(E + 1, 0);
   for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + lengths[e];
   const int T = offsets[E];
+  char label[64], what[96];
+  std::snprintf(label, sizeof label, "moe_fp8_forward T=%d (%s)", T, decode ? "decode" : "compiled");
+  const bool side = (T <= gemmspec_moe_fp8_forward_decode_max_rows) == decode;
+  std::printf("%-38s threshold %d: %s\n", label, static_cast<int>(gemmspec_moe_fp8_forward_decode_max_rows),
+              side ? "PASS" : "FAIL");
 
   const auto x = random_fp8(static_cast<size_t>(T) * K);
   const auto x_scale = random_scales(static_cast<size_t>(T) * KB);  // [T, K/128], T contiguous
@@ -162,10 +171,11 @@ bool check_moe(cudaStream_t stream) {
       err.add(__bfloat162float(y[static_cast<size_t>(t) * N + n]), acc);
     }
   }
-  bool ok = report("moe_fp8_forward: y", err, 1e-2);
-  std::printf("%-38s %zu of %zu elements differ: %s\n", "moe_fp8_forward: y, CUDA-graph replay", differ,
-              y.size(), differ == 0 ? "PASS" : "FAIL");
-  ok = ok && differ == 0;
+  std::snprintf(what, sizeof what, "%s: y", label);
+  bool ok = report(what, err, 1e-2);
+  std::snprintf(what, sizeof what, "%s: graph replay", label);
+  std::printf("%-38s %zu of %zu elements differ: %s\n", what, differ, y.size(), differ == 0 ? "PASS" : "FAIL");
+  ok = ok && side && differ == 0;
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
 
@@ -185,8 +195,9 @@ bool check_moe(cudaStream_t stream) {
   size_t written = 0;
   for (const __nv_bfloat16 v : to_host(args.y, poison.size())) written += !std::isnan(__bfloat162float(v));
   const bool checked = set == 0 && raised == 1 && written == 0;
-  std::printf("%-38s flags %d then %d, %zu elements written: %s\n", "moe_fp8_forward: bad offsets", set, raised,
-              written, checked ? "PASS" : "FAIL");
+  std::snprintf(what, sizeof what, "%s: bad offsets", label);
+  std::printf("%-38s flags %d then %d, %zu elements written: %s\n", what, set, raised, written,
+              checked ? "PASS" : "FAIL");
   return ok && checked;
 }
 
@@ -302,7 +313,10 @@ int main() {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   bool ok = refuses;
-  ok = check_moe(stream) && ok;
+  const int prefill[E] = {300, 0, 129, 128, 1, 0, 517, 64};  // ragged, empty experts included
+  const int decode[E] = {3, 0, 130, 64, 1, 0, 200, 65};       // T = 463: the decode variant
+  ok = check_moe(stream, prefill, false) && ok;
+  ok = check_moe(stream, decode, true) && ok;
   ok = check_linear(stream) && ok;
   CHECK_CUDA(cudaStreamDestroy(stream));
   std::printf("%s\n", ok ? "PASS" : "FAIL");

@@ -492,14 +492,15 @@ def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator) -> bool:
 
 def emit_launch(
     spec: Spec, launch: Launch, config: GemmKernelConfig | None = None, check: ValidationKernel | None = None,
-    inline: bool = False,
+    inline: bool = False, table_tag: str = "",
 ) -> EmittedLaunch:
     """The launch's GEMM kernel and leaf-table builder; `config` overrides the kernel
     configuration the signature implies (benchmark probes of kernel variants; its
     `inline_table` says whether the GEMM builds the table). With `check` the builder runs
     the spec's offsets check first and builds its table from the checked copies (and the
     index tensors) the check takes. `inline`: no other kernel of the call reads the table
-    or the checked copies, so the GEMM builds the table itself where inline_possible."""
+    or the checked copies, so the GEMM builds the table itself where inline_possible.
+    `table_tag` names the builder of a variant (names.table_symbol)."""
     pg = launch.problems
     cfg = config or _launch_gemm_config(launch, inline, check)
     if cfg.split_k and not _one_k(pg):
@@ -568,7 +569,7 @@ def emit_launch(
             ("c_sn", c_expr(pg.c.strides[1])),
             ("sc_sm", c_expr(pg.sc.strides[0])),
         ]
-    table_name = table_symbol(spec.name, launch.index)
+    table_name = table_symbol(spec.name, launch.index, table_tag)
     params = tuple(tensor_param(t) for t in pg.runtime_tensors)
     dims = tuple(c_symbol(d) for d in pg.runtime_dims)
     aliases: list[tuple[str, str]] = []  # a builder that checks: its tensors, from the check's
@@ -747,11 +748,15 @@ _DERIVED = {
 }
 
 
-def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **changes) -> EmittedProgram:
+def with_kernel_config(
+    spec: Spec, program: EmittedProgram, index: int = 0, *, table_tag: str = "", **changes
+) -> EmittedProgram:
     """`program` with launch `index` re-emitted under its kernel configuration changed by
     `changes` (its leaf-table builder follows; the derived fields, and split K where the
     launch splits by default, and the K per stage, are worked out again unless `changes` sets
-    them): kernel variants for probes and tests of kernel options."""
+    them): kernel variants for probes and tests of kernel options. `table_tag` gives the
+    variant's leaf-table builder a symbol of its own (one program that links beside
+    `program` must not define the same builder twice)."""
     x = program.launches[index]
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
     inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
@@ -769,7 +774,7 @@ def with_kernel_config(spec: Spec, program: EmittedProgram, index: int = 0, **ch
         fields["split_k"] = unsplit.split_by_default()
     cfg = replace(base, **fields)
     launches = list(program.launches)
-    launches[index] = emit_launch(spec, x.launch, cfg, x.check)
+    launches[index] = emit_launch(spec, x.launch, cfg, x.check, table_tag=table_tag)
     return replace(program, launches=tuple(launches))
 
 

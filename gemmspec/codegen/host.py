@@ -22,6 +22,7 @@ from .manifest import (
     Manifest,
     Param,
     Upload,
+    Workspace,
 )
 from .names import header_guard
 
@@ -59,9 +60,12 @@ class _Step:
 
 
 class _Renderer:
-    def __init__(self, m: Manifest):
+    """Renders one step list against one workspace list (the compiled program's, or the
+    decode variant's: each program lays out its own workspaces)."""
+
+    def __init__(self, m: Manifest, workspaces: tuple[Workspace, ...] | None = None):
         self.m = m
-        self.ws_index = {w.name: i for i, w in enumerate(m.workspaces)}
+        self.ws_index = {w.name: i for i, w in enumerate(m.workspaces if workspaces is None else workspaces)}
 
     def arg(self, p: Param) -> str:
         s = p.source
@@ -109,6 +113,7 @@ class _Renderer:
     def context(self) -> dict:
         m = self.m
         dims = list(m.runtime_dims)
+        every_step = m.steps + (m.decode.steps if m.decode else ())
         return {
             "m": m,
             "manifest_version": MANIFEST_VERSION,
@@ -127,16 +132,31 @@ class _Renderer:
                 a.name: f" stored in {a.pad_rows[0]} + {a.pad_rows[1]} rows (padded segments)" if a.pad_rows else ""
                 for a in m.arguments
             },
-            "declarations": [declaration(k) for k in m.kernels],
+            "declarations": [declaration(k) for k in m.all_kernels],
             "workspaces": [(w.name, cexpr(w.bytes)) for w in m.workspaces],
             "align": WORKSPACE_ALIGN,
             "map_bytes": TENSOR_MAP_BYTES,
             "map_fixed": TENSOR_MAP_FIXED,
-            "smem_kernels": [(k.symbol, k.dynamic_smem) for k in m.kernels if k.raise_smem_limit],
+            "smem_kernels": [(k.symbol, k.dynamic_smem) for k in m.all_kernels if k.raise_smem_limit],
             "steps": [self.step(s) for s in m.steps],
-            "uses_templates": any(isinstance(s, Upload) and s.templates for s in m.steps),
-            "uses_uploads": any(isinstance(s, Upload) for s in m.steps),
-            "uses_programmatic": any(k.programmatic for k in m.kernels),
+            "decode": self.decode(),
+            "uses_templates": any(isinstance(s, Upload) and s.templates for s in every_step),
+            "uses_uploads": any(isinstance(s, Upload) for s in every_step),
+            "uses_programmatic": any(k.programmatic for k in m.all_kernels),
+        }
+
+    def decode(self) -> dict | None:
+        """The decode variant's rule, workspaces and steps, rendered as the compiled ones."""
+        d = self.m.decode
+        if d is None:
+            return None
+        steps = _Renderer(self.m, d.workspaces)
+        return {
+            "dim": d.rule.dim,
+            "max_rows": d.rule.max_rows,
+            "rule": d.rule.describe(),
+            "workspaces": [(w.name, cexpr(w.bytes)) for w in d.workspaces],
+            "steps": [steps.step(s) for s in d.steps],
         }
 
 

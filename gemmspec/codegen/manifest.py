@@ -14,7 +14,7 @@ copies, and it runs in launch 0's leaf-table builder or as a `check` step of its
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..lower.schedule import PrePass
 from ..spec import INDEX_TYPE, Spec, Tensor
@@ -47,6 +47,7 @@ from .kernels import (
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
 from .validate import Check, CheckParam, prepass_offsets
+from .variants import DecodeRule, DecodeVariant
 
 MANIFEST_VERSION = 2
 TARGET = "sm_90a"
@@ -198,6 +199,43 @@ class OffsetsCheck:
 
 
 @dataclass(frozen=True)
+class DecodeChoice:
+    """The decode variant a call takes by its run-time dim (codegen/variants.py), as the
+    files describe it: the rule, the variant's files (its changed launches' sources under
+    names of their own), and its own workspaces and step list, which the launcher runs in
+    place of the compiled ones. Both are whole lists: beside the changed launches' GEMM
+    kernels, their tensor-map templates (other boxes), split-K workspaces and counters
+    (other tile counts) and leaf-table builders (where a launch has one) differ too."""
+
+    rule: DecodeRule
+    launches: tuple[tuple[int, str, str], ...]  # (launch index, kernel as compiled, decode kernel)
+    files: dict[str, str]  # output file name -> the file name in the variant's sources
+    workspaces: tuple[Workspace, ...]
+    steps: tuple[Step, ...]
+
+    @property
+    def kernels(self) -> tuple[KernelLaunch, ...]:
+        return tuple(s for s in self.steps if isinstance(s, KernelLaunch))
+
+    def to_json(self) -> dict:
+        rule = self.rule
+        return {
+            "dim": rule.dim,
+            "group": rule.group,
+            "segments": rule.segments,
+            "rows_per_segment": rule.rows_per_segment,
+            "max_rows": rule.max_rows,
+            "rule": rule.describe(),
+            "launches": [
+                {"launch": i, "compiled": before, "decode": after} for i, before, after in self.launches
+            ],
+            "files": sorted(self.files),
+            "workspaces": [_workspace_json(w) for w in self.workspaces],
+            "steps": [_step_json(s) for s in self.steps],
+        }
+
+
+@dataclass(frozen=True)
 class Manifest:
     spec: str
     source: str  # the .gspec file
@@ -207,10 +245,19 @@ class Manifest:
     workspaces: tuple[Workspace, ...]
     steps: tuple[Step, ...]
     offsets_check: OffsetsCheck | None = None
+    decode: DecodeChoice | None = None  # the kernels a call may take instead, by its size
 
     @property
     def kernels(self) -> tuple[KernelLaunch, ...]:
         return tuple(s for s in self.steps if isinstance(s, KernelLaunch))
+
+    @property
+    def all_kernels(self) -> tuple[KernelLaunch, ...]:
+        """Every kernel the launcher may launch: the compiled steps', then the decode
+        variant's that differ (each symbol once)."""
+        seen = {k.symbol for k in self.kernels}
+        extra = [k for k in self.decode.kernels if k.symbol not in seen] if self.decode else []
+        return self.kernels + tuple(dict((k.symbol, k) for k in extra).values())
 
     @property
     def prefix(self) -> str:
@@ -219,7 +266,7 @@ class Manifest:
     @property
     def files(self) -> dict[str, object]:
         return {
-            "kernels": sorted({k.file for k in self.kernels}),
+            "kernels": sorted({k.file for k in self.all_kernels}),
             "host": f"{self.stem}_host.cu",
             "header": f"{self.stem}.h",
             "device_header": SHARED_HEADER,
@@ -245,17 +292,21 @@ class Manifest:
             "runtime_dims": list(self.runtime_dims),
             "arguments": [_argument_json(a) for a in self.arguments],
             "workspace_align": WORKSPACE_ALIGN,
-            "workspaces": [
-                {"name": w.name, "bytes": str(w.bytes), "purpose": w.purpose} for w in self.workspaces
-            ],
+            "workspaces": [_workspace_json(w) for w in self.workspaces],
             "steps": [_step_json(s) for s in self.steps],
         }
         if self.offsets_check is not None:
             doc["offsets_check"] = self.offsets_check.to_json()
+        if self.decode is not None:  # only where a launch has a decode variant
+            doc["run_time_choice"] = self.decode.to_json()
         return doc
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"
+
+
+def _workspace_json(w: Workspace) -> dict:
+    return {"name": w.name, "bytes": str(w.bytes), "purpose": w.purpose}
 
 
 def _argument_json(a: Argument) -> dict:
@@ -934,3 +985,29 @@ def launch_manifest(spec: Spec, program: EmittedProgram, stem: str | None = None
         spec.name, spec.path, b.stem, spec.runtime_dims, spec_arguments(spec),
         tuple(b.workspaces), tuple(b.steps), check,
     )
+
+
+def decode_file(stem: str, launch: int) -> str:
+    """The file of a launch's decode variant: the compiled file's name, tagged."""
+    return f"{stem}_launch{launch}_decode.cu"
+
+
+def with_decode_choice(spec: Spec, manifest: Manifest, variant: DecodeVariant) -> Manifest:
+    """`manifest` with the decode variant a call may take instead (DecodeChoice). The
+    variant's manifest is built as any other; its changed launches' kernels then move to
+    files of their own, since the variant's sources have the compiled file names."""
+    decode = launch_manifest(spec, variant.program, manifest.stem)
+    changed_launches = {i for i, _, _ in variant.launches}
+    files: dict[str, str] = {}
+    steps: list[Step] = []
+    for s in decode.steps:
+        if isinstance(s, KernelLaunch) and s.owner.startswith("launch "):
+            i = int(s.owner.split()[1])
+            if i in changed_launches:
+                # The sources are keyed by the spec's name; file names use the stem.
+                assert s.file.startswith(manifest.stem)
+                files[decode_file(manifest.stem, i)] = variant.program.spec + s.file[len(manifest.stem) :]
+                s = replace(s, file=decode_file(manifest.stem, i))
+        steps.append(s)
+    choice = DecodeChoice(variant.rule, variant.launches, files, decode.workspaces, tuple(steps))
+    return replace(manifest, decode=choice)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-# A stem plus its longest suffix (`_prepass<i>.cubin`, `.manifest.json`) stays well
+# A stem plus its longest suffix (`_launch<i>_decode.cubin`, `.manifest.json`) stays well
 # under MAX_FILE_NAME_BYTES, which leaves room for a temporary name below 255 bytes.
 _MAX_STEM_BYTES = 150
 MAX_FILE_NAME_BYTES = 200
@@ -48,8 +48,10 @@ def gemm_symbol(spec_name: str, launch: int, procedural: str) -> str:
     return f"gs_{spec_name}_l{launch}_{_tail(procedural)}"
 
 
-def table_symbol(spec_name: str, launch: int) -> str:
-    return f"gs_{spec_name}_l{launch}_leaves"
+def table_symbol(spec_name: str, launch: int, tag: str = "") -> str:
+    """A launch's leaf-table builder; `tag` names a variant whose tiles differ (the table
+    counts tiles, so the variant's builder is another kernel and needs its own symbol)."""
+    return f"gs_{spec_name}_l{launch}_leaves" + (f"_{tag}" if tag else "")
 
 
 def check_symbol(spec_name: str) -> str:

@@ -36,6 +36,9 @@ DECODE_TILE_M = 64
 DECODE_CHANGES = {"tile_m": DECODE_TILE_M, "cluster": 1, "multicast_b": False}
 # Average rows per segment at or below which a call takes the decode variant.
 DECODE_ROWS_PER_SEGMENT = 64
+# The decode variant's leaf-table builders (where a launch has one) are named with this
+# tag: their tables count 64-row tiles, so they are other kernels than the compiled ones.
+DECODE_TABLE_TAG = "decode"
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ def decode_variant(spec: Spec, schedule: Schedule, program: EmittedProgram) -> D
         elif (rule.dim, rule.group, rule.segments) != rows:
             continue
         try:
-            candidate = with_kernel_config(spec, variant, launch.index, **DECODE_CHANGES)
+            candidate = with_kernel_config(
+                spec, variant, launch.index, table_tag=DECODE_TABLE_TAG, **DECODE_CHANGES
+            )
         except ValueError:  # the narrower tile does not fit this kernel's options
             continue
         before = program.launches[launch.index].gemm.name

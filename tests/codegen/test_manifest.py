@@ -71,12 +71,12 @@ def test_documented_fields_are_the_schema_fields():
 def test_symbols_are_unique_across_every_example(planned):
     symbols = []
     for sf in planned:
-        symbols += [k.symbol for k in sf.manifest.kernels]
+        symbols += [k.symbol for k in sf.manifest.all_kernels]
         symbols += [f"{sf.manifest.prefix}_run", f"{sf.manifest.prefix}_workspace_bytes"]
     assert len(symbols) == len(set(symbols))
     assert all(re.fullmatch(r"[A-Za-z_]\w*", s) for s in symbols)
     for sf in planned:
-        assert all(k.symbol.startswith(f"gs_{sf.spec.name}_") for k in sf.manifest.kernels)
+        assert all(k.symbol.startswith(f"gs_{sf.spec.name}_") for k in sf.manifest.all_kernels)
 
 
 def test_two_specs_defining_one_symbol_are_refused(planned):
@@ -226,16 +226,20 @@ def test_header_and_launcher_are_the_manifest_laid_out(planned):
         assert re.search(rf"size_t {m.prefix}_workspace_bytes\(", header)
         for a in m.arguments:
             assert f"  {a.ctype} {a.name};" in header
-        # Every kernel is launched once, in manifest order: GEMM kernels as programmatic
+        # Every kernel is launched once, in manifest order (the decode variant's steps
+        # first, in their branch, where there is one): GEMM kernels as programmatic
         # dependents of their builders (cudaLaunchKernelEx), the others (GEMM kernels that
         # build their tables too) with <<<>>>.
         found = re.findall(r"^\s+(gs_\w+)<<<|cudaLaunchKernelEx\(&config, (gs_\w+),", host, re.MULTILINE)
         launched = [a or b for a, b in found if (a or b) != "gs_upload_kernel"]
-        assert launched == [k.symbol for k in m.kernels]
+        kernels = [*(m.decode.kernels if m.decode else ()), *m.kernels]
+        assert launched == [k.symbol for k in kernels]
         ex = [b for _, b in found if b]
-        kernels = list(m.kernels)
-        after_builder = [k.symbol for i, k in enumerate(kernels) if i > 0 and kernels[i - 1].role == "leaf_table"]
-        assert ex == [k.symbol for k in m.kernels if k.programmatic] == after_builder
+        after_builder = [
+            k.symbol for i, k in enumerate(kernels)
+            if i > 0 and kernels[i - 1].role == "leaf_table" and kernels[i - 1].owner == k.owner
+        ]
+        assert ex == [k.symbol for k in kernels if k.programmatic] == after_builder
         assert host.count("cudaLaunchAttributeProgrammaticStreamSerialization") == len(ex)
         assert ("#define GEMMSPEC_PDL 1" in host) == bool(ex)
         assert "cuTensorMapEncodeTiled" in host and "cudaStreamSynchronize" not in host

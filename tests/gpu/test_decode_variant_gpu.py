@@ -115,3 +115,29 @@ def test_a_graph_captured_on_the_decode_variant_replays_with_new_counts():
             ref[start:start + c] = xa[start:start + c] @ wb[e].T
             start += c
         assert_close_elementwise(y, ref, dtype="bf16")
+
+
+# Two launches, each with a leaf-table builder of its own (the shrink and the expand of
+# examples/lora_qkv_one_spec.gspec, 4 adapters: the threshold is T = 256). The decode
+# variant's builders count 64-row tiles: segments of 65 and 129 rows take one more tile
+# than 128-row counting gives, so a builder of the compiled program would leave rows out.
+LORA = Path(__file__).resolve().parents[2] / "examples" / "lora_qkv_one_spec.gspec"
+LORA_LENGTHS = {"decode": [0, 129, 65, 2], "compiled": [129, 65, 0, 200]}
+
+
+@pytest.mark.parametrize("side", sorted(LORA_LENGTHS))
+def test_launches_with_builders_of_their_own_match_the_reference(side):
+    from gemmspec.runtime.verify import run_random
+
+    exe = gemmspec.build(LORA)
+    variant = exe.decode
+    assert variant is not None and variant.rule.max_rows == DECODE_ROWS_PER_SEGMENT * 4
+    lengths = LORA_LENGTHS[side]
+    picked = exe.program_for({"T": sum(lengths)})
+    assert (picked is variant.program) == (side == "decode")
+    if side == "decode":
+        assert all(not x.gemm.inline_table and x.table_kernel.endswith("_decode") for x in picked.launches)
+    report = run_random(exe, lengths={"lora": lengths}, seed=sum(lengths), repeats=0)
+    print(report.describe())
+    assert report.ok, report.describe()
+    assert {c.tensor for c in report.checks} == {"a", "y"}
