@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import GemmspecError, OutputError
+from .errors import DeviceUnavailableError, GemmspecError, OutputError
 
 EXIT_SPEC_ERROR = 1
 EXIT_USAGE = 2
+EXPLAIN_WIDTH = 100  # the most columns `explain` wraps its text at on a terminal
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -31,6 +33,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own `__version__` where gemmspec
+    runs from a source tree that was never installed (PYTHONPATH=.)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gemmspec")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gemmspec",
@@ -40,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="See docs/language.md for the .gspec language and docs/usage.md for every command.",
     )
+    parser.add_argument("--version", action="version", version=f"gemmspec {version()}")
     parser.add_argument(
         "--traceback",
         action="store_true",
@@ -67,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p)
     p.add_argument("--json", action="store_true", help="print the documented JSON form instead")
+    p.add_argument(
+        "--width",
+        type=_width,
+        metavar="N",
+        help=(
+            f"wrap the text at N columns; 0: one line per item. Default: the terminal's width, at "
+            f"most {EXPLAIN_WIDTH}, on a terminal; one line per item into a pipe or file (for grep)"
+        ),
+    )
     p.set_defaults(run=cmd_explain)
 
     p = sub.add_parser(
@@ -190,6 +216,12 @@ def _output_path(text: str) -> Path:
     return Path(text)
 
 
+def _width(text: str) -> int:
+    if not text.isdigit() or not (int(text) == 0 or int(text) >= 40):
+        raise argparse.ArgumentTypeError(f"expected 0 (no wrapping) or a width of at least 40, got {text!r}")
+    return int(text)
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -271,6 +303,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .build import build
+    from .runtime.arrays import require_hopper
     from .runtime.verify import run_random
 
     dims = _dims(args.dims)
@@ -279,6 +312,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     exe = build(args.file)
     if not _check_dims(exe.spec, dims):
         return EXIT_USAGE
+    require_hopper(0)  # before the seconds of random inputs and reference on the host
     report = run_random(exe, dims=dims, seed=args.seed, repeats=args.repeats)
     for c in report.checks:
         print(f"{report.spec}: {c.describe()}")
@@ -304,7 +338,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([schedule_json(x.spec, x.schedule) for x in lowered], indent=2))
     else:
-        print("\n\n".join(explain_text(x.spec, x.schedule) for x in lowered))
+        width = args.width
+        if width is None:  # wrap for a reader, not for a program reading the lines
+            width = max(40, min(EXPLAIN_WIDTH, shutil.get_terminal_size().columns)) if sys.stdout.isatty() else 0
+        width = width or None
+        print("\n\n".join(explain_text(x.spec, x.schedule, width=width) for x in lowered))
     return 0
 
 
@@ -334,6 +372,8 @@ def _report(e: Exception, args: argparse.Namespace) -> tuple[int, str]:
     spec_file = getattr(args, "file", None)
     if isinstance(e, OutputError):
         return EXIT_USAGE, f"gemmspec: error: {e}"
+    if isinstance(e, DeviceUnavailableError):
+        return EXIT_SPEC_ERROR, f"gemmspec: error: {e}"
     if isinstance(e, GemmspecError):
         return EXIT_SPEC_ERROR, str(e)
     if not isinstance(e, OSError):  # a UnicodeDecodeError: only the spec file is read as text
