@@ -29,7 +29,8 @@ TOKENS = 1000
 # the machine (each nvcc of an FP8 kernel takes seconds of CPU and ~1 GB).
 WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+# Minutes of nvcc: in the slow set (README, "Contributing").
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH"), pytest.mark.slow]
 
 DRIVER = """\
 // Links both specs' host launchers into one program; needs no GPU to run.

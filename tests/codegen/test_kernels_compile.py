@@ -177,6 +177,7 @@ def compiled():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(GEMM_CONFIGS))
 def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
@@ -242,6 +243,7 @@ def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -
 # One or two B scales per tile: the producer stages each row's SA x SB products, so no
 # multiply sits between a K block's wgmma (with raw scales ptxas put the four products
 # there, waiting on the shared loads and holding up the rest of the batch's issue).
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["e4m3_n192", "e4m3_pair", "e4m3_1x128_128x128_bf16"])
 def test_scale_products_stay_out_of_the_wgmma_issue(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
@@ -264,6 +266,7 @@ QUANTIZE_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(QUANTIZE_CONFIGS))
 def test_quantize_compiles(compiled, key: str) -> None:
     cfg = QUANTIZE_CONFIGS[key]
