@@ -231,6 +231,7 @@ def _ops_inside_batches(sass: str, op_name: str) -> int:
 # Per-column B scales (the WGRAD) are read from the stage before the K block's wgmma issue:
 # read after it, ptxas put the loads between the batch's first and second wgmma, with the
 # SA x SB products waiting on them there. One or two B scales are read after the issue.
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["e4m3_1d1d_f32_acc", "e4m3_1d1d_n144"])
 def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]

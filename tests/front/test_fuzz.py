@@ -435,6 +435,7 @@ def test_the_construct_specs_emit():
         assert front(text), text
 
 
+@pytest.mark.slow
 def test_the_mutants_reach_the_later_constructs(fuzz_run):
     """Some accepted mutants carry each construct, and some refused ones name it."""
     marks = {
