@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import GemmspecError, OutputError
+from .errors import DeviceUnavailableError, GemmspecError, OutputError
 
 EXIT_SPEC_ERROR = 1
 EXIT_USAGE = 2
+EXPLAIN_WIDTH = 100  # the most columns `explain` wraps its text at on a terminal
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -31,6 +33,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own `__version__` where gemmspec
+    runs from a source tree that was never installed (PYTHONPATH=.)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gemmspec")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gemmspec",
@@ -40,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="See docs/language.md for the .gspec language and docs/usage.md for every command.",
     )
+    parser.add_argument("--version", action="version", version=f"gemmspec {version()}")
     parser.add_argument(
         "--traceback",
         action="store_true",
@@ -74,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--backward",
         action="store_true",
         help="explain the derived backward (DGRAD/WGRAD) spec: its text and its explain",
+    )
+    p.add_argument(
+        "--width",
+        type=_width,
+        metavar="N",
+        help=(
+            f"wrap the text at N columns; 0: one line per item. Default: the terminal's width, at "
+            f"most {EXPLAIN_WIDTH}, on a terminal; one line per item into a pipe or file (for grep)"
+        ),
     )
     p.set_defaults(run=cmd_explain)
 
@@ -232,6 +258,12 @@ def _output_path(text: str) -> Path:
     return Path(text)
 
 
+def _width(text: str) -> int:
+    if not text.isdigit() or not (int(text) == 0 or int(text) >= 40):
+        raise argparse.ArgumentTypeError(f"expected 0 (no wrapping) or a width of at least 40, got {text!r}")
+    return int(text)
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -313,6 +345,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .build import build
+    from .runtime.arrays import require_hopper
     from .runtime.verify import run_random
 
     dims = _dims(args.dims)
@@ -321,6 +354,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     exe = build(args.file)
     if not _check_dims(exe.spec, dims):
         return EXIT_USAGE
+    require_hopper(0)  # before the seconds of random inputs and reference on the host
     report = run_random(exe, dims=dims, seed=args.seed, repeats=args.repeats)
     for c in report.checks:
         print(f"{report.spec}: {c.describe()}")
@@ -346,14 +380,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         docs = [{**schedule_json(x.spec, x.schedule), "backward": backward_json(x.spec)} for x in lowered]
         print(json.dumps(docs, indent=2))
-    elif args.backward:
+        return 0
+    width = args.width
+    if width is None:  # wrap for a reader, not for a program reading the lines
+        width = max(40, min(EXPLAIN_WIDTH, shutil.get_terminal_size().columns)) if sys.stdout.isatty() else 0
+    width = width or None
+    if args.backward:
         parts = []
         for x in lowered:
             bw, b = _backward_of(x.spec)
-            parts.append("\n".join([bw.text(), "", bw.source.rstrip("\n"), "", explain_text(b.spec, b.schedule, backward=False)]))
+            text = explain_text(b.spec, b.schedule, backward=False, width=width)
+            parts.append("\n".join([bw.text(), "", bw.source.rstrip("\n"), "", text]))
         print("\n\n".join(parts))
     else:
-        print("\n\n".join(explain_text(x.spec, x.schedule) for x in lowered))
+        print("\n\n".join(explain_text(x.spec, x.schedule, width=width) for x in lowered))
     return 0
 
 
@@ -383,6 +423,8 @@ def _report(e: Exception, args: argparse.Namespace) -> tuple[int, str]:
     spec_file = getattr(args, "file", None)
     if isinstance(e, OutputError):
         return EXIT_USAGE, f"gemmspec: error: {e}"
+    if isinstance(e, DeviceUnavailableError):
+        return EXIT_SPEC_ERROR, f"gemmspec: error: {e}"
     if isinstance(e, GemmspecError):
         return EXIT_SPEC_ERROR, str(e)
     if not isinstance(e, OSError):  # a UnicodeDecodeError: only the spec file is read as text

@@ -8,6 +8,9 @@ has `name`, `decision`, `reasons`, `launches` (each with `leaf_count`) and
 
 from __future__ import annotations
 
+import re
+import textwrap
+
 from .lower.schedule import Launch, Schedule
 from .spec import Spec
 
@@ -291,9 +294,43 @@ def backward_json(spec: Spec) -> dict:
     return doc
 
 
-def explain_text(spec: Spec, schedule: Schedule, backward: bool = True) -> str:
-    """What `explain` prints; `backward=False` leaves out the derived backward's summary
-    (the explain of a backward spec itself)."""
+# A line's indent and item marker: continuation lines hang under the text after it.
+_ITEM = re.compile(r"( *)(- |\[\d+\] )?")
+# A short bracketed list ("[1, 128, 128]", "[t, k]") is wrapped as one word.
+_SHORT_BRACKETS = re.compile(r"\[[^\[\]]{1,24}\]")
+_KEEP = "\x00"  # stands for a space no line may break at while wrapping
+
+
+def wrap(text: str, width: int) -> str:
+    """`text` with every line longer than `width` wrapped at spaces. A continuation line
+    hangs under the text of a `- ` or `[i] ` item, or 4 columns deeper than its line (so
+    it never reads as one of the line's children, which are 2 deeper). A line's first word
+    stays with its indent, a short bracketed list stays whole, and words are never split
+    (a kernel name longer than `width` keeps its line), so every name stays searchable."""
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width or _KEEP in line:
+            out.append(line)
+            continue
+        indent, item = _ITEM.match(line).groups()
+        if item:
+            head, hang = indent + item, " " * len(indent + item)
+        else:
+            first = re.match(r" *\S+ ", line)
+            head, hang = (first.group() if first else indent), " " * (len(indent) + 4)
+        body = _SHORT_BRACKETS.sub(lambda m: m.group().replace(" ", _KEEP), line[len(head):])
+        wrapped = textwrap.wrap(
+            body, width, initial_indent=head, subsequent_indent=hang,
+            break_long_words=False, break_on_hyphens=False,
+        )
+        out += [w.replace(_KEEP, " ") for w in wrapped]
+    return "\n".join(out)
+
+
+def explain_text(spec: Spec, schedule: Schedule, backward: bool = True, width: int | None = None) -> str:
+    """What `gemmspec explain` prints: one line per item, or wrapped at `width` columns;
+    `backward=False` leaves out the derived backward's summary (the explain of a backward
+    spec itself)."""
     lines = [f"spec {spec.name} ({spec.path}:{spec.line})"]
     lines.append("nest:")
     if not spec.groups:
@@ -333,4 +370,5 @@ def explain_text(spec: Spec, schedule: Schedule, backward: bool = True) -> str:
         from .backward import derive_backward  # the gradients a training step would run
 
         lines += derive_backward(spec).text().splitlines()
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    return text if width is None else wrap(text, width)

@@ -104,6 +104,18 @@ def _need_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(map(_requires_grad, tensors))
 
 
+def _refuse_host(op: object, named) -> None:
+    """The error `gemmspec.build`'s executables give for a tensor on the host, where the op
+    has no CPU kernel: the dispatcher would otherwise refuse the call in terms of its
+    dispatch keys. `named`: (name, value) pairs; `op`: the OpOverload the call goes to. A
+    CPU kernel registered for the op (a test's reference) takes such calls instead."""
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+                raise ArgumentError(f"tensor {name!r} is on the host; pass a CUDA tensor")
+            return
+
+
 def torch_dtype(dtype: str) -> torch.dtype:
     """The torch dtype of a gemmspec element type ('e4m3' -> torch.float8_e4m3fn)."""
     return _DTYPES[dtype]
@@ -344,12 +356,14 @@ class GemmOp:
             )
         args = [tensors[n] for n in self.inputs]
         if not given:
+            _refuse_host(self.functional, zip(self.inputs, args))
             return self.functional(*args)
         if len(given) != len(self.outputs):
             raise ArgumentError(
                 f"{self.exe.spec.name}: pass every output ({', '.join(self.outputs)}) or none"
             )
         outs = [tensors[n] for n in self.outputs]
+        _refuse_host(self.in_place, ((n, tensors[n]) for n in self.inputs + self.outputs))
         self.in_place(*args, *outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -687,6 +701,11 @@ class GemmFunction:
                         f"{self.spec.name}: '{name}' requires grad, but its gradient is not "
                         f"derived ({why}); pass it detached (or with requires_grad=False)"
                     )
+        # Before any quantization: the op would refuse the host tensors only after it.
+        _refuse_host(
+            self.forward_op.in_place if given else self.forward_op.functional,
+            ((n, tensors[n]) for n in (*self.args, *given)),
+        )
         # The given outputs travel as inputs of the autograd function, which marks them
         # written in place (so autograd tracks their new contents as its outputs).
         outs = _Autograd.apply(self, len(self.args), *[tensors[n] for n in self.args], *[tensors[n] for n in given])

@@ -425,9 +425,9 @@ def tune(
         path, text = "<string>", spec
     found = enumerate_candidates(text, path, only)  # spec errors first, as `gemmspec run`
     if runner is None:
-        from .runtime.arrays import get_device
+        from .runtime.arrays import require_hopper
 
-        get_device(0)  # no GPU: the error `gemmspec run` gives, before any compiling
+        require_hopper(0)  # no Hopper GPU: the error `gemmspec run` gives, before any compiling
     on_candidates(found)
     runner = runner or gpu_runner(dims, lengths, seed)
     timer = timer or event_timer

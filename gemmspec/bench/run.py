@@ -83,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         for c in CASES:
             print(f"{c.name:36} {c.target.describe():32} {c.what}")
         return 0
+    # The device first: without one, say so at once rather than after importing torch.
+    from ..errors import DeviceUnavailableError
+    from ..runtime.arrays import require_hopper
+
+    try:
+        require_hopper(0)
+    except DeviceUnavailableError as e:
+        print(f"gemmspec bench: error: {e}", file=sys.stderr)
+        return 1
     try:
         torch = load_torch()
         import triton  # noqa: F401
@@ -90,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gemmspec bench: needs torch and triton ({e})", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("gemmspec bench: no CUDA device", file=sys.stderr)
-        return 2
+        print("gemmspec bench: torch sees no CUDA device (a CPU-only torch build?)", file=sys.stderr)
+        return 1
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     dg = deepgemm.DEEPGEMM = None if args.no_deepgemm else deepgemm.load()
     if dg is not None:

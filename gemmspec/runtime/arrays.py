@@ -30,6 +30,7 @@ __all__ = [
     "as_device_array",
     "get_device",
     "numpy_dtype",
+    "require_hopper",
 ]
 
 # gemmspec dtype name -> host numpy dtype (FP8 and BF16 through ml_dtypes).
@@ -89,6 +90,21 @@ def get_device(ordinal: int = 0) -> Device:
         raise DeviceUnavailableError(
             f"no usable CUDA device {ordinal} (is an NVIDIA GPU and driver present?): {e}"
         ) from e
+    return device
+
+
+def require_hopper(ordinal: int = 0) -> Device:
+    """The device `ordinal` if it is a Hopper GPU (compute capability 9.0), made current;
+    DeviceUnavailableError otherwise. Commands that would spend seconds on random inputs
+    and compiling before their first launch call this first, to fail at once."""
+    device = get_device(ordinal)
+    cc = device.compute_capability
+    if (cc.major, cc.minor) != (9, 0):
+        name = getattr(device, "name", "")
+        raise DeviceUnavailableError(
+            f"CUDA device {ordinal}{f' ({name})' if name else ''} is sm_{cc.major}{cc.minor}; "
+            "gemmspec's kernels are built for sm_90a and need a Hopper GPU (H100, H200, GH200)"
+        )
     return device
 
 

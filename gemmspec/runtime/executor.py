@@ -184,7 +184,7 @@ class Executable:
         spec: Spec,
         schedule: Schedule,
         program: EmittedProgram,
-        explain: Callable[[Spec, Schedule], str] | None = None,
+        explain: Callable[..., str] | None = None,
     ):
         """`explain` renders what `explain()` returns (gemmspec.build passes the
         `gemmspec explain` text; the runtime does not render it itself)."""
@@ -205,10 +205,14 @@ class Executable:
     def sources(self) -> dict[str, str]:
         return self.program.sources()
 
-    def explain(self) -> str:
+    def explain(self, width: int | None = None) -> str:
+        """The `gemmspec explain` text: one line per item, or wrapped at `width` columns
+        as the command prints it (`width=100`)."""
         if self._explain is None:
             raise GemmspecError(f"{self.spec.name}: made without an explain renderer (gemmspec.build gives one)")
-        return self._explain(self.spec, self.schedule)
+        if width is None:
+            return self._explain(self.spec, self.schedule)
+        return self._explain(self.spec, self.schedule, width=width)
 
     # ---- arguments -------------------------------------------------------------------
     def argument_names(self) -> list[str]:

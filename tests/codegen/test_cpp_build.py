@@ -6,6 +6,7 @@ where nvcc is not installed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,12 @@ NVCC = shutil.which("nvcc")
 ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 STRICT = ["-std=c++17", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror,-fPIC"]
 TOKENS = 1000
+# One nvcc per core this process may run on: more only queue up and starve the rest of
+# the machine (each nvcc of an FP8 kernel takes seconds of CPU and ~1 GB).
+WORKERS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+# Minutes of nvcc: in the slow set (README, "Contributing").
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH"), pytest.mark.slow]
 
 DRIVER = """\
 // Links both specs' host launchers into one program; needs no GPU to run.
@@ -82,7 +87,7 @@ def test_every_example_builds_and_links_into_one_program(tmp_path):
         (out / f"only_{header}.cu").write_text(f'#include "{header}"\n')
         jobs.append((*STRICT, "-c", f"only_{header}.cpp", "-o", f"only_{header}.cpp.o"))
         jobs.append((ARCH, *STRICT, "-c", f"only_{header}.cu", "-o", f"only_{header}.cu.o"))
-    with ThreadPoolExecutor(max_workers=16) as pool:
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
 
     objects = [f"{s}.o" for s in sources]
@@ -108,7 +113,7 @@ def test_a_check_of_its_own_builds_into_the_launcher(tmp_path):
     host = (out / "wgrad_requant_host.cu").read_text()
     assert host.index("gs_wgrad_requant_check") < host.index("_p0_sm90a_requant")
     jobs = [(ARCH, *STRICT, "-c", s, "-o", f"{s}.o") for s in sources]
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
     _nvcc(ARCH, "-shared", *(f"{s}.o" for s in sources), "-o", "libwgrad.so", cwd=out)
 
@@ -129,6 +134,6 @@ def test_the_scattered_backward_builds_into_the_launcher(tmp_path):
     host = (out / f"{bw.spec_name}_host.cu").read_text()
     assert "_p16_rows_rw" in host
     jobs = [(ARCH, *STRICT, "-c", s, "-o", f"{s}.o") for s in sources]
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         list(pool.map(lambda job: _nvcc(*job, cwd=out), jobs))
     _nvcc(ARCH, "-shared", *(f"{s}.o" for s in sources), "-o", "libbackward.so", cwd=out)

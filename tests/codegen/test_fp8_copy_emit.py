@@ -126,6 +126,7 @@ def _compile(source: str, name: str):
     return cubin, log, disassemble
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_emitted_launch_compiles_without_spills(key):
     _, _, launch = launch_of(key)

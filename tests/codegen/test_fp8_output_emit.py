@@ -134,6 +134,7 @@ def test_configs_without_an_fp8_output_render_none_of_it():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_emitted_launch_compiles_without_spills(key):
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")

@@ -163,6 +163,7 @@ def test_bad_gather_configs_are_rejected(kwargs):
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_emitted_launch_compiles_without_spills(key):
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
@@ -189,6 +190,7 @@ def test_emitted_launch_compiles_without_spills(key):
         assert not re.search(r"\bUTMA(STG|REDG)\b", sass), "a scattered D stored by TMA"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(k for k in CASES if "gather" in k))
 def test_rows_by_tma_by_default(key):
     """gather_tma (the default for a gathered A): A's map is a box of one row over all of

@@ -108,6 +108,7 @@ def test_shared_memory_counts_the_table():
         GemmKernelConfig("bf16", "bf16", "bf16", tile_m=64, tile_n=16, inline_table=4800, scatter=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora_moe_nested", "moe_fp8_forward", "moe_fp8_wgrad", "moe_masked_decode"])
 def test_compiles_spill_free_with_the_pipeline(name):
     pytest.importorskip("cuda.pathfinder", reason="cuda-pathfinder is not installed")

@@ -177,6 +177,7 @@ def compiled():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(GEMM_CONFIGS))
 def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
@@ -230,6 +231,7 @@ def _ops_inside_batches(sass: str, op_name: str) -> int:
 # Per-column B scales (the WGRAD) are read from the stage before the K block's wgmma issue:
 # read after it, ptxas put the loads between the batch's first and second wgmma, with the
 # SA x SB products waiting on them there. One or two B scales are read after the issue.
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["e4m3_1d1d_f32_acc", "e4m3_1d1d_n144"])
 def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
@@ -242,6 +244,7 @@ def test_per_column_scales_are_read_before_the_wgmma_issue(compiled, key: str) -
 # One or two B scales per tile: the producer stages each row's SA x SB products, so no
 # multiply sits between a K block's wgmma (with raw scales ptxas put the four products
 # there, waiting on the shared loads and holding up the rest of the batch's issue).
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["e4m3_n192", "e4m3_pair", "e4m3_1x128_128x128_bf16"])
 def test_scale_products_stay_out_of_the_wgmma_issue(compiled, key: str) -> None:
     cfg = GEMM_CONFIGS[key]
@@ -264,6 +267,7 @@ QUANTIZE_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(QUANTIZE_CONFIGS))
 def test_quantize_compiles(compiled, key: str) -> None:
     cfg = QUANTIZE_CONFIGS[key]

@@ -140,6 +140,7 @@ def test_explain_says_where_the_check_runs(capsys):
     assert "offsets check" not in explain_text(spec, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["moe_fp8_wgrad", "moe_fp8_gather_scatter", "split_nest", "moe_masked_decode"])
 def test_builders_that_check_compile_without_spills(name):
     """The builders of every kind of check (anchored scale rows, index tensors, nested

@@ -41,6 +41,7 @@ gemm tensorwise_fixed {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(SPECS))
 def test_per_tensor_launches_compile(key, tmp_path):
     (lowered,) = lower_file(SPECS[key])

@@ -111,6 +111,7 @@ def _opcodes(source: str, name: str) -> dict[str, Counter]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["moe_fp8_forward", "moe_bf16_forward", "lora_moe_nested"])
 def test_in_sass_the_wait_is_all_that_changes(name):
     """griddepcontrol.wait is ACQBULK, once per role (or once before the roles part, where

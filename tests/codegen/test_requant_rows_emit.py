@@ -140,6 +140,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(CONFIGS))
 def test_the_switched_kernels_compile_spill_free(key):
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")
@@ -156,6 +157,7 @@ def test_the_switched_kernels_compile_spill_free(key):
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "moe_ffn_fp8_train.gspec"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", ["auto", "fused"])
 def test_every_kernel_of_the_example_backward_compiles_spill_free(gather):
     """The backward of examples/moe_ffn_fp8_train.gspec (DGRAD with gathered dy rows before

@@ -103,6 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(SPECS))
 def test_padded_launch_compiles_without_spills(key):
     pytest.importorskip("cuda.core", reason="cuda-python (cuda.core) is not installed")

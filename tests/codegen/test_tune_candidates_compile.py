@@ -25,6 +25,7 @@ CANDIDATES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, candidate", CANDIDATES, ids=[f"{n}-{c.label}" for n, c in CANDIDATES])
 def test_candidate_compiles_without_spills(name, candidate, tmp_path):
     x = lower_file(candidate.text)[0]

@@ -418,6 +418,7 @@ def fuzz_run() -> FuzzRun:
     return run
 
 
+@pytest.mark.slow
 def test_every_mutant_checks_or_fails_located(fuzz_run, capsys):
     with capsys.disabled():
         print("\n" + fuzz_run.summary())
@@ -434,6 +435,7 @@ def test_the_construct_specs_emit():
         assert front(text), text
 
 
+@pytest.mark.slow
 def test_the_mutants_reach_the_later_constructs(fuzz_run):
     """Some accepted mutants carry each construct, and some refused ones name it."""
     marks = {
@@ -447,6 +449,7 @@ def test_the_mutants_reach_the_later_constructs(fuzz_run):
     assert not missing, f"no accepted mutant has: {', '.join(missing)}"
 
 
+@pytest.mark.slow
 def test_accepted_mutants_compile(fuzz_run, tmp_path, capsys):
     """A sample of accepted mutants whose code the unmutated specs do not emit."""
     known = {x.source for text in corpus() for prog in front(text) for x in prog.launches}

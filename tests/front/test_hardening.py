@@ -295,6 +295,7 @@ def test_thousands_of_statements_check_in_linear_time():
     assert len(schedule.launches) == 4000
 
 
+@pytest.mark.slow
 def test_more_launches_than_a_spec_may_make():
     n = MAX_LAUNCHES + 2
     first_statement = 5 + n // 2 + 2 * (n - n // 2) + 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gemmspec.analyse import analyse
 from gemmspec.check import check
 from gemmspec.lower.lowering import lower
@@ -45,6 +47,7 @@ def front_half_seconds(text: str, repeats: int) -> float:
     return best
 
 
+@pytest.mark.slow
 def test_ten_times_the_statements_take_at_most_twenty_times_as_long() -> None:
     small = front_half_seconds(own_dims_and_groups(100), repeats=3)
     large = front_half_seconds(own_dims_and_groups(1000), repeats=2)

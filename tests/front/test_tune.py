@@ -355,7 +355,7 @@ def fake_gpu(monkeypatch):
         seen.update(dims=dims, seed=seed)
         return fake.runner
 
-    monkeypatch.setattr(arrays, "get_device", lambda _ordinal=0: None)
+    monkeypatch.setattr(arrays, "require_hopper", lambda _ordinal=0: None)
     monkeypatch.setattr(tuning, "gpu_runner", runner)
     monkeypatch.setattr(tuning, "event_timer", fake.timer)
     return fake, seen

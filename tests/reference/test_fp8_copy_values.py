@@ -151,6 +151,7 @@ def test_the_padding_rows_are_never_written():
     assert len(flat["y_t"]) == (t_rows + 15 * 5) * 256
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(0, 300), min_size=5, max_size=5), pad=st.sampled_from([1, 8, 16, 128]), seed=st.integers(0, 2**16))
 def test_schedule_equals_spec_on_random_segments(lengths, pad, seed):

@@ -24,6 +24,7 @@ cases = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(cases.CASES))
 def test_cases_run_on_the_reference(key, monkeypatch):
     """run_random end to end with the flat-schedule executor as the device: the case's
@@ -39,6 +40,7 @@ def test_cases_run_on_the_reference(key, monkeypatch):
     assert report.ok, report.describe()  # within the output type's rounding, nothing missed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(k for k in cases.CASES if "gather" in k))
 def test_cases_with_the_rows_copied_first_run_on_the_reference(key, monkeypatch):
     """The same with every gathered A copied by the gather pre-pass where it can be."""

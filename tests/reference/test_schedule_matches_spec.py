@@ -665,6 +665,7 @@ def _all_outputs(text: str, seed: int, lengths, dims):
     return run_direct(spec, rt, data, init), run_schedule(spec, rt, schedule, data, init)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.sampled_from([0, 1, 127, 129]), min_size=8, max_size=8),

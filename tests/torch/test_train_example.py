@@ -47,6 +47,7 @@ def test_help():
     assert "--plot FILE.png" in out.stdout and "--steps" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
