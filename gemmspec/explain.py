@@ -152,18 +152,7 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
         doc["offsets_check"] = {"fused": placement.fused, "where": placement.reason}
     variant = _decode_variant(spec, schedule, program)
     if variant is not None:  # only where a launch has one: other documents stay as they were
-        rule = variant.rule
-        doc["run_time_choice"] = {
-            "dim": rule.dim,
-            "group": rule.group,
-            "segments": rule.segments,
-            "rows_per_segment": rule.rows_per_segment,
-            "max_rows": rule.max_rows,
-            "rule": rule.describe(),
-            "launches": [
-                {"launch": i, "compiled": before, "decode": after} for i, before, after in variant.launches
-            ],
-        }
+        doc["run_time_choice"] = variant.to_json()
     if program is not None:
         for launch, x in zip(doc["launches"], program.launches):
             # A GEMM that builds its leaf table itself has no builder kernel.

@@ -47,7 +47,7 @@ from .kernels import (
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
 from .validate import Check, CheckParam, prepass_offsets
-from .variants import DecodeRule, DecodeVariant
+from .variants import DecodeRule, DecodeVariant, decode_json
 
 MANIFEST_VERSION = 2
 TARGET = "sm_90a"
@@ -218,17 +218,8 @@ class DecodeChoice:
         return tuple(s for s in self.steps if isinstance(s, KernelLaunch))
 
     def to_json(self) -> dict:
-        rule = self.rule
         return {
-            "dim": rule.dim,
-            "group": rule.group,
-            "segments": rule.segments,
-            "rows_per_segment": rule.rows_per_segment,
-            "max_rows": rule.max_rows,
-            "rule": rule.describe(),
-            "launches": [
-                {"launch": i, "compiled": before, "decode": after} for i, before, after in self.launches
-            ],
+            **decode_json(self.rule, self.launches),
             "files": sorted(self.files),
             "workspaces": [_workspace_json(w) for w in self.workspaces],
             "steps": [_step_json(s) for s in self.steps],

@@ -75,6 +75,23 @@ class DecodeVariant:
     rule: DecodeRule
     launches: tuple[tuple[int, str, str], ...]  # (launch index, kernel as compiled, decode kernel)
 
+    def to_json(self) -> dict:
+        """The rule and the changed launches, as `explain --json` and the manifest give them."""
+        return decode_json(self.rule, self.launches)
+
+
+def decode_json(rule: DecodeRule, launches: tuple[tuple[int, str, str], ...]) -> dict:
+    """The rule and each changed launch's two kernels as JSON (`run_time_choice`)."""
+    return {
+        "dim": rule.dim,
+        "group": rule.group,
+        "segments": rule.segments,
+        "rows_per_segment": rule.rows_per_segment,
+        "max_rows": rule.max_rows,
+        "rule": rule.describe(),
+        "launches": [{"launch": i, "compiled": before, "decode": after} for i, before, after in launches],
+    }
+
 
 def _ragged_rows(spec: Spec, launch: Launch) -> tuple[str, str, int] | None:
     """(dim, group, segments) where the launch's rows are the segments of a ragged group

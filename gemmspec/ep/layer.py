@@ -18,7 +18,7 @@ before chunk i's GEMMs and chunk i's combine right after them, and waited for on
 where its rows are needed. With NCCL the exchange runs on the process group's
 communication stream and a wait makes the compute stream wait for it (an event, no
 host synchronization); with gloo it runs on the backend's threads and a wait blocks the
-caller. On the CPU the local FFN is the float64 reference (gemmspec.ep.cpu).
+caller. On the CPU the local FFN is the float64 reference (gemmspec.torch_reference).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from .. import torch as gt
 from ..errors import ArgumentError
-from .cpu import register_reference
+from ..torch_reference import register_reference
 from .exchange import Exchange, exchange_counts, local_rows, rank_counts, route, sum_slots, wait
 from .placement import Placement, expert_ffn, plan
 

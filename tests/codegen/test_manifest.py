@@ -16,7 +16,7 @@ from gemmspec.cli import main
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.formula import NUM_SMS, Formula
 from gemmspec.codegen.host import declaration
-from gemmspec.codegen.kernels import INLINE_MAX_BLOCKS, include_dir, map_specs
+from gemmspec.codegen.kernels import INLINE_MAX_BLOCKS, SCATTER_STEPS, include_dir, map_specs
 from gemmspec.codegen.manifest import (
     LEAF_BYTES,
     TENSOR_MAP_BYTES,
@@ -93,10 +93,18 @@ def test_manifest_describes_the_emitted_program(path):
         files = spec_files(spec, schedule, program).files
         assert set(m.files["kernels"]) <= set(files)
         assert [a.name for a in m.arguments] == executor.Executable(spec, schedule, program).argument_names()
-        roles = [k.role for k in m.kernels]
-        assert roles == [*(p.prepass.kind for p in program.prepasses),  # the role is the pass's kind
-                         *(r for x in program.launches  # a GEMM that builds its table has no builder
-                           for r in (("gemm",) if x.gemm.inline_table else ("leaf_table", "gemm")))]
+        roles = [k.role for k in m.kernels if k.role != "check"]
+        expected = []
+        for kind, _, step in program.steps():
+            if kind == "prepass":
+                expected.append(step.prepass.kind)  # the role is the pass's kind
+            elif kind == "launch":  # a GEMM that builds its table has no builder
+                expected += ["gemm"] if step.gemm.inline_table else ["leaf_table", "gemm"]
+            elif step.config.kind == "scatter_add":  # its index kernels, then the sum
+                expected += [role for role, _ in SCATTER_STEPS]
+            else:
+                expected.append(step.postpass.kind)
+        assert roles == expected
         names = {w.name for w in m.workspaces}
         dims = set(m.runtime_dims) | {NUM_SMS}
         arguments = {a.name for a in m.arguments}

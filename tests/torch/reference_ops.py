@@ -4,70 +4,9 @@ derivation, the quantization recipe and the autograd plumbing can be tested here
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-import gemmspec.torch as gt
-from gemmspec.reference.data import Runtime, TensorData, dim_size, element_offsets, scale_grid_shape
-from gemmspec.reference.direct import run_direct
-
-
-def reference_kernel(gemm_op):
-    """Run an op's spec with gemmspec.reference on CPU tensors (fresh outputs). A
-    segment_major tensor is its storage buffer (padding rows included) and its anchored
-    [128, 1] scales have spare rows, as the op sizes them; the reference's logical values
-    are read from and written to those buffers."""
-    spec = gemm_op.exe.spec
-
-    def logical(spec, rt, t, buffer: np.ndarray) -> np.ndarray:
-        if t.layout.kind != "segment_major":
-            return buffer
-        return buffer.reshape(-1)[element_offsets(spec, rt, t)]
-
-    def stored(spec, rt, name: str, values: np.ndarray, size: list[int]) -> np.ndarray:
-        of = {x.scale.name: x for x in spec.tensors if x.scale is not None}
-        if name in of and of[name].scale.anchor:  # rows past the counted blocks: unwritten
-            out = np.zeros(size)
-            out[: values.shape[0]] = values
-            return out
-        t = spec.tensor(name) if name not in of else None
-        if t is None or t.layout.kind != "segment_major":
-            return values
-        out = np.zeros(int(np.prod(size)))
-        out[element_offsets(spec, rt, t)] = values
-        return out.reshape(size)
-
-    def run(*args):
-        given = dict(zip(gemm_op.inputs, args))
-        dims = {}
-        for t in spec.tensors:
-            if t.name in given:
-                for axis, (d, n) in enumerate(zip(t.dims, given[t.name].shape)):
-                    if spec.dim(d).size is None:
-                        dims[d] = int(n) - (t.layout.pad_rows if axis == t.layout.seg_axis else 0)
-        offsets = {g.tensor: given[g.tensor].numpy().astype(np.int64) for g in spec.groups if g.tensor}
-        rt = Runtime(dims, offsets)
-        data = {}
-        for t in spec.tensors:
-            if t.name in given:
-                scale = given[t.scale.name].double().numpy() if t.scale else None
-                if t.scale is not None and t.scale.anchor:
-                    scale = scale[: scale_grid_shape(spec, rt, t)[0]]
-                data[t.name] = TensorData(logical(spec, rt, t, given[t.name].double().numpy()), scale)
-        init = {}
-        for t in spec.tensors:
-            if t.name in gemm_op.outputs:
-                init[t.name] = np.zeros(tuple(dim_size(spec, rt, d) for d in t.dims))
-                if t.scale is not None:
-                    init[t.scale.name] = np.zeros(scale_grid_shape(spec, rt, t))
-        outs = run_direct(spec, rt, data, init)
-        result = [
-            torch.from_numpy(stored(spec, rt, s.name, outs[s.name], size)).to(gt.torch_dtype(s.dtype))
-            for s, size in zip(gemm_op.shapes, gemm_op.output_sizes(given))
-        ]
-        return result[0] if len(result) == 1 else tuple(result)
-
-    return run
+from gemmspec.torch_reference import reference_kernel
 
 
 def reference_kernel_out(gemm_op):

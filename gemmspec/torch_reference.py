@@ -1,24 +1,25 @@
 """gemmspec.torch's custom ops on the CPU: each op's spec computed by its direct
-semantics (gemmspec.reference, float64 on numpy) in place of the kernels, so the expert
-parallel layer runs on CPU tensors (gloo) exactly as it does on the GPU (NCCL), with
-the same quantization, derived backward and exchanges, only slower."""
+semantics (gemmspec.reference, float64 on numpy) in place of the kernels, so code built
+on the ops (the expert-parallel layer over gloo, the tests of the derived backward) runs
+on CPU tensors exactly as it does on the GPU, with the same quantization and derived
+backward, only slower."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .. import torch as gt
-from ..reference.data import Runtime, TensorData, dim_size, element_offsets, scale_grid_shape
-from ..reference.direct import run_direct
+from . import torch as gt
+from .reference.data import Runtime, TensorData, dim_size, element_offsets, scale_grid_shape
+from .reference.direct import run_direct
 
-__all__ = ["register_reference"]
+__all__ = ["reference_kernel", "register_reference"]
 
 _LIB: torch.library.Library | None = None  # kept alive: it owns the CPU registrations
 _REGISTERED: set[str] = set()
 
 
-def _reference_kernel(gemm_op: gt.GemmOp):
+def reference_kernel(gemm_op: gt.GemmOp):
     """The op's functional form by the reference, on CPU tensors (fresh outputs). A
     segment_major tensor is its storage buffer (padding rows included) and anchored
     [128, 1] scales have spare rows, as the op sizes them; the reference's logical values
@@ -84,5 +85,5 @@ def register_reference(*ops: gt.GemmOp) -> None:
         _LIB = torch.library.Library("gemmspec", "IMPL")
     for o in ops:
         if o.name not in _REGISTERED:
-            _LIB.impl(o.name, _reference_kernel(o), "CPU")
+            _LIB.impl(o.name, reference_kernel(o), "CPU")
             _REGISTERED.add(o.name)
