@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 import gemmspec
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.codegen.manifest import launch_manifest
@@ -40,6 +42,7 @@ def test_one_call_runs_every_step_in_order():
     assert index == 1 and "_t64x" in decode and "_t128x" in compiled
 
 
+@pytest.mark.slow
 def test_every_kernel_of_both_programs_compiles_for_sm90a():
     exe, progs = programs()
     compiled: dict[str, str] = {}

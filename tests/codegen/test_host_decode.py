@@ -164,6 +164,7 @@ def test_the_launcher_picks_by_the_rule():
         assert f"cudaFuncSetAttribute({symbol}, cudaFuncAttributeMaxDynamicSharedMemorySize" in host
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_the_launcher_and_the_decode_kernels_build_with_nvcc(tmp_path):
     """moe_fp8_forward (a GEMM that builds its table) and lora_qkv_one_spec (builders of

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+# Three processes over gloo, spawned once for the module (about a minute on 2 cores).
+pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
