@@ -15,10 +15,11 @@ variant, and each call picks one on the host from the run-time dim's size, which
 call's shapes give (no device value is read, so the choice is made once per shape and
 replays in a CUDA graph):
 
-    decode variant  when  size(dim) <= DECODE_ROWS_PER_SEGMENT x segments
+    decode variant  when  size(dim) <= rows_per_segment x segments
 
 where `segments` counts the group's segments (E for MoE experts; L x E for an expert
-group nested in adapters): at most that many rows per segment on average. A spec with a
+group nested in adapters) and `rows_per_segment` is 96 where the compiled kernel runs CTA
+pairs and 32 where it runs one CTA per tile (measured: see DECODE_ROWS_PAIRED). A spec with a
 `tile(M, N)` directive gets no variant: the tile it asks for is the tile every call runs.
 """
 
@@ -34,8 +35,19 @@ from .validate import group_chain_count
 # The decode variant's tiles: 64 rows (one consumer warpgroup), one CTA per tile.
 DECODE_TILE_M = 64
 DECODE_CHANGES = {"tile_m": DECODE_TILE_M, "cluster": 1, "multicast_b": False}
-# Average rows per segment at or below which a call takes the decode variant.
-DECODE_ROWS_PER_SEGMENT = 64
+# Average rows per segment at or below which a call takes the decode variant, by the
+# compiled kernel. Measured on the H200 (scripts/decode_sweep.py, time of the variant over
+# the compiled kernel): where the compiled kernel runs CTA pairs (blockwise FP8) the
+# variant wins 0.61-0.77x up to 64 rows per expert and 0.89-0.91x at 96, and loses from
+# 128 (0.99-1.11x); where it runs one CTA per tile (BF16's 128 x 256) the variant wins
+# 0.91-0.99x up to 32 rows and loses 1.05-1.06x at 64.
+DECODE_ROWS_PAIRED = 96
+DECODE_ROWS_SINGLE = 32
+
+
+def decode_rows_per_segment(launch: Launch) -> int:
+    """The rule's threshold for a launch, by whether its compiled kernel runs CTA pairs."""
+    return DECODE_ROWS_PAIRED if launch.signature.cluster > 1 else DECODE_ROWS_SINGLE
 # The decode variant's leaf-table builders (where a launch has one) are named with this
 # tag: their tables count 64-row tiles, so they are other kernels than the compiled ones.
 DECODE_TABLE_TAG = "decode"
@@ -49,7 +61,7 @@ class DecodeRule:
     dim: str
     group: str
     segments: int
-    rows_per_segment: int = DECODE_ROWS_PER_SEGMENT
+    rows_per_segment: int
 
     @property
     def max_rows(self) -> int:
@@ -125,7 +137,7 @@ def decode_variant(spec: Spec, schedule: Schedule, program: EmittedProgram) -> D
         if rows is None or not _eligible(launch):
             continue
         if rule is None:
-            rule = DecodeRule(*rows)
+            rule = DecodeRule(*rows, decode_rows_per_segment(launch))
         elif (rule.dim, rule.group, rule.segments) != rows:
             continue
         try:

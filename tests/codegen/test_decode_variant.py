@@ -15,7 +15,7 @@ import pytest
 import gemmspec
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.codegen.manifest import launch_manifest
-from gemmspec.codegen.variants import DECODE_ROWS_PER_SEGMENT, decode_variant
+from gemmspec.codegen.variants import DECODE_ROWS_PAIRED, DECODE_ROWS_SINGLE, decode_variant
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,7 +33,9 @@ def test_ragged_launches_over_a_run_time_dim_get_a_64_row_variant(name):
     exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
     variant = exe.decode
     assert variant is not None
-    assert variant.rule.dim == "T" and variant.rule.rows_per_segment == DECODE_ROWS_PER_SEGMENT
+    paired = exe.program.launches[variant.launches[0][0]].gemm.cluster > 1
+    assert variant.rule.dim == "T"
+    assert variant.rule.rows_per_segment == (DECODE_ROWS_PAIRED if paired else DECODE_ROWS_SINGLE)
     group = exe.spec.group(variant.rule.group)
     assert variant.rule.segments % group.count == 0
     for index, before, after in variant.launches:
@@ -52,9 +54,17 @@ def test_other_launches_have_none(name):
     assert gemmspec.build(EXAMPLES / f"{name}.gspec").decode is None
 
 
+def test_the_threshold_follows_the_compiled_kernel():
+    fp8 = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")  # 128 x 192 in CTA pairs
+    bf16 = gemmspec.build(EXAMPLES / "moe_bf16_forward.gspec")  # 128 x 256, one CTA per tile
+    assert fp8.program.launches[0].gemm.cluster == 2 and bf16.program.launches[0].gemm.cluster == 1
+    assert fp8.decode.rule.rows_per_segment == DECODE_ROWS_PAIRED == 96
+    assert bf16.decode.rule.rows_per_segment == DECODE_ROWS_SINGLE == 32
+
+
 def test_the_rule_picks_per_call_and_can_be_turned_off():
     exe = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")
-    limit = DECODE_ROWS_PER_SEGMENT * 8  # eight experts
+    limit = DECODE_ROWS_PAIRED * 8  # eight experts, CTA pairs as compiled
     assert exe.decode.rule.max_rows == limit
     assert exe.program_for({"T": 0}) is exe.decode.program
     assert exe.program_for({"T": limit}) is exe.decode.program
@@ -87,11 +97,11 @@ def test_explain_prints_the_rule_and_its_json_carries_it():
     path = str(EXAMPLES / "moe_fp8_forward.gspec")
     text = subprocess.run([sys.executable, "-m", "gemmspec", "explain", path], capture_output=True, text=True,
                           check=True).stdout
-    assert "at call time: the decode variant when T <= 64 x 8 segments of 'expert' = 512 rows" in text
+    assert "at call time: the decode variant when T <= 96 x 8 segments of 'expert' = 768 rows" in text
     doc = json.loads(subprocess.run([sys.executable, "-m", "gemmspec", "explain", "--json", path],
                                     capture_output=True, text=True, check=True).stdout)[0]
     choice = doc["run_time_choice"]
-    assert choice["max_rows"] == 512 and choice["dim"] == "T" and choice["group"] == "expert"
+    assert choice["max_rows"] == 768 and choice["dim"] == "T" and choice["group"] == "expert"
     ((launch),) = choice["launches"]
     assert launch["launch"] == 0 and "_t64x192x128_" in launch["decode"] and "c2b" in launch["compiled"]
 

@@ -18,7 +18,7 @@ from gemmspec.cli import main
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.host import cexpr
 from gemmspec.codegen.manifest import KernelLaunch, launch_manifest
-from gemmspec.codegen.variants import DECODE_ROWS_PER_SEGMENT, decode_variant
+from gemmspec.codegen.variants import DECODE_ROWS_PAIRED, decode_variant
 from gemmspec.output import spec_files
 from gemmspec.pipeline import lower_file
 
@@ -50,8 +50,8 @@ def test_the_manifest_describes_the_choice(name):
     jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
     choice, rule = doc["run_time_choice"], variant.rule
     assert (choice["dim"], choice["group"], choice["segments"]) == (rule.dim, rule.group, rule.segments)
-    assert choice["rows_per_segment"] == DECODE_ROWS_PER_SEGMENT
-    assert choice["max_rows"] == DECODE_ROWS_PER_SEGMENT * rule.segments
+    assert choice["rows_per_segment"] == rule.rows_per_segment
+    assert choice["max_rows"] == rule.rows_per_segment * rule.segments
     assert [(c["launch"], c["compiled"], c["decode"]) for c in choice["launches"]] == list(variant.launches)
     changed = [i for i, _, _ in variant.launches]
     assert choice["files"] == [f"{x.spec.name}_launch{i}_decode.cu" for i in changed]
@@ -134,7 +134,7 @@ def test_the_launcher_picks_by_the_rule():
     host = sf.files["moe_fp8_forward_host.cu"].decode()
     header = sf.files["moe_fp8_forward.h"].decode()
     limit = variant.rule.max_rows
-    assert limit == DECODE_ROWS_PER_SEGMENT * 8
+    assert limit == DECODE_ROWS_PAIRED * 8
     # The rule, with the runtime's threshold, picks the program and its layout.
     run = _function(host, f"{m.prefix}_run")
     assert f"const bool decode = d_T <= {limit}LL;" in run

@@ -1,5 +1,5 @@
 """On a Hopper GPU: the decode variant (64-row tiles of one CTA, picked per call where the
-average rows per expert are at most DECODE_ROWS_PER_SEGMENT) computes what the compiled
+average rows per expert are at most the rule's threshold) computes what the compiled
 launch computes, on both sides of the rule's threshold, for FP8 blockwise and BF16
 operands, over leaves of 0, 1, 2, 7, 8, 9, 63, 64, 65, 127 and 129 rows; a CUDA graph
 captured on it replays with new counts. Judged element by element against the float64
@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import gemmspec
-from gemmspec.codegen.variants import DECODE_ROWS_PER_SEGMENT
 from gemmspec.runtime.verify import check_random
 
 pytestmark = pytest.mark.gpu
@@ -39,31 +38,37 @@ KINDS = {
     "fp8": dict(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]"),
     "bf16": dict(t="bf16", xs="", ws=""),
 }
-THRESHOLD = DECODE_ROWS_PER_SEGMENT * E
-# Token counts per expert: below, at and above the threshold (T = 512 for 8 experts).
+# Token counts per expert on each side of the threshold; the threshold (96 rows per expert
+# where the compiled FP8 kernel runs CTA pairs, 32 for BF16's single CTAs) adds two more.
 COUNTS = {
-    "edges_low": [0, 1, 2, 7, 8, 9, 63, 64],  # T = 154
+    "edges_low": [0, 1, 2, 7, 8, 9, 63, 64],  # T = 154: decode for FP8, compiled for BF16
     "edges_high": [65, 127, 129, 0, 0, 1, 2, 7],  # T = 331
-    "at_threshold": [64] * E,  # T = 512: still the decode variant
-    "one_past": [65] + [64] * (E - 1),  # T = 513: as compiled
-    "prefill_edges": [0, 1, 129, 127, 65, 1000, 9, 8],  # T = 1339
+    "small": [0, 1, 2, 7, 8, 9, 0, 0],  # T = 27: decode for both
+    "prefill_edges": [0, 1, 129, 127, 65, 1000, 9, 8],  # T = 1339: compiled for both
 }
+
+
+def threshold_counts(max_rows: int) -> dict[str, list[int]]:
+    """Counts at the threshold (still the decode variant) and one row past it."""
+    per = max_rows // E
+    return {"at_threshold": [per] * E, "one_past": [per + 1] + [per] * (E - 1)}
 
 
 def spec_text(kind: str) -> str:
     return SPEC.format(kind=kind, **KINDS[kind])
 
 
-@pytest.mark.parametrize("counts", sorted(COUNTS))
+@pytest.mark.parametrize("counts", sorted([*COUNTS, "at_threshold", "one_past"]))
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_each_side_of_the_threshold_matches_the_reference(kind, counts):
     exe = gemmspec.build(spec_text(kind))
     assert exe.decode is not None, "a ragged launch over a run-time dim has a decode variant"
-    lengths = COUNTS[counts]
+    limit = exe.decode.rule.max_rows
+    lengths = {**COUNTS, **threshold_counts(limit)}[counts]
     t = sum(lengths)
     picked = exe.program_for({"T": t})
-    assert (picked is exe.decode.program) == (t <= THRESHOLD)
-    assert "t64x" in picked.launches[0].gemm.name or t > THRESHOLD
+    assert (picked is exe.decode.program) == (t <= limit)
+    assert "t64x" in picked.launches[0].gemm.name or t > limit
     for seed in (0, 1):  # two calls with fresh data on one executable (one plan)
         report = check_random(exe, lengths={"expert": lengths}, seed=seed).report
         print(report.describe())
@@ -75,7 +80,7 @@ def test_the_decode_variant_can_be_turned_off(kind):
     exe = gemmspec.build(spec_text(kind))
     exe.choose_at_call = False
     assert exe.program_for({"T": 8}) is exe.program
-    report = check_random(exe, lengths={"expert": COUNTS["edges_low"]}, seed=2).report
+    report = check_random(exe, lengths={"expert": COUNTS["small"]}, seed=2).report
     assert report.ok, report.describe()
 
 
@@ -118,11 +123,12 @@ def test_a_graph_captured_on_the_decode_variant_replays_with_new_counts():
 
 
 # Two launches, each with a leaf-table builder of its own (the shrink and the expand of
-# examples/lora_qkv_one_spec.gspec, 4 adapters: the threshold is T = 256). The decode
-# variant's builders count 64-row tiles: segments of 65 and 129 rows take one more tile
-# than 128-row counting gives, so a builder of the compiled program would leave rows out.
+# examples/lora_qkv_one_spec.gspec, BF16 in single CTAs over 4 adapters: the threshold is
+# T = 128). The decode variant's builders count 64-row tiles: segments of 65 and 129 rows
+# take one more tile than 128-row counting gives, so a builder of the compiled program
+# would leave rows out.
 LORA = Path(__file__).resolve().parents[2] / "examples" / "lora_qkv_one_spec.gspec"
-LORA_LENGTHS = {"decode": [0, 129, 65, 2], "compiled": [129, 65, 0, 200]}
+LORA_LENGTHS = {"decode": [0, 65, 61, 2], "compiled": [129, 65, 0, 200]}
 
 
 @pytest.mark.parametrize("side", sorted(LORA_LENGTHS))
@@ -131,7 +137,7 @@ def test_launches_with_builders_of_their_own_match_the_reference(side):
 
     exe = gemmspec.build(LORA)
     variant = exe.decode
-    assert variant is not None and variant.rule.max_rows == DECODE_ROWS_PER_SEGMENT * 4
+    assert variant is not None and variant.rule.max_rows == 32 * 4
     lengths = LORA_LENGTHS[side]
     picked = exe.program_for({"T": sum(lengths)})
     assert (picked is variant.program) == (side == "decode")
