@@ -10,6 +10,7 @@ from .. import ast
 from ..expr import Poly
 from ..spec import KERNEL_K_BLOCK
 from .context import Binding, Context
+from .fixes import did_you_mean
 from .names import MAX_POLY_DEGREE, MAX_POLY_TERMS
 
 # How a SwiGLU's weight holds its gate and up rows (spec.Gemm.swiglu_up says where the
@@ -211,7 +212,10 @@ def check_swiglu_up(ctx: Context, s: ast.Statement) -> None:
     their layout): the kernel reads the up rows where it reads the gate's, in the second
     tensor, each with its own scales."""
     assert s.up is not None
-    g, u = ctx.tensors[s.rhs.tensor.text], ctx.tensors[s.up.rhs.tensor.text]
+    up = s.up.rhs.tensor
+    if up.text not in ctx.tensors:
+        raise ctx.error(f"unknown tensor '{up.text}'", up.pos, *did_you_mean(up, list(ctx.tensors), "tensors"))
+    g, u = ctx.tensors[s.rhs.tensor.text], ctx.tensors[up.text]
     gs, us = g.scale, u.scale
 
     def scale_text(t) -> str:

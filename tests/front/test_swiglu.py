@@ -321,3 +321,13 @@ def test_the_backward_skips_halves_with_the_reason(statement):
     (skipped,) = derived.skipped
     assert skipped.forward == 0 and "gate and up rows are not interleaved" in skipped.reason
     assert not derived.statements
+
+
+def test_an_undeclared_up_weight_is_a_located_error_with_the_names():
+    # Found by the front-half fuzz: the up weight of a SwiGLU over two weights was looked
+    # up before anything had checked that it is declared (a KeyError escaped).
+    statement = "h[t, j] = silu(sum[k] x[t, k] * wf[expert(t), j, k]) * sum[k] x[t, k] * wff[expert(t), j, k]"
+    err = first_error(statement)
+    assert err.message == "unknown tensor 'wff'", err.render()
+    assert (err.location.line, err.location.column) == (LINE, statement.index("wff") + 3)
+    assert err.note and "wf" in err.note, err.render()
