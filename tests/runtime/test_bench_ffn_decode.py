@@ -77,22 +77,10 @@ def test_the_example_fits_the_dsv3_rows():
 
 # ------------------------------------------------------------------ on the CPU
 torch = pytest.importorskip("torch")
-from torch.overrides import TorchFunctionMode  # noqa: E402
+from on_cpu import OnCpu as _OnCpu  # noqa: E402
 
 from gemmspec.reference.data import Runtime, TensorData  # noqa: E402
 from gemmspec.reference.schedule_exec import run_schedule  # noqa: E402
-
-
-class _OnCpu(TorchFunctionMode):
-    """Tensors the bench places on "cuda" are made on the CPU instead."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
 
 
 class _ReferenceRun:
