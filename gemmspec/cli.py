@@ -359,6 +359,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     for c in report.checks:
         print(f"{report.spec}: {c.describe()}")
     print(f"{report.spec}: dims {report.dims}: {report.seconds * 1e3:.3f} ms, {report.tflops:.1f} TFLOPS")
+    if exe.decode is not None:  # which of the two programs this size ran (see explain)
+        picked = exe.program_for(report.dims) is exe.decode.program
+        print(f"{report.spec}: {'the decode variant' if picked else 'the kernels as compiled'} "
+              f"(the decode variant when {exe.decode.rule.describe()})")
     return 0 if report.ok else EXIT_SPEC_ERROR
 
 
