@@ -192,7 +192,7 @@ class Executable:
         self.schedule = schedule
         self.program = program
         self._explain = explain
-        self._kernels: dict[tuple[int, str], LoadedKernel] = {}
+        self._kernels: dict[tuple[int, str, str], LoadedKernel] = {}
         self._cubins: dict[str, CompiledCubin] = {}
         self._plans: OrderedDict[tuple, PreparedRun] = OrderedDict()
         self._recent: tuple[tuple, PreparedRun] | None = None  # the last call's key and plan
@@ -658,8 +658,10 @@ class Executable:
     # ---- launching --------------------------------------------------------------------
     def _kernel(self, source: str, name: str, device: int = 0) -> LoadedKernel:
         """Kernel `name` of `source` on `device`; each source is compiled once, whatever
-        it defines, and loaded once per device."""
-        key = (device, name)
+        it defines, and loaded once per device. Kernels are known by their source as well
+        as their name: two programs of one spec (as compiled, the decode variant) must
+        never share a kernel because two sources happen to name it alike."""
+        key = (device, name, source)
         if key not in self._kernels:
             if source not in self._cubins:
                 self._cubins[source] = compile_cubin(source, name=name, include_dirs=[include_dir()])
