@@ -294,11 +294,12 @@ def run_direct(
 ) -> dict[str, np.ndarray]:
     """Evaluate every statement in order; `init` holds each output's starting values (an
     FP8 output's scale grid may start from `init[<scale name>]`, else NaN). An FP8
-    output's scale grid is returned under its scale's name. `given` names FP8 outputs to
-    take as they are (values and scales) instead of computing them, so that the
-    statements reading them can be checked against what a device wrote: FP8 rounding is
+    output's scale grid is returned under its scale's name. `given` names outputs to take
+    as they are (values, and an FP8 output's scales) instead of computing them, so that
+    what reads them can be checked against what a device wrote: FP8 rounding is
     discontinuous, and a result a hair away from the reference's may round to the next
-    FP8 value."""
+    FP8 value; a row pass that sums rows (`scatter_add`) would otherwise inherit the sum of
+    its source rows' errors."""
     given = given or {}
     data = derive(spec, rt, inputs)
     results = {k: v.copy() for k, v in init.items()}
@@ -342,6 +343,10 @@ def run_direct(
                     c = run_fp8_copy(spec, rt, gemm, data, TensorData(results[gemm.copy], results[c_t.scale.name]))
                 results[gemm.copy], results[c_t.scale.name] = c.values, c.scale_grid
                 data[gemm.copy] = c
+            continue
+        if name in given:
+            results[name] = given[name].values
+            data[name] = given[name]
             continue
         # Rounded to the output's type as the kernel stores it: a statement that reads the
         # output (or adds into it) sees the stored values, not the exact ones.

@@ -26,7 +26,7 @@ from gemmspec.reference.direct import run_direct
 from gemmspec.reference.schedule_exec import run_schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scatter_add_spec import SCATTER_ADD_SPEC  # noqa: E402
+from scatter_add_spec import SCATTER_ADD_SPEC, K  # noqa: E402
 
 
 def awkward_index(rng: np.random.Generator, t: int, s: int) -> np.ndarray:
@@ -103,3 +103,22 @@ def test_the_float32_model_adds_in_ascending_t_and_rounds_once():
         if 0 <= src[t] < 5:
             backwards[src[t]] = backwards[src[t]] + a[t]
     assert not np.array_equal(backwards, want)
+
+
+def test_rows_given_as_a_device_wrote_them_are_what_the_pass_sums():
+    # The GPU check judges scatter_add on the rows the GPU wrote (`given`): the sum then
+    # carries no source row's accumulation error, and the statement's rows are not recomputed.
+    (low,) = lower_file(SCATTER_ADD_SPEC)
+    spec = low.spec
+    rng = np.random.default_rng(3)
+    rt = random_runtime(spec, rng, dims={"T": 150, "S": 11})
+    data = random_inputs(spec, rt, rng)
+    src = awkward_index(rng, 150, 11)
+    data["src"] = TensorData(src.astype(np.float64))
+    init = {n: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(n).dims), np.nan) for n in spec.written}
+    written = quantize(rng.standard_normal((150, K)) * 3.0, "bf16")  # not the statement's result
+    direct = run_direct(spec, rt, data, init, given={"dxr": TensorData(written)})
+    assert np.array_equal(direct["dxr"], written)
+    assert np.array_equal(direct["dx"], quantize(loop(written, src, 11), "bf16"))
+    computed = run_direct(spec, rt, data, init)
+    assert not np.array_equal(computed["dx"], direct["dx"])
