@@ -265,3 +265,37 @@ def test_a_view_at_an_offset_must_fit_and_start_on_an_element():
         memory.view((4, 4), "f32", offset=4)
     with pytest.raises(ArgumentError, match="cannot start 2 bytes into"):
         memory.view((2,), "f32", offset=2)
+
+
+def test_each_stage_of_the_decode_ffn_is_judged_on_what_the_gpu_wrote_before_it():
+    # h (FP8) against the float64 reference; y_rows against the reference run on h as
+    # written; y, the scatter_add combine, on the rows y_rows as written.
+    from gemmspec.bench import specs
+    from gemmspec.pipeline import lower_file
+    from gemmspec.reference.data import (
+        dim_size,
+        quantize,
+        random_inputs,
+        random_runtime,
+        scatter_add_values,
+    )
+    from gemmspec.reference.direct import run_direct
+
+    (low,) = lower_file(specs.ffn_decode_text(hidden=256, f=128, e=4, name="small"))
+    spec = low.spec
+    rng = np.random.default_rng(4)
+    rt = random_runtime(spec, rng, dims={"S": 6, "T": 24})
+    data = random_inputs(spec, rt, rng)
+    init = {n: np.full(tuple(dim_size(spec, rt, d) for d in spec.tensor(n).dims), np.nan) for n in spec.written}
+    reference = run_direct(spec, rt, data, init)
+    scale = spec.tensor("h").scale.name
+    results = {k: v.copy() for k, v in reference.items()}
+    results[scale] = reference[scale] * 2.0  # the GPU's h dequantizes to twice the reference's
+    results["y_rows"] = quantize(rng.standard_normal(reference["y_rows"].shape), "bf16")
+    src = data["src"].values.astype(int)
+    results["y"] = quantize(scatter_add_values(results["y_rows"], src, 6), "bf16")
+    judged = verify._reference_on_written_inputs(spec, rt, data, init, reference, results, set(spec.written))
+    assert np.array_equal(judged["h"], reference["h"]) and np.array_equal(judged[scale], reference[scale])
+    ratio = judged["y_rows"] / reference["y_rows"]
+    assert np.allclose(ratio[np.isfinite(ratio) & (reference["y_rows"] != 0)], 2.0, rtol=2.0**-7)
+    assert np.array_equal(judged["y"], results["y"])
