@@ -111,8 +111,11 @@ def expand_scales(spec: Spec, rt: Runtime, t: Tensor, grid: np.ndarray) -> np.nd
 
 
 def quantize(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Round to `dtype` and return the rounded values as float64."""
-    return values.astype(NUMPY_TYPES[dtype]).astype(np.float64)
+    """Round to `dtype` and return the rounded values as float64. A value past the type's
+    range becomes non-finite (an infinity; NaN in e4m3, which has none) without a warning:
+    the checks count non-finite values themselves."""
+    with np.errstate(over="ignore"):
+        return values.astype(NUMPY_TYPES[dtype]).astype(np.float64)
 
 
 def quantize_real_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
