@@ -36,7 +36,7 @@ if want sanitizer; then
   # until it answers INVALID_VALUE, which is how the parameter count is found.
   timeout 420 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 --log-file "$OUT/sanitizer_full.log" \
     python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
-    -k "bad_offsets or nested and 1-1 or single_expert or linear_fp8_training or wgrad_counts or padded_wgrad and 576 and up or requantize_into_padded or pipeline_64 or row_edges and 576 or swiglu and 200 or rowwise and 200 or capture_survives" 2>&1 | tail -5 | tee "$OUT/sanitizer.log" || status=1
+    -k "bad_offsets or nested and 1-1 or single_expert or linear_fp8_training or wgrad_counts or padded_wgrad and 576 and up or requantize_into_padded or pipeline_64 or row_edges and 576 or swiglu and 200 or rowwise and 200 or capture_survives or decode_variant and (small or edges_low) or halves and (sep_fp8_f256_k256 or stk_fp8_out) or ffn_decode and random_data" 2>&1 | tail -5 | tee "$OUT/sanitizer.log" || status=1
   grep -v "Host Frame" "$OUT/sanitizer_full.log" | head -40
 fi
 if want racecheck; then
@@ -53,6 +53,15 @@ if want cpp; then
 fi
 if want bench; then
   timeout 540 python3 -m gemmspec bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+if want decode_profile; then
+  # The FP8 decode calls (scripts/decode_profile.py) under Nsight Compute: each kernel's
+  # time, DRAM bytes and rate, occupancy and warp states, written out as text.
+  timeout 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section Occupancy --section WarpStateStats -o "$OUT/decode" -f \
+    python3 scripts/decode_profile.py --calls 1 2>&1 | tail -8 | tee "$OUT/decode_profile.log" || status=1
+  ncu -i "$OUT/decode.ncu-rep" --page details > "$OUT/decode_details.txt" 2>&1
+  grep -E "^  gs_|Duration|DRAM Throughput|Memory Throughput" "$OUT/decode_details.txt" | tee -a "$OUT/decode_profile.log"
 fi
 if want ncu; then
   # One profiled launch of the headline GEMM (clocks left as they are): speed of light,
