@@ -480,12 +480,12 @@ def inline_fields(pg: ProblemGenerator, check: ValidationKernel | None) -> dict[
     }
 
 
-def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator) -> bool:
+def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator, max_leaves: int = INLINE_MAX_LEAVES) -> bool:
     """Whether a launch's table can be built by each block of its GEMM (given that no other
     kernel of the call reads the table or the checked offsets): few leaves (each block
-    builds them all) and no rows through index tensors."""
+    builds them all: at most `max_leaves`) and no rows through index tensors."""
     return (
-        pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps and not (cfg.gather or cfg.scatter)
+        pg.leaf_count <= max_leaves and not pg.index_maps and not (cfg.gather or cfg.scatter)
         and not cfg.swiglu_halves  # its builder writes no up map
     )
 
@@ -749,20 +749,25 @@ _DERIVED = {
 
 
 def with_kernel_config(
-    spec: Spec, program: EmittedProgram, index: int = 0, *, table_tag: str = "", **changes
+    spec: Spec, program: EmittedProgram, index: int = 0, *, table_tag: str = "", inline_leaves: int = 0, **changes
 ) -> EmittedProgram:
     """`program` with launch `index` re-emitted under its kernel configuration changed by
     `changes` (its leaf-table builder follows; the derived fields, and split K where the
     launch splits by default, and the K per stage, are worked out again unless `changes` sets
     them): kernel variants for probes and tests of kernel options. `table_tag` gives the
     variant's leaf-table builder a symbol of its own (one program that links beside
-    `program` must not define the same builder twice)."""
+    `program` must not define the same builder twice). `inline_leaves` lets the variant
+    build a table of up to that many leaves itself where `program` is one launch whose
+    table no other kernel reads."""
     x = program.launches[index]
+    base = gemm_config(x.launch)
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
     inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
+    if (inline_leaves and not x.gemm.inline_table and program_alone(program)
+            and inline_possible(base, x.launch.problems, inline_leaves)):
+        inline = inline_fields(x.launch.problems, x.check)
     if any(changes.get(k) for k in ("gather", "scatter")):
         inline = {"inline_table": 0, "inline_static": 0}
-    base = gemm_config(x.launch)
     fields = {**_DERIVED, **inline, **changes}
     if "tile_k" not in changes:
         # The K per stage follows the variant's tile (see _k_atoms).
@@ -797,6 +802,15 @@ def _alone(schedule: Schedule, check: EmittedCheck | None) -> bool:
     return (
         len(schedule.launches) == 1 and not schedule.prepasses and not schedule.postpasses
         and (check is None or check.fused)
+    )
+
+
+def program_alone(program: EmittedProgram) -> bool:
+    """`_alone` for an emitted program: one launch, nothing before or after it, and any
+    offsets check in its builder."""
+    return (
+        len(program.launches) == 1 and not program.prepasses and not program.postpasses
+        and (program.check is None or program.check.fused)
     )
 
 
