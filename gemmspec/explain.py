@@ -166,6 +166,14 @@ def schedule_json(spec: Spec, schedule: Schedule, program=None) -> dict:
     return doc
 
 
+def _decode_kernel_line(cfg) -> str:
+    """What sets a decode variant's GEMM apart, in words."""
+    parts = [f"{cfg.tile_m} x {cfg.tile_n} tiles, one CTA per tile", "split K" if cfg.split_k else "whole tiles"]
+    if cfg.inline_table:
+        parts.append("the leaf table built in the GEMM")
+    return ", ".join(parts)
+
+
 def _decode_variant(spec: Spec, schedule: Schedule, program=None):
     """The launches' decode variant and the rule that picks it per call (None: none has one)."""
     from .codegen.emit import emit
@@ -341,11 +349,9 @@ def explain_text(spec: Spec, schedule: Schedule, backward: bool = True, width: i
         lines += ["  " + ln for ln in body]
     variant = _decode_variant(spec, schedule)
     if variant is not None:
-        from .codegen.variants import DECODE_TILE_M
-
         lines.append(f"at call time: the decode variant when {variant.rule.describe()}, else as above:")
         for i, _, after in variant.launches:
-            lines.append(f"  launch {i}: {after} ({DECODE_TILE_M}-row tiles, one CTA per tile)")
+            lines.append(f"  launch {i}: {after} ({_decode_kernel_line(variant.program.launches[i].gemm)})")
     if schedule.order:
         lines.append("order: " + ", ".join(f"{kind} {i}" for kind, i in schedule.order))
     if schedule.postpasses:

@@ -8,7 +8,10 @@ expert) every segment still costs whole 128-row tiles, mostly rows of zeros, and
 pair's second CTA waits on its first: the kernel streams each active expert's weights at
 about half the HBM rate. The same launch with 64-row tiles of one CTA each streams them
 at three quarters of it (H200, FP8 1x128/128x128, E = 32 and T = 1024: 206 against 318
-us; E = 8 and T = 128: 57 against 87 us; see docs/performance.md).
+us; E = 8 and T = 128: 57 against 87 us), and where it is its program's only launch, in
+256-column whole tiles with the table built in the GEMM, at 80-100 % of the 4.2 TB/s
+copy rate on most decode shapes (E = 32: 190 us; DeepSeek-V3's 256 experts at T = 64:
+1.48 ms for 6.4 GB; see docs/performance.md).
 
 So such a launch is compiled twice, as the spec's tiling chose it and as its decode
 variant, and each call picks one on the host from the run-time dim's size, which the
@@ -18,36 +21,69 @@ replays in a CUDA graph):
     decode variant  when  size(dim) <= rows_per_segment x segments
 
 where `segments` counts the group's segments (E for MoE experts; L x E for an expert
-group nested in adapters) and `rows_per_segment` is 96 where the compiled kernel runs CTA
-pairs and 32 where it runs one CTA per tile (measured: see DECODE_ROWS_PAIRED). A spec with a
-`tile(M, N)` directive gets no variant: the tile it asks for is the tile every call runs.
+group nested in adapters) and `rows_per_segment` is 128 where the compiled kernel runs CTA
+pairs and the variant takes 256-column whole tiles, 96 where it runs CTA pairs and the
+variant keeps the compiled width, and 32 where it runs one CTA per tile (measured: see
+DECODE_ROWS_PAIRED); a program
+whose launches differ takes the lower, so that no launch runs its variant where it loses.
+A spec with a `tile(M, N)` directive gets no variant: the tile it asks for is the tile
+every call runs. Launches that gather or scatter rows in the GEMM, SwiGLU over separate
+weights, and a copy's 128-row scale blocks keep their tiling.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..lower.schedule import Launch, Schedule
 from ..spec import Spec
-from .emit import EmittedProgram, with_kernel_config
+from .emit import EmittedProgram, program_alone, with_kernel_config
 from .validate import group_chain_count
 
-# The decode variant's tiles: 64 rows (one consumer warpgroup), one CTA per tile.
+# The decode variant's tiles: 64 rows (one consumer warpgroup), one CTA per tile; for a
+# program of one launch compiled in CTA pairs (blockwise FP8), 256 columns in whole tiles
+# (no split K) where N is a multiple of 256; else the compiled width and split K as the
+# compiled kernel has it.
+# Measured on the H200 (scripts/pipeline_probe.py --decode, FP8 1x128/128x128, against 64 x
+# 192 with split K where its cost model says it pays): 64 x 256 took 54.6 against 56.4 us
+# (E 8, T 128, N 4096, K 7168), 191.8 against 202.7 (E 32, T 1024), 101.6 against 115.4
+# (the same, N 7168, K 2048), 74.1 against 76.5 and 117.6 against 121.2 (Qwen3 down and
+# gate/up, T 128), 1508 against 1654 (DeepSeek-V3 gate/up, T 64); whole tiles were 1-5 %
+# faster than the split kernel on every case (a split tile's partial sums, 48 KB of f32
+# for 64 x 192, written and read back, cost more than the weights' bytes a part saves:
+# with the cost model off, parts took 69 against 56 us at E 8). Dealing all K blocks
+# evenly to the blocks (the LoRA shrink's plan) was slower still: 64 against 56 us at E 8,
+# 252 against 203 at E 32.
 DECODE_TILE_M = 64
+DECODE_TILE_N = 256
 DECODE_CHANGES = {"tile_m": DECODE_TILE_M, "cluster": 1, "multicast_b": False}
+# The most leaves whose table the variant's GEMM builds itself (the compiled kernels: 32),
+# where the launch is the program's only one. Every block then builds all of them in its
+# shared memory (which costs a ring stage from about 100 leaves on) but no builder runs
+# before the GEMM. Measured on the H200 (scripts/pipeline_probe.py --decode, FP8): Qwen3
+# 128 experts 86.7 -> 76.5 us (N 2048, K 768) and 132.9 -> 122.7 us (N 1536, K 2048);
+# DeepSeek-V3 256 experts (N 7168, K 2048) 819.7 -> 766.1 us.
+DECODE_INLINE_MAX_LEAVES = 256
 # Average rows per segment at or below which a call takes the decode variant, by the
-# compiled kernel. Measured on the H200 (scripts/decode_sweep.py, time of the variant over
-# the compiled kernel): where the compiled kernel runs CTA pairs (blockwise FP8) the
-# variant wins 0.61-0.77x up to 64 rows per expert and 0.89-0.91x at 96, and loses from
-# 128 (0.99-1.11x); where it runs one CTA per tile (BF16's 128 x 256) the variant wins
-# 0.91-0.99x up to 32 rows and loses 1.05-1.06x at 64.
+# compiled kernel and the variant. Measured on the H200 (scripts/decode_sweep.py, time of
+# the variant over the compiled kernel). Where the compiled kernel runs CTA pairs
+# (blockwise FP8), E 8 N 4096 K 7168 / E 32 N 7168 K 2048: the wide 64 x 256 variant wins
+# 0.70 / 0.60 at 64 rows per expert, 0.70 / 0.70 at 96 and 0.93 / 0.82 at 128, and loses
+# at 192 (1.12 / 1.03); the 64 x 192 one wins 0.61-0.77 up to 64 rows and 0.89-0.91 at
+# 96, and loses from 128 (0.99-1.11). Where it runs one CTA per tile (BF16's 128 x 256; E
+# 8 N 4096 K 7168 / E 128 N 1536 K 2048): the variant wins 0.96-0.97 / 0.91-0.92 up to 32
+# rows and is mixed at 64 (1.07 / 0.95).
+DECODE_ROWS_PAIRED_WIDE = 128
 DECODE_ROWS_PAIRED = 96
 DECODE_ROWS_SINGLE = 32
 
 
-def decode_rows_per_segment(launch: Launch) -> int:
-    """The rule's threshold for a launch, by whether its compiled kernel runs CTA pairs."""
-    return DECODE_ROWS_PAIRED if launch.signature.cluster > 1 else DECODE_ROWS_SINGLE
+def decode_rows_per_segment(launch: Launch, wide: bool) -> int:
+    """The rule's threshold for a launch, by whether its compiled kernel runs CTA pairs
+    and whether its variant takes the wide whole tiles."""
+    if launch.signature.cluster == 1:
+        return DECODE_ROWS_SINGLE
+    return DECODE_ROWS_PAIRED_WIDE if wide else DECODE_ROWS_PAIRED
 # The decode variant's leaf-table builders (where a launch has one) are named with this
 # tag: their tables count 64-row tiles, so they are other kernels than the compiled ones.
 DECODE_TABLE_TAG = "decode"
@@ -117,10 +153,21 @@ def _ragged_rows(spec: Spec, launch: Launch) -> tuple[str, str, int] | None:
     return m.dim, group.name, group_chain_count(spec, group.name) * group.count
 
 
+def decode_changes(launch: Launch, alone: bool) -> list[dict]:
+    """The kernel configurations the decode variant of `launch` may take, best first: the
+    first that the kernel's options allow is its variant. The wide whole tiles where they
+    were measured (see DECODE_TILE_N): a launch compiled in CTA pairs (blockwise FP8) that
+    is its program's only step (`alone`), N a multiple of 256."""
+    n = launch.problems.extents[1].size
+    sig = launch.signature
+    wide = alone and sig.cluster > 1 and n.is_const and n.value % DECODE_TILE_N == 0 and sig.tile_n < DECODE_TILE_N
+    return ([{**DECODE_CHANGES, "tile_n": DECODE_TILE_N, "split_k": False}] if wide else []) + [dict(DECODE_CHANGES)]
+
+
 def _eligible(launch: Launch) -> bool:
     sig = launch.signature
-    # A copy's [128, 1] scale blocks are 128-row tiles; gathered or scattered rows and
-    # SwiGLU over separate weights keep the tiling they were measured with.
+    # A copy's [128, 1] scale blocks are 128-row tiles; rows gathered or scattered in the
+    # GEMM and SwiGLU over separate weights keep the tiling they were measured with.
     return sig.tile_m > DECODE_TILE_M and not (sig.copy or sig.gather or sig.scatter or sig.swiglu_halves)
 
 
@@ -136,16 +183,25 @@ def decode_variant(spec: Spec, schedule: Schedule, program: EmittedProgram) -> D
         rows = _ragged_rows(spec, launch)
         if rows is None or not _eligible(launch):
             continue
+        if rule is not None and (rule.dim, rule.group, rule.segments) != rows:
+            continue
+        candidate = None
+        for changes in decode_changes(launch, program_alone(program)):  # the first that fits this kernel's options
+            try:
+                candidate = with_kernel_config(
+                    spec, variant, launch.index, table_tag=DECODE_TABLE_TAG, inline_leaves=DECODE_INLINE_MAX_LEAVES,
+                    **changes,
+                )
+                break
+            except ValueError:
+                continue
+        if candidate is None:  # no narrower tile fits this kernel's options
+            continue
+        wide = "tile_n" in changes
         if rule is None:
-            rule = DecodeRule(*rows, decode_rows_per_segment(launch))
-        elif (rule.dim, rule.group, rule.segments) != rows:
-            continue
-        try:
-            candidate = with_kernel_config(
-                spec, variant, launch.index, table_tag=DECODE_TABLE_TAG, **DECODE_CHANGES
-            )
-        except ValueError:  # the narrower tile does not fit this kernel's options
-            continue
+            rule = DecodeRule(*rows, decode_rows_per_segment(launch, wide))
+        else:  # the lowest threshold of the launches: none takes its variant where it loses
+            rule = replace(rule, rows_per_segment=min(rule.rows_per_segment, decode_rows_per_segment(launch, wide)))
         before = program.launches[launch.index].gemm.name
         after = candidate.launches[launch.index].gemm.name
         variant = candidate

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 import gemmspec
+import gemmspec.bench
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.codegen.manifest import launch_manifest
-from gemmspec.codegen.variants import DECODE_ROWS_PAIRED, DECODE_ROWS_SINGLE, decode_variant
+from gemmspec.codegen.variants import DECODE_ROWS_PAIRED, DECODE_ROWS_PAIRED_WIDE, DECODE_ROWS_SINGLE, decode_variant
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,9 +34,12 @@ def test_ragged_launches_over_a_run_time_dim_get_a_64_row_variant(name):
     exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
     variant = exe.decode
     assert variant is not None
-    paired = exe.program.launches[variant.launches[0][0]].gemm.cluster > 1
+    index = variant.launches[0][0]
+    paired = exe.program.launches[index].gemm.cluster > 1
+    wide = variant.program.launches[index].gemm.tile_n == 256 and exe.program.launches[index].gemm.tile_n < 256
     assert variant.rule.dim == "T"
-    assert variant.rule.rows_per_segment == (DECODE_ROWS_PAIRED if paired else DECODE_ROWS_SINGLE)
+    expected = (DECODE_ROWS_PAIRED_WIDE if wide else DECODE_ROWS_PAIRED) if paired else DECODE_ROWS_SINGLE
+    assert variant.rule.rows_per_segment == expected
     group = exe.spec.group(variant.rule.group)
     assert variant.rule.segments % group.count == 0
     for index, before, after in variant.launches:
@@ -58,13 +62,13 @@ def test_the_threshold_follows_the_compiled_kernel():
     fp8 = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")  # 128 x 192 in CTA pairs
     bf16 = gemmspec.build(EXAMPLES / "moe_bf16_forward.gspec")  # 128 x 256, one CTA per tile
     assert fp8.program.launches[0].gemm.cluster == 2 and bf16.program.launches[0].gemm.cluster == 1
-    assert fp8.decode.rule.rows_per_segment == DECODE_ROWS_PAIRED == 96
+    assert fp8.decode.rule.rows_per_segment == DECODE_ROWS_PAIRED_WIDE == 128
     assert bf16.decode.rule.rows_per_segment == DECODE_ROWS_SINGLE == 32
 
 
 def test_the_rule_picks_per_call_and_can_be_turned_off():
     exe = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")
-    limit = DECODE_ROWS_PAIRED * 8  # eight experts, CTA pairs as compiled
+    limit = DECODE_ROWS_PAIRED_WIDE * 8  # eight experts, CTA pairs as compiled, the wide variant
     assert exe.decode.rule.max_rows == limit
     assert exe.program_for({"T": 0}) is exe.decode.program
     assert exe.program_for({"T": limit}) is exe.decode.program
@@ -73,9 +77,10 @@ def test_the_rule_picks_per_call_and_can_be_turned_off():
     assert exe.program_for({"T": 1}) is exe.program
 
 
-@pytest.mark.parametrize("name", ["moe_fp8_forward", "lora_moe_scaled"])
+@pytest.mark.parametrize("name", ["moe_fp8_forward", "lora_moe_scaled", "qwen3_down"])
 def test_both_manifests_launch_kernels_their_sources_define(name):
-    exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
+    # qwen3_down: the compiled program has a builder before its GEMM, the variant none.
+    exe = gemmspec.build(QWEN3_DOWN if name == "qwen3_down" else EXAMPLES / f"{name}.gspec")
     for program in (exe.program, exe.decode.program):
         sources = program.sources()
         manifest = launch_manifest(exe.spec, program, program.spec)
@@ -84,9 +89,13 @@ def test_both_manifests_launch_kernels_their_sources_define(name):
             assert re.search(rf"\b{re.escape(step.symbol)}\b", sources[step.file]), step.symbol
 
 
-@pytest.mark.parametrize("name", ["moe_fp8_forward", "moe_bf16_forward"])
+QWEN3_DOWN = gemmspec.bench.moe_spec("moe_fp8", n=2048, k=768, e=128, fp8=True, scales_major_t=True)
+
+
+@pytest.mark.parametrize("name", ["moe_fp8_forward", "moe_bf16_forward", "qwen3_down"])
 def test_decode_kernels_compile_without_spills(name):
-    exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
+    # qwen3_down: 128 experts, the wide variant with its table built in the GEMM.
+    exe = gemmspec.build(QWEN3_DOWN if name == "qwen3_down" else EXAMPLES / f"{name}.gspec")
     for index, _, after in exe.decode.launches:
         source = exe.decode.program.launches[index].source
         sass = spill_free_sass(source, [include_dir()], f"{after}.cu")
@@ -97,13 +106,30 @@ def test_explain_prints_the_rule_and_its_json_carries_it():
     path = str(EXAMPLES / "moe_fp8_forward.gspec")
     text = subprocess.run([sys.executable, "-m", "gemmspec", "explain", path], capture_output=True, text=True,
                           check=True).stdout
-    assert "at call time: the decode variant when T <= 96 x 8 segments of 'expert' = 768 rows" in text
+    assert "at call time: the decode variant when T <= 128 x 8 segments of 'expert' = 1024 rows" in text
     doc = json.loads(subprocess.run([sys.executable, "-m", "gemmspec", "explain", "--json", path],
                                     capture_output=True, text=True, check=True).stdout)[0]
     choice = doc["run_time_choice"]
-    assert choice["max_rows"] == 768 and choice["dim"] == "T" and choice["group"] == "expert"
+    assert choice["max_rows"] == 1024 and choice["dim"] == "T" and choice["group"] == "expert"
     ((launch),) = choice["launches"]
-    assert launch["launch"] == 0 and "_t64x192x128_" in launch["decode"] and "c2b" in launch["compiled"]
+    assert launch["launch"] == 0 and "_t64x256x128_" in launch["decode"] and "c2b" in launch["compiled"]
+
+
+def test_the_variant_takes_256_columns_in_whole_tiles_where_n_allows():
+    # N = 4096 (a multiple of 256): 64 x 256 tiles, whole (no split K), and a table of 128
+    # leaves built in the kernel (past the compiled kernels' 32).
+    wide = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=128, fp8=True, scales_major_t=True))
+    compiled, decode = wide.program.launches[0].gemm, wide.decode.program.launches[0].gemm
+    assert (compiled.tile_m, compiled.tile_n, compiled.inline_table) == (128, 192, 0)
+    assert (decode.tile_m, decode.tile_n, decode.cluster, decode.split_k) == (64, 256, 1, False)
+    assert decode.inline_table and wide.decode.program.launches[0].kernels == (decode.name,)
+    # N = 576 (not a multiple of 256): the compiled width, split K as compiled.
+    narrow = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=576, k=7168, e=8, fp8=True, scales_major_t=True))
+    compiled, decode = narrow.program.launches[0].gemm, narrow.decode.program.launches[0].gemm
+    assert decode.tile_m == 64 and decode.tile_n == compiled.tile_n and decode.split_k == compiled.split_k
+    # 257 leaves: past what the variant's GEMM builds itself, a builder runs before it.
+    many = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=257, fp8=True, scales_major_t=True))
+    assert not many.decode.program.launches[0].gemm.inline_table
 
 
 def test_decode_variant_is_none_without_ragged_launches():

@@ -18,7 +18,7 @@ from gemmspec.cli import main
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.host import cexpr
 from gemmspec.codegen.manifest import KernelLaunch, launch_manifest
-from gemmspec.codegen.variants import DECODE_ROWS_PAIRED, decode_variant
+from gemmspec.codegen.variants import DECODE_ROWS_PAIRED_WIDE, decode_variant
 from gemmspec.output import spec_files
 from gemmspec.pipeline import lower_file
 
@@ -134,7 +134,7 @@ def test_the_launcher_picks_by_the_rule():
     host = sf.files["moe_fp8_forward_host.cu"].decode()
     header = sf.files["moe_fp8_forward.h"].decode()
     limit = variant.rule.max_rows
-    assert limit == DECODE_ROWS_PAIRED * 8
+    assert limit == DECODE_ROWS_PAIRED_WIDE * 8
     # The rule, with the runtime's threshold, picks the program and its layout.
     run = _function(host, f"{m.prefix}_run")
     assert f"const bool decode = d_T <= {limit}LL;" in run

@@ -25,11 +25,11 @@ def fake_run(monkeypatch):
     monkeypatch.setattr(verify, "run_random", run_random)
 
 
-@pytest.mark.parametrize("t, said", [(768, "the decode variant"), (769, "the kernels as compiled")])
+@pytest.mark.parametrize("t, said", [(1024, "the decode variant"), (1025, "the kernels as compiled")])
 def test_run_names_the_program_of_its_size(fake_run, capsys, t, said):
     assert main(["run", str(EXAMPLES / "moe_fp8_forward.gspec"), "--dims", f"T={t}"]) == 0
     out = capsys.readouterr().out
-    assert f"moe_fp8_forward: {said} (the decode variant when T <= 96 x 8 segments of 'expert' = 768 rows)" in out
+    assert f"moe_fp8_forward: {said} (the decode variant when T <= 128 x 8 segments of 'expert' = 1024 rows)" in out
 
 
 def test_a_spec_without_a_variant_says_nothing_of_one(fake_run, capsys):

@@ -26,7 +26,7 @@ E = 8
 SPEC = """
 gemm decode_{kind} {{
   dim T
-  dim N = 384, K = 512
+  dim N = {n}, K = 512
   group expert[E = 8] = ragged(T, offsets = offs)
   tensor x : {t} [T, K]{xs}
   tensor w : {t} [E, N, K]{ws}
@@ -34,12 +34,16 @@ gemm decode_{kind} {{
   y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
 }}
 """
+# N = 384 keeps the compiled width in the variant (192 columns);
+# N = 512, a multiple of 256, gives FP8 the wide variant: 64 x 256 whole tiles.
 KINDS = {
-    "fp8": dict(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]"),
-    "bf16": dict(t="bf16", xs="", ws=""),
+    "fp8": dict(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]", n=384),
+    "fp8_wide": dict(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]", n=512),
+    "bf16": dict(t="bf16", xs="", ws="", n=384),
 }
 # Token counts per expert on each side of the threshold; the threshold (96 rows per expert
-# where the compiled FP8 kernel runs CTA pairs, 32 for BF16's single CTAs) adds two more.
+# where the compiled FP8 kernel runs CTA pairs, 128 with the wide variant, 32 for BF16's
+# single CTAs) adds two more.
 COUNTS = {
     "edges_low": [0, 1, 2, 7, 8, 9, 63, 64],  # T = 154: decode for FP8, compiled for BF16
     "edges_high": [65, 127, 129, 0, 0, 1, 2, 7],  # T = 331
@@ -69,6 +73,8 @@ def test_each_side_of_the_threshold_matches_the_reference(kind, counts):
     picked = exe.program_for({"T": t})
     assert (picked is exe.decode.program) == (t <= limit)
     assert "t64x" in picked.launches[0].gemm.name or t > limit
+    if kind == "fp8_wide":
+        assert limit == 128 * E and exe.decode.program.launches[0].gemm.tile_n == 256
     for seed in (0, 1):  # two calls with fresh data on one executable (one plan)
         report = check_random(exe, lengths={"expert": lengths}, seed=seed).report
         print(report.describe())
@@ -84,19 +90,21 @@ def test_the_decode_variant_can_be_turned_off(kind):
     assert report.ok, report.describe()
 
 
-def test_a_graph_captured_on_the_decode_variant_replays_with_new_counts():
+@pytest.mark.parametrize("kind", ["fp8", "fp8_wide"])
+def test_a_graph_captured_on_the_decode_variant_replays_with_new_counts(kind):
     torch = pytest.importorskip("torch")
-    exe = gemmspec.build(spec_text("fp8"))
+    exe = gemmspec.build(spec_text(kind))
+    n = KINDS[kind]["n"]
     first = [0, 1, 2, 7, 8, 9, 63, 64]
     t = sum(first)
     assert exe.program_for({"T": t}) is exe.decode.program
     g = torch.Generator(device="cpu").manual_seed(5)
     x = (torch.randn((t, 512), generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
     xs = (torch.rand((t, 4), generator=g) * 0.01 + 0.001).cuda()
-    w = (torch.randn((E, 384, 512), generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
-    ws = (torch.rand((E, 3, 4), generator=g) * 0.01 + 0.001).cuda()
+    w = (torch.randn((E, n, 512), generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()
+    ws = (torch.rand((E, n // 128, 4), generator=g) * 0.01 + 0.001).cuda()
     offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-    y = torch.full((t, 384), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
     def set_counts(counts):
         offs.copy_(torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32))
@@ -108,13 +116,14 @@ def test_a_graph_captured_on_the_decode_variant_replays_with_new_counts():
     with torch.cuda.graph(graph):
         exe(x=x, x_scale=xs, w=w, w_scale=ws, y=y, offs=offs)
     xa = (x.double().view(t, 4, 128) * xs.double().view(t, 4, 1)).view(t, 512).cpu().numpy()
-    wb = (w.double().view(E, 3, 128, 4, 128) * ws.double().view(E, 3, 1, 4, 1)).view(E, 384, 512).cpu().numpy()
+    blocks = n // 128
+    wb = (w.double().view(E, blocks, 128, 4, 128) * ws.double().view(E, blocks, 1, 4, 1)).view(E, n, 512).cpu().numpy()
     for counts in ([64, 0, 1, 2, 7, 8, 9, 63], [0, 0, 0, 154, 0, 0, 0, 0], first):
         set_counts(counts)
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = np.empty((t, 384))
+        ref = np.empty((t, n))
         start = 0
         for e, c in enumerate(counts):
             ref[start:start + c] = xa[start:start + c] @ wb[e].T
