@@ -11,7 +11,7 @@ against the default configuration's output. Prints one line per variant, with th
 clock and board power of its kernel kept running for a second after its timing (where
 nvidia-smi is on the PATH; as `gemmspec bench` reads them).
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|dsv3] [--idle MS]
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ from gemmspec.bench import (  # noqa: E402
     with_directive,
 )
 from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
+from gemmspec.bench.cases import DECODE_E8, DECODE_E32, DECODE_TOP_K, DSV3_EXPERTS, QWEN3_EXPERTS  # noqa: E402
+from gemmspec.bench.inputs import routed_counts  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
+from gemmspec.codegen.variants import DECODE_CHANGES, DECODE_INLINE_MAX_LEAVES, DECODE_TILE_N  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
 # store_tma None: the default rule).
@@ -157,24 +160,23 @@ GATHER_VARIANTS = {
 # against 64-row tiles of one CTA, ring depths and widths.
 DECODE_VARIANTS = {
     "as compiled": {},
-    "64 x 192, one CTA per tile": {"tile_m": 64, "cluster": 1, "multicast_b": False},
-    "64 x 192, one CTA per tile, registers epilogue (7 stages)": {"tile_m": 64, "cluster": 1, "multicast_b": False,
-                                                                  "store_tma": False},
-    "64 x 96, one CTA per tile": {"tile_m": 64, "tile_n": 96, "cluster": 1, "multicast_b": False},
-    "64 x 192, one CTA per tile, whole tiles (no split K)": {"tile_m": 64, "cluster": 1, "multicast_b": False,
-                                                             "split_k": False},
-    "64 x 128, one CTA per tile": {"tile_m": 64, "tile_n": 128, "cluster": 1, "multicast_b": False},
-    "64 x 160, one CTA per tile": {"tile_m": 64, "tile_n": 160, "cluster": 1, "multicast_b": False},
-    "64 x 192, one CTA per tile, L2 hints": {"tile_m": 64, "cluster": 1, "multicast_b": False, "cache_hints": True},
-    "128 x 192, one CTA per tile": {"cluster": 1, "multicast_b": False},
-    "as compiled (again: drift over the run)": {},
+    "decode variant": {"decode": True},
+    "decode variant, a builder before the GEMM past 32 leaves": {"decode": True, "inline_leaves": 32},
+    "decode variant, 64 x 192": {"decode": True, "tile_n": 192},
+    "decode variant, 64 x 192, split K where it pays": {"decode": True, "tile_n": 192, "split_k": True},
+    "decode variant, 64 x 256, split K where it pays": {"decode": True, "split_k": True},
+    "decode variant, registers epilogue": {"decode": True, "store_tma": False},
+    "decode variant (again: drift over the run)": {"decode": True},
 }
 # Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with
-# T = 1024 (22 experts non-empty, 1-129 tokens each) and E = 8 with T = 128.
+# T = 1024 (22 experts non-empty, 1-129 tokens each) and E = 8 with T = 128, and the
+# bench's routed rows (Qwen3-30B-A3B: 128 tokens top-8 of 128 experts; DeepSeek-V3: 64
+# tokens top-8 of 256).
 DECODE_LENGTHS = {
-    "e32": [0, 55, 57, 2, 0, 18, 9, 0, 61, 46, 40, 56, 2, 25, 0, 106, 0, 86, 0, 61, 14, 0, 91, 0, 0, 108, 33, 1, 0,
-            129, 1, 23],
-    "e8": [0, 49, 53, 2, 0, 16, 8, 0],
+    "e32": DECODE_E32,
+    "e8": DECODE_E8,
+    "qwen3": routed_counts(128, QWEN3_EXPERTS, DECODE_TOP_K, seed=128),
+    "dsv3": routed_counts(64, DSV3_EXPERTS, DECODE_TOP_K, seed=64),
 }
 
 
@@ -194,14 +196,19 @@ def lora_inputs(t=8192, k=4096, r=16, loras=4, experts=8):
     }
 
 
-def variant(exe, fuse_check=True, inline_tables=True, **changes):
+def variant(exe, fuse_check=True, inline_tables=True, decode=False, inline_leaves=0, **changes):
     """Re-emit the launch with a changed kernel configuration (the leaf table follows);
     `fuse_check` False runs the offsets check as a kernel of its own; `inline_tables` False
-    puts a leaf-table builder before a GEMM that would build its table itself."""
+    puts a leaf-table builder before a GEMM that would build its table itself; `decode`
+    starts from the decode variant's configuration; `inline_leaves` lets the GEMM build
+    tables of up to that many leaves itself."""
     exe.choose_at_call = False  # the variant at every size, not the decode variant's pick
     if not fuse_check or not inline_tables:
         exe.program = emit(exe.spec, exe.schedule, fuse_check=fuse_check, inline_tables=inline_tables)
-    exe.program = with_kernel_config(exe.spec, exe.program, **changes)
+    if decode:  # the wide variant (a spec of one launch compiled in CTA pairs, N a multiple of 256)
+        changes = {**DECODE_CHANGES, "tile_n": DECODE_TILE_N, "split_k": False, **changes}
+        inline_leaves = inline_leaves or DECODE_INLINE_MAX_LEAVES
+    exe.program = with_kernel_config(exe.spec, exe.program, inline_leaves=inline_leaves, **changes)
     return exe.program.launches[0].gemm
 
 
