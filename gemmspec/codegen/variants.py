@@ -9,9 +9,9 @@ pair's second CTA waits on its first: the kernel streams each active expert's we
 about half the HBM rate. The same launch with 64-row tiles of one CTA each streams them
 at three quarters of it (H200, FP8 1x128/128x128, E = 32 and T = 1024: 206 against 318
 us; E = 8 and T = 128: 57 against 87 us), and where it is its program's only launch, in
-256-column whole tiles with the table built in the GEMM, at 80-100 % of the 4.2 TB/s
-copy rate on most decode shapes (E = 32: 190 us; DeepSeek-V3's 256 experts at T = 64:
-1.48 ms for 6.4 GB; see docs/performance.md).
+256-column whole tiles with the table built in the GEMM, at 65-103 % of the 4.2 TB/s
+copy rate (E = 32: 190 us; DeepSeek-V3's 256 experts at T = 64: 1.48 ms for 6.4 GB; see
+docs/performance.md).
 
 So such a launch is compiled twice, as the spec's tiling chose it and as its decode
 variant, and each call picks one on the host from the run-time dim's size, which the
@@ -24,8 +24,8 @@ where `segments` counts the group's segments (E for MoE experts; L x E for an ex
 group nested in adapters) and `rows_per_segment` is 128 where the compiled kernel runs CTA
 pairs and the variant takes 256-column whole tiles, 96 where it runs CTA pairs and the
 variant keeps the compiled width, and 32 where it runs one CTA per tile (measured: see
-DECODE_ROWS_PAIRED); a program
-whose launches differ takes the lower, so that no launch runs its variant where it loses.
+DECODE_ROWS_PAIRED); a program whose launches differ takes the lowest, so that no launch
+runs its variant where it loses.
 A spec with a `tile(M, N)` directive gets no variant: the tile it asks for is the tile
 every call runs. Launches that gather or scatter rows in the GEMM, SwiGLU over separate
 weights, and a copy's 128-row scale blocks keep their tiling.
