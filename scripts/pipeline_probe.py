@@ -40,9 +40,9 @@ from gemmspec.bench import (  # noqa: E402
     timed_launches,
     with_directive,
 )
-from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
 from gemmspec.bench.cases import DECODE_E8, DECODE_E32, DECODE_TOP_K, DSV3_EXPERTS, QWEN3_EXPERTS  # noqa: E402
 from gemmspec.bench.inputs import routed_counts  # noqa: E402
+from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
 from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 from gemmspec.codegen.variants import DECODE_CHANGES, DECODE_INLINE_MAX_LEAVES, DECODE_TILE_N  # noqa: E402
 

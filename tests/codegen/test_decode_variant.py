@@ -16,7 +16,12 @@ import gemmspec
 import gemmspec.bench
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.codegen.manifest import launch_manifest
-from gemmspec.codegen.variants import DECODE_ROWS_PAIRED, DECODE_ROWS_PAIRED_WIDE, DECODE_ROWS_SINGLE, decode_variant
+from gemmspec.codegen.variants import (
+    DECODE_ROWS_PAIRED,
+    DECODE_ROWS_PAIRED_WIDE,
+    DECODE_ROWS_SINGLE,
+    decode_variant,
+)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
