@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the H200, in one go: a smoke run, kernel-variant probes, the GPU
 # tests, the sanitizer suite and the benchmark table. Run from the repository root on a Hopper
-# machine. Logs go to $OUT (or ./out). STEPS picks a subset, e.g. STEPS=smoke,probe,bench.
+# machine. Logs go to $OUT (or ./out). STEPS picks a subset, e.g. STEPS=smoke,probe,bench
+# (steps: smoke, probe, tests, sanitizer, racecheck, stress, cpp, bench, decode_profile, ncu).
 # Every step has a time limit, so a hung kernel costs minutes, not the whole session.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -46,6 +47,20 @@ if want racecheck; then
     python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
     -k "wgrad_counts or pipeline_row_edges and 576 and fp8 or scaled_wide_tiles and 192 and 100" 2>&1 | tail -5 | tee "$OUT/racecheck.log" || status=1
   grep -v "Host Frame" "$OUT/racecheck_full.log" | tail -20
+fi
+if want stress; then
+  # GPU tests started together (STRESS_COPIES processes on one GPU), so that their kernels
+  # interleave: a result that depends on timing shows here as a run that fails among
+  # passing ones. The decode FFN's graph replay and the decode variant's graph tests.
+  copies=${STRESS_COPIES:-12}
+  for i in $(seq "$copies"); do
+    timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_ffn_decode_gpu.py tests/gpu/test_decode_variant_gpu.py \
+      -p no:cacheprovider -k "${STRESS_K:-graph}" > "$OUT/stress_$i.log" 2>&1 &
+  done
+  wait
+  tail -qn1 "$OUT"/stress_*.log | sort | uniq -c | tee "$OUT/stress.log"
+  grep -h -A12 "^E   " "$OUT"/stress_*.log | head -60 | tee -a "$OUT/stress.log"
+  grep -q failed "$OUT/stress.log" && status=1
 fi
 if want cpp; then
   # The emitted files built into a plain C++ program with nvcc, run and checked.
