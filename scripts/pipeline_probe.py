@@ -43,8 +43,8 @@ from gemmspec.bench import (  # noqa: E402
 from gemmspec.bench.cases import DECODE_E8, DECODE_E32, DECODE_TOP_K, DSV3_EXPERTS, QWEN3_EXPERTS  # noqa: E402
 from gemmspec.bench.inputs import routed_counts  # noqa: E402
 from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
-from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
-from gemmspec.codegen.variants import DECODE_CHANGES, DECODE_INLINE_MAX_LEAVES, DECODE_TILE_N  # noqa: E402
+from gemmspec.codegen.emit import emit, program_alone, with_kernel_config  # noqa: E402
+from gemmspec.codegen.variants import DECODE_INLINE_MAX_LEAVES, decode_changes  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
 # store_tma None: the default rule).
@@ -205,8 +205,9 @@ def variant(exe, fuse_check=True, inline_tables=True, decode=False, inline_leave
     exe.choose_at_call = False  # the variant at every size, not the decode variant's pick
     if not fuse_check or not inline_tables:
         exe.program = emit(exe.spec, exe.schedule, fuse_check=fuse_check, inline_tables=inline_tables)
-    if decode:  # the wide variant (a spec of one launch compiled in CTA pairs, N a multiple of 256)
-        changes = {**DECODE_CHANGES, "tile_n": DECODE_TILE_N, "split_k": False, **changes}
+    if decode:  # the decode variant's configuration (its first choice), then the changes
+        launch = exe.schedule.launches[0]
+        changes = {**decode_changes(launch, program_alone(exe.program))[0], **changes}
         inline_leaves = inline_leaves or DECODE_INLINE_MAX_LEAVES
     exe.program = with_kernel_config(exe.spec, exe.program, inline_leaves=inline_leaves, **changes)
     return exe.program.launches[0].gemm

@@ -796,22 +796,19 @@ def emit_check(spec: Spec, schedule: Schedule, fuse: bool = True) -> EmittedChec
     return EmittedCheck(kernel, placement)
 
 
-def _alone(schedule: Schedule, check: EmittedCheck | None) -> bool:
+def _alone(steps: Schedule | EmittedProgram, check: EmittedCheck | None) -> bool:
     """One launch and nothing before it: no other kernel reads its table or the checked
-    offsets, so its GEMM may build the table itself (one kernel per call)."""
+    offsets, so its GEMM may build the table itself (one kernel per call). `steps`: a
+    schedule or the program emitted from it (each has launches, pre- and post-passes)."""
     return (
-        len(schedule.launches) == 1 and not schedule.prepasses and not schedule.postpasses
+        len(steps.launches) == 1 and not steps.prepasses and not steps.postpasses
         and (check is None or check.fused)
     )
 
 
 def program_alone(program: EmittedProgram) -> bool:
-    """`_alone` for an emitted program: one launch, nothing before or after it, and any
-    offsets check in its builder."""
-    return (
-        len(program.launches) == 1 and not program.prepasses and not program.postpasses
-        and (program.check is None or program.check.fused)
-    )
+    """`_alone` for an emitted program."""
+    return _alone(program, program.check)
 
 
 def _launch_gemm_config(launch: Launch, inline: bool, check: ValidationKernel | None) -> GemmKernelConfig:
