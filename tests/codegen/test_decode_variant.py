@@ -148,3 +148,13 @@ def test_a_tile_directive_keeps_its_tile_at_every_size():
     at = text.index("{") + 1
     exe = gemmspec.build(text[:at] + "\n  tile(128, 192)\n" + text[at:])
     assert exe.decode is None and exe.program_for({"T": 1}) is exe.program
+
+
+def test_masked_groups_of_64_rows_compile_fp8_256_column_tiles_without_spills():
+    # Masked decode (32 groups of 64 rows): the compiled kernel itself takes 64 x 256
+    # blockwise tiles (two 128-column wgmma halves), no variant needed.
+    exe = gemmspec.build(gemmspec.bench.MASKED_SPEC.format(m=64, n=4096, k=7168, e=32))
+    (launch,) = exe.program.launches
+    assert (launch.gemm.tile_m, launch.gemm.tile_n) == (64, 256) and exe.decode is None
+    sass = spill_free_sass(launch.source, [include_dir()], f"{launch.gemm.name}.cu")
+    assert set(re.findall(r"\bQGMMA\.\w+", sass)) == {"QGMMA.64x128x32"}  # the two halves' wgmma

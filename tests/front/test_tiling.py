@@ -24,8 +24,14 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
         ([7168], None, True, 1, (128, 128), True),
         # A skinny memory-bound GEMM: 64-row tiles, 16 columns, an odd column-block count.
         ([16], None, False, 1, (64, 16), False),
-        # Leaves of at most 64 rows (masked M = 64).
-        ([4096], 64, True, 128, (64, 192), False),
+        # Leaves of at most 64 rows (masked M = 64): blockwise FP8 streams its weights, 256
+        # columns where N is a multiple of 256, else the cheapest scaled width.
+        ([4096], 64, True, 128, (64, 256), False),
+        ([7168, 2048], 64, True, 128, (64, 256), False),
+        ([1408], 64, True, 128, (64, 160), False),
+        ([384], 64, True, 128, (64, 192), False),
+        # Per-column B scales keep their widths.
+        ([4096], 64, True, 1, (64, 128), False),
         # Leaves of at most 128 rows: a pair's second CTA would have no rows.
         ([4096], 128, True, 128, (128, 192), False),
         # N known only at run time: the widest candidate.

@@ -165,6 +165,16 @@ def test_pipeline_64_row_tiles():
     report_ok(run_random(exe, lengths={"expert": [0, 1, 63, 64, 17]}, seed=11, repeats=0))
 
 
+@pytest.mark.parametrize("n", [512, 768])
+def test_masked_64_rows_fp8_takes_256_column_tiles(n):
+    # Blockwise FP8 leaves of at most 64 rows, N a multiple of 256: 64 x 256 tiles (two
+    # 128-column wgmma halves per K block), every count from empty to full, K over
+    # several blocks with a partial 128-column scale block at its end.
+    exe = gemmspec.build(MASKED.format(m=64, n=n, k=1088, e=6))
+    assert [(x.gemm.tile_m, x.gemm.tile_n) for x in exe.program.launches] == [(64, 256)]
+    report_ok(run_random(exe, lengths={"expert": [0, 1, 63, 64, 17, 2]}, seed=n, repeats=0))
+
+
 def test_wgrad_counts_not_multiples_of_128():
     exe = gemmspec.build(WGRAD.format(n=136, k=200, e=5))
     report_ok(run_random(exe, lengths={"expert": [1, 127, 129, 0, 1000]}, seed=12, repeats=0))
