@@ -564,14 +564,16 @@ def _random_fp8_experts(shape):
 
 
 def _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, tokens):
-    """Float64 h (SwiGLU of the dequantized inputs) of the routed rows of `tokens`, and y
-    of those tokens from h as the GPU wrote it (FP8 rounding is discontinuous: a result a
-    hair off may round to the next FP8 value, so the down-projection is judged on the h it
-    read), summed over each token's rows."""
+    """The routed rows of `tokens` (each token's rows in ascending order), their h as the
+    GPU wrote it and in float64 (SwiGLU of the dequantized inputs), and their weighted
+    down-projection in float64 from h as the GPU wrote it (FP8 rounding is discontinuous:
+    a result a hair off may round to the next FP8 value, so the down-projection is judged
+    on the h it read). y itself is judged against the combine of the rows the GPU wrote
+    (`combined`): a sum of k rows carries k rows' accumulation errors, more than one row's
+    bound allows, so each step is judged on what the step before it wrote."""
     torch = load_torch()
-    h_ref, h_rows, y_ref = [], [], []
+    rows, h_ref, h_rows, y_rows_ref = [], [], [], []
     for s in tokens:
-        acc = torch.zeros(wd.shape[1], dtype=torch.float64, device=x.device)
         for t in torch.nonzero(src == s)[:, 0].tolist():
             e = int(expert_of[t])
             xa = dequantized(x[s:s + 1], xs[s:s + 1], 1, 128)
@@ -580,9 +582,27 @@ def _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src,
             h_ref.append(gate * torch.sigmoid(gate) * up)
             got = dequantized(h[t:t + 1], hs[t:t + 1], 1, 128)
             h_rows.append(got)
-            acc += route_w[t].double() * (got @ dequantized(wd[e], wds[e], 128, 128).t())[0]
-        y_ref.append(acc)
-    return torch.cat(h_rows), torch.cat(h_ref), torch.stack(y_ref)
+            y_rows_ref.append(route_w[t].double() * (got @ dequantized(wd[e], wds[e], 128, 128).t()))
+            rows.append(t)
+    return rows, torch.cat(h_rows), torch.cat(h_ref), torch.cat(y_rows_ref)
+
+
+def combined(y_rows, src, tokens: int):
+    """y as the spec's `scatter_add(y_rows, rows = src)` defines it: each token's rows in
+    ascending row order, added in float32 from zero and rounded once to y_rows' type
+    (tokens no row names get zeros). Bit for bit what the GPU's combine must write."""
+    torch = load_torch()
+    t = src.numel()
+    index = torch.arange(t, device=src.device)
+    order = torch.argsort(src.long() * t + index)  # by token, then by row
+    token = src.long()[order]
+    counts = torch.bincount(token, minlength=tokens)
+    rank = index - (torch.cumsum(counts, 0) - counts)[token]  # the row's place among its token's
+    acc = torch.zeros((tokens, y_rows.shape[1]), dtype=torch.float32, device=y_rows.device)
+    for i in range(int(counts.max()) if t else 0):
+        at = rank == i  # at most one row of each token
+        acc[token[at]] += y_rows[order[at]].float()
+    return acc.to(y_rows.dtype)
 
 
 def ffn_decode(repeat: int, *, name: str, tokens: int, experts: int, top_k: int, hidden: int, f: int,
@@ -647,12 +667,16 @@ def ffn_decode(repeat: int, *, name: str, tokens: int, experts: int, top_k: int,
     g = torch.Generator(device="cpu").manual_seed(seed)
     sample = torch.randperm(tokens, generator=g)[:16].tolist()
     expert_of = torch.repeat_interleave(torch.arange(experts), torch.tensor(lengths))
-    h_got, h_ref, y_ref = _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, sample)
+    sampled, h_got, h_ref, y_rows_ref = _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src,
+                                                              expert_of, sample)
     check = "; ".join([
         elementwise("h", h_got, h_ref, "e4m3", "float64 reference (sampled tokens)"),
-        elementwise("y", y[sample], y_ref, "bf16", "float64 reference (sampled tokens)"),
-        elementwise("y", y, y2.double(), "bf16", "separate calls"),
+        elementwise("y_rows", y_rows[sampled], y_rows_ref, "bf16", "float64 reference (sampled tokens)"),
+        elementwise("y_rows", y_rows, y_rows2.double(), "bf16", "separate calls"),
     ])
+    if not torch.equal(y.view(torch.int16), combined(y_rows, src, tokens).view(torch.int16)):
+        raise AssertionError("gemmspec's y is not the combine of the y_rows it wrote (ascending rows, float32)")
+    check += "; y the combine of y_rows, bit for bit"
     replay_one()
     torch.cuda.synchronize()
     if not torch.equal(y.view(torch.int16), first.view(torch.int16)):

@@ -85,9 +85,10 @@ from gemmspec.reference.schedule_exec import run_schedule  # noqa: E402
 
 class _ReferenceRun:
     """A prepared call whose `enqueue` runs the schedule reference executor on the bound
-    tensors and writes every output back in place (`broken`: one element of y wrong)."""
+    tensors and writes every output back in place (`broken`: the output given one wrong
+    element, after the reference computed the outputs from it)."""
 
-    def __init__(self, exe, tensors, broken: bool):
+    def __init__(self, exe, tensors, broken: str | None):
         self.exe, self.tensors, self.broken = exe, tensors, broken
 
     def enqueue(self):
@@ -106,13 +107,13 @@ class _ReferenceRun:
         for name, values in run_schedule(spec, rt, self.exe.schedule, inputs, init).items():
             out = tensors[name]
             result = torch.from_numpy(np.ascontiguousarray(values.reshape(out.shape)))
-            if self.broken and name == "y":
+            if name == self.broken:
                 result[0, 0] += 1000.0
             out.copy_(result.to(out.dtype))
 
 
 class _ReferenceExecutable:
-    def __init__(self, exe, broken: bool):
+    def __init__(self, exe, broken: str | None):
         self.exe, self.broken = exe, broken
 
     def prepare(self, stream, **tensors):
@@ -122,7 +123,7 @@ class _ReferenceExecutable:
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    state = {"broken": False, "graphed": 0}
+    state = {"broken": None, "graphed": 0}
 
     def graphed(fn, stream):
         state["graphed"] += 1
@@ -147,12 +148,17 @@ def test_ffn_decode_runs_checked_and_rated_in_bytes(on_cpu):
     assert one.impl.startswith("gemmspec one spec") and separate.impl.startswith("gemmspec up, down")
     _, lengths = routed_rows(5, 4, 2, seed=1)
     assert one.unit == "TB/s" and one.work == measure.ffn_decode_bytes(lengths, 5, 256, 256)
-    for part in ("h vs float64 reference", "y vs float64 reference", "y vs separate calls", "same bits"):
+    for part in ("h vs float64 reference", "y_rows vs float64 reference", "y_rows vs separate calls",
+                 "y the combine of y_rows, bit for bit", "same bits"):
         assert part in one.check
     assert on_cpu["graphed"] >= 2  # one spec, separate calls (and the torch chain where torch runs it)
 
 
-def test_ffn_decode_check_fails_on_a_wrong_result(on_cpu):
-    on_cpu["broken"] = True
-    with pytest.raises(AssertionError, match="gemmspec differs from float64 reference"):
+@pytest.mark.parametrize("broken, message", [
+    ("y_rows", "gemmspec differs from float64 reference"),  # the down-projection, row by row
+    ("y", "not the combine of the y_rows it wrote"),  # the combine, bit for bit
+])
+def test_ffn_decode_check_fails_on_a_wrong_result(on_cpu, broken, message):
+    on_cpu["broken"] = broken
+    with pytest.raises(AssertionError, match=message):
         measure.ffn_decode(1, name="f", **SMALL)
