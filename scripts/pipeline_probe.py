@@ -11,7 +11,7 @@ against the default configuration's output. Prints one line per variant, with th
 clock and board power of its kernel kept running for a second after its timing (where
 nvidia-smi is on the PATH; as `gemmspec bench` reads them).
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|dsv3] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|dsv3 | --masked] [--idle MS]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from gemmspec.bench import (  # noqa: E402
     GATHER,
     LORA,
     LORA_EXPAND_COUNTS,
+    MASKED_SPEC,
     WGRAD,
     moe_spec,
     nested_offsets,
@@ -40,7 +41,14 @@ from gemmspec.bench import (  # noqa: E402
     timed_launches,
     with_directive,
 )
-from gemmspec.bench.cases import DECODE_E8, DECODE_E32, DECODE_TOP_K, DSV3_EXPERTS, QWEN3_EXPERTS  # noqa: E402
+from gemmspec.bench.cases import (  # noqa: E402
+    DECODE_E8,
+    DECODE_E32,
+    DECODE_MASKED,
+    DECODE_TOP_K,
+    DSV3_EXPERTS,
+    QWEN3_EXPERTS,
+)
 from gemmspec.bench.inputs import routed_counts  # noqa: E402
 from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
 from gemmspec.codegen.emit import emit, program_alone, with_kernel_config  # noqa: E402
@@ -168,6 +176,16 @@ DECODE_VARIANTS = {
     "decode variant, registers epilogue": {"decode": True, "store_tma": False},
     "decode variant (again: drift over the run)": {"decode": True},
 }
+# The masked decode (E = 32 groups of M = 64 rows, 38-64 valid each): 64-row tiles as
+# compiled, against other widths, whole or split.
+MASKED_VARIANTS = {
+    "as compiled": {},
+    "whole tiles (no split K)": {"split_k": False},
+    "64 x 256, split K where it pays": {"tile_n": 256},
+    "64 x 256, whole tiles": {"tile_n": 256, "split_k": False},
+    "64 x 128, whole tiles": {"tile_n": 128, "split_k": False},
+    "as compiled (again: drift over the run)": {},
+}
 # Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with
 # T = 1024 (22 experts non-empty, 1-129 tokens each) and E = 8 with T = 128, and the
 # bench's routed rows (Qwen3-30B-A3B: 128 tokens top-8 of 128 experts; DeepSeek-V3: 64
@@ -225,6 +243,8 @@ def main() -> int:
     ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
     ap.add_argument("--decode", choices=sorted(DECODE_LENGTHS),
                     help="probe the FP8 kernel at a decode case's token counts (N and K from --shape)")
+    ap.add_argument("--masked", action="store_true",
+                    help="probe the FP8 masked decode (32 groups of 64 rows, the bench's counts; N and K from --shape)")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
         help="time 60 launches each after MS ms of GPU idling (the card's power and thermal state "
@@ -269,6 +289,15 @@ def main() -> int:
             "dy": random_fp8((t, n)), "dy_scale": random_scales((t // 128, n)), "x": random_fp8((t, k)), "x_scale": random_scales((t // 128, k)),
         }
         variants, spec = WGRAD_VARIANTS, WGRAD.format(n=n, k=k, e=e)
+    elif args.masked:
+        counts = DECODE_MASKED
+        e, m, t = len(counts), 64, sum(counts)
+        tensors = {
+            "x": random_fp8((e, m, k)), "x_scale": random_scales((e, m, k // 128)), "w": random_fp8((e, n, k)),
+            "w_scale": random_scales((e, n // 128, k // 128)),
+            "counts": torch.tensor(counts, dtype=torch.int32, device="cuda"),
+        }
+        variants, spec = MASKED_VARIANTS, MASKED_SPEC.format(m=m, n=n, k=k, e=e)
     elif args.bf16:
         x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
         w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
@@ -283,11 +312,13 @@ def main() -> int:
         variants = DECODE_VARIANTS if args.decode else VARIANTS
         spec = moe_spec("moe_fp8", n=n, k=k, e=e, fp8=True, scales_major_t=True)
     offs = offsets_tensor(lengths if args.decode else [m] * e)
+    if args.masked:
+        lengths = DECODE_MASKED
     flops = 2.0 * t * n * k
     # Bytes a decode call must move: the weights of every expert with a token (and their
     # scales), the tokens and the output.
     decode_bytes = (sum(1 for c in lengths if c) * n * k * (1 + 4 / 128 / 128) + t * k * (1 + 4 / 128) + 2 * t * n
-                    if args.decode else 0)
+                    if args.decode or args.masked else 0)
     reference = None
     sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
@@ -310,9 +341,11 @@ def main() -> int:
             y = torch.zeros((e, n, k), dtype=torch.float32, device="cuda")
             outputs = {"dw": y}
         else:
-            y = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
+            # A masked group's rows past its count are never written: zeros, so that they compare.
+            y = (torch.zeros((e, m, n), dtype=out_dtype, device="cuda") if args.masked
+                 else torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda"))
             outputs = {"y": y}
-        extra = {} if args.lora or args.expand else {"offs": offs}
+        extra = {} if args.lora or args.expand or args.masked else {"offs": offs}
         run = exe.prepare(torch.cuda.current_stream(), **outputs, **extra, **tensors)
         run.enqueue()
         torch.cuda.synchronize()
@@ -327,7 +360,7 @@ def main() -> int:
         else:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
         clock = sustained_clock(sampler, run.enqueue)
-        if args.decode:
+        if args.decode or args.masked:
             rate = f"{ms * 1e3:8.1f} us {decode_bytes / ms / 1e9:6.2f} TB/s"
         elif args.lora or args.expand:
             rate = f"{ms * 1e3:8.1f} us"
