@@ -7,11 +7,9 @@ promises). A kernel whose result depends on timing (a race in a ring, a table or
 map read before it is written) shows as an iteration that differs; start several of
 these processes together on one GPU so that their kernels interleave.
 
-    python scripts/determinism_probe.py --iterations 200 [--sizes qwen3] [--multi-launch-wide]
+    python scripts/determinism_probe.py --iterations 200 [--sizes qwen3] [--seed S]
 
-`--multi-launch-wide` runs the decode variant's 64 x 256 whole tiles and in-GEMM leaf
-table in the FFN's two launches too (the compiled program keeps them to programs of one
-launch). Exits 1 on the first difference, with where it was."""
+Exits 1 on the first difference, with where it was."""
 
 from __future__ import annotations
 
@@ -24,25 +22,12 @@ SIZES = {"dsv3": dict(tokens=64, experts=256, hidden=7168, f=2048),
 TOP_K = 8
 
 
-def wide_in_every_program() -> None:
-    """The decode variant as if every program were one launch long, SwiGLU included."""
-    from gemmspec.codegen import emit, variants
-
-    emit.program_alone = lambda program: True
-    variants.program_alone = lambda program: True
-    variants._eligible = lambda launch: launch.signature.tile_m > variants.DECODE_TILE_M and not (
-        launch.signature.copy or launch.signature.gather or launch.signature.scatter)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=100)
     ap.add_argument("--sizes", choices=sorted(SIZES), default="dsv3")
-    ap.add_argument("--multi-launch-wide", action="store_true")
     ap.add_argument("--seed", type=int, default=0, help="the first routing's seed")
     args = ap.parse_args(argv)
-    if args.multi_launch_wide:
-        wide_in_every_program()
     import torch
 
     import gemmspec

@@ -51,7 +51,7 @@ from gemmspec.bench.cases import (  # noqa: E402
 )
 from gemmspec.bench.inputs import routed_counts  # noqa: E402
 from gemmspec.clocks import ClockSampler, gpu_id  # noqa: E402
-from gemmspec.codegen.emit import emit, program_alone, with_kernel_config  # noqa: E402
+from gemmspec.codegen.emit import emit, with_kernel_config  # noqa: E402
 from gemmspec.codegen.variants import DECODE_INLINE_MAX_LEAVES, decode_changes  # noqa: E402
 
 # label -> GemmKernelConfig fields to change (stages 0: as deep as shared memory allows;
@@ -225,7 +225,7 @@ def variant(exe, fuse_check=True, inline_tables=True, decode=False, inline_leave
         exe.program = emit(exe.spec, exe.schedule, fuse_check=fuse_check, inline_tables=inline_tables)
     if decode:  # the decode variant's configuration (its first choice), then the changes
         launch = exe.schedule.launches[0]
-        changes = {**decode_changes(launch, program_alone(exe.program))[0], **changes}
+        changes = {**decode_changes(launch)[0], **changes}
         inline_leaves = inline_leaves or DECODE_INLINE_MAX_LEAVES
     exe.program = with_kernel_config(exe.spec, exe.program, inline_leaves=inline_leaves, **changes)
     return exe.program.launches[0].gemm

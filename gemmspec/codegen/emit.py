@@ -757,13 +757,12 @@ def with_kernel_config(
     them): kernel variants for probes and tests of kernel options. `table_tag` gives the
     variant's leaf-table builder a symbol of its own (one program that links beside
     `program` must not define the same builder twice). `inline_leaves` lets the variant
-    build a table of up to that many leaves itself where `program` is one launch whose
-    table no other kernel reads."""
+    build a table of up to that many leaves itself where `table_in_gemm_allowed`."""
     x = program.launches[index]
     base = gemm_config(x.launch)
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
     inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
-    if (inline_leaves and not x.gemm.inline_table and program_alone(program)
+    if (inline_leaves and not x.gemm.inline_table and table_in_gemm_allowed(program, index)
             and inline_possible(base, x.launch.problems, inline_leaves)):
         inline = inline_fields(x.launch.problems, x.check)
     if any(changes.get(k) for k in ("gather", "scatter")):
@@ -809,6 +808,15 @@ def _alone(steps: Schedule | EmittedProgram, check: EmittedCheck | None) -> bool
 def program_alone(program: EmittedProgram) -> bool:
     """`_alone` for an emitted program."""
     return _alone(program, program.check)
+
+
+def table_in_gemm_allowed(program: EmittedProgram, index: int) -> bool:
+    """Whether launch `index` of `program` may build its leaf table in its GEMM: where the
+    program is that one launch (its GEMM then checks the offsets too), or for any launch
+    after the first. The offsets check runs in launch 0's builder or a kernel of its own,
+    before it, and a later launch reads the checked copies as its builder would (bad
+    offsets: it computes nothing); no other kernel reads a launch's table."""
+    return index > 0 or program_alone(program)
 
 
 def _launch_gemm_config(launch: Launch, inline: bool, check: ValidationKernel | None) -> GemmKernelConfig:

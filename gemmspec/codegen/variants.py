@@ -8,10 +8,13 @@ expert) every segment still costs whole 128-row tiles, mostly rows of zeros, and
 pair's second CTA waits on its first: the kernel streams each active expert's weights at
 about half the HBM rate. The same launch with 64-row tiles of one CTA each streams them
 at three quarters of it (H200, FP8 1x128/128x128, E = 32 and T = 1024: 206 against 318
-us; E = 8 and T = 128: 57 against 87 us), and where it is its program's only launch, in
-256-column whole tiles with the table built in the GEMM, at 65-103 % of the 4.2 TB/s
-copy rate (E = 32: 190 us; DeepSeek-V3's 256 experts at T = 64: 1.48 ms for 6.4 GB; see
-docs/performance.md).
+us; E = 8 and T = 128: 57 against 87 us), and in 256-column whole tiles with the table
+built in the GEMM, at 65-103 % of the 4.2 TB/s copy rate (E = 32: 190 us; DeepSeek-V3's
+256 experts at T = 64: 1.48 ms for 6.4 GB; see docs/performance.md). In a program of
+several launches (the decode expert FFN: SwiGLU up, then the weighted down projection)
+every such launch takes its variant, and a launch after the first builds its table in
+its GEMM from the offsets the first launch's builder checked: DeepSeek-V3's FFN at T =
+64 in 2.50 against 2.75 ms.
 
 So such a launch is compiled twice, as the spec's tiling chose it and as its decode
 variant, and each call picks one on the host from the run-time dim's size, which the
@@ -23,12 +26,12 @@ replays in a CUDA graph):
 where `segments` counts the group's segments (E for MoE experts; L x E for an expert
 group nested in adapters) and `rows_per_segment` is 128 where the compiled kernel runs CTA
 pairs and the variant takes 256-column whole tiles, 96 where it runs CTA pairs and the
-variant keeps the compiled width, and 32 where it runs one CTA per tile (measured: see
-DECODE_ROWS_PAIRED); a program whose launches differ takes the lowest, so that no launch
-runs its variant where it loses.
+variant keeps the compiled width, 32 where it runs one CTA per tile, and 16 for SwiGLU
+over separate weights (measured: see DECODE_ROWS_PAIRED); a program whose launches differ
+takes the lowest, so that no launch runs its variant where it loses.
 A spec with a `tile(M, N)` directive gets no variant: the tile it asks for is the tile
-every call runs. Launches that gather or scatter rows in the GEMM, SwiGLU over separate
-weights, and a copy's 128-row scale blocks keep their tiling.
+every call runs. Launches that gather or scatter rows in the GEMM and a copy's 128-row
+scale blocks keep their tiling.
 """
 
 from __future__ import annotations
@@ -37,13 +40,13 @@ from dataclasses import dataclass, replace
 
 from ..lower.schedule import Launch, Schedule
 from ..spec import Spec
-from .emit import EmittedProgram, program_alone, with_kernel_config
+from .emit import EmittedProgram, with_kernel_config
 from .validate import group_chain_count
 
 # The decode variant's tiles: 64 rows (one consumer warpgroup), one CTA per tile; for a
-# program of one launch compiled in CTA pairs (blockwise FP8), 256 columns in whole tiles
-# (no split K) where N is a multiple of 256; else the compiled width and split K as the
-# compiled kernel has it.
+# launch compiled in CTA pairs (blockwise FP8), 256 columns in whole tiles (no split K)
+# where N is a multiple of 256; else the compiled width and split K as the compiled
+# kernel has it.
 # Measured on the H200 (scripts/pipeline_probe.py --decode, FP8 1x128/128x128, against 64 x
 # 192 with split K where its cost model says it pays): 64 x 256 took 54.6 against 56.4 us
 # (E 8, T 128, N 4096, K 7168), 191.8 against 202.7 (E 32, T 1024), 101.6 against 115.4
@@ -58,7 +61,8 @@ DECODE_TILE_M = 64
 DECODE_TILE_N = 256
 DECODE_CHANGES = {"tile_m": DECODE_TILE_M, "cluster": 1, "multicast_b": False}
 # The most leaves whose table the variant's GEMM builds itself (the compiled kernels: 32),
-# where the launch is the program's only one. Every block then builds all of them in its
+# where the launch is the program's only one or comes after the first (see
+# emit.table_in_gemm_allowed). Every block then builds all of them in its
 # shared memory (which costs a ring stage from about 100 leaves on) but no builder runs
 # before the GEMM. Measured on the H200 (scripts/pipeline_probe.py --decode, FP8): Qwen3
 # 128 experts 86.7 -> 76.5 us (N 2048, K 768) and 132.9 -> 122.7 us (N 1536, K 2048);
@@ -73,14 +77,23 @@ DECODE_INLINE_MAX_LEAVES = 256
 # 96, and loses from 128 (0.99-1.11). Where it runs one CTA per tile (BF16's 128 x 256; E
 # 8 N 4096 K 7168 / E 128 N 1536 K 2048): the variant wins 0.96-0.97 / 0.91-0.92 up to 32
 # rows and is mixed at 64 (1.07 / 0.95).
+# SwiGLU over separate weights (compiled 128 x 256, one CTA per tile): its 64 x 256
+# variant won at 8 and 16 rows per expert (E 8, F 2048, K 7168: 80.2 against 82.5 us and
+# 80.6 against 82.1; in the DeepSeek-V3 and Qwen3 decode FFN at 2-16 rows, with its down
+# projection, 2.50 against 2.75 ms, 3.01 against 3.31 ms and 279 against 316 us) and lost
+# at 32 (106.5 against 83.2 us).
 DECODE_ROWS_PAIRED_WIDE = 128
 DECODE_ROWS_PAIRED = 96
 DECODE_ROWS_SINGLE = 32
+DECODE_ROWS_SWIGLU_HALVES = 16
 
 
 def decode_rows_per_segment(launch: Launch, wide: bool) -> int:
     """The rule's threshold for a launch, by whether its compiled kernel runs CTA pairs
-    and whether its variant takes the wide whole tiles."""
+    and whether its variant takes the wide whole tiles (a SwiGLU over separate weights
+    has its own)."""
+    if launch.signature.swiglu_halves:
+        return DECODE_ROWS_SWIGLU_HALVES
     if launch.signature.cluster == 1:
         return DECODE_ROWS_SINGLE
     return DECODE_ROWS_PAIRED_WIDE if wide else DECODE_ROWS_PAIRED
@@ -153,22 +166,38 @@ def _ragged_rows(spec: Spec, launch: Launch) -> tuple[str, str, int] | None:
     return m.dim, group.name, group_chain_count(spec, group.name) * group.count
 
 
-def decode_changes(launch: Launch, alone: bool) -> list[dict]:
+def decode_changes(launch: Launch) -> list[dict]:
     """The kernel configurations the decode variant of `launch` may take, best first: the
     first that the kernel's options allow is its variant. The wide whole tiles where they
-    were measured (see DECODE_TILE_N): a launch compiled in CTA pairs (blockwise FP8) that
-    is its program's only step (`alone`), N a multiple of 256."""
+    were measured (see DECODE_TILE_N): a launch compiled in CTA pairs (blockwise FP8), N a
+    multiple of 256. (SwiGLU over separate weights is 256 columns wide as compiled: its
+    variant keeps that width, in whole tiles.)"""
     n = launch.problems.extents[1].size
     sig = launch.signature
-    wide = alone and sig.cluster > 1 and n.is_const and n.value % DECODE_TILE_N == 0 and sig.tile_n < DECODE_TILE_N
+    wide = sig.cluster > 1 and n.is_const and n.value % DECODE_TILE_N == 0 and sig.tile_n < DECODE_TILE_N
     return ([{**DECODE_CHANGES, "tile_n": DECODE_TILE_N, "split_k": False}] if wide else []) + [dict(DECODE_CHANGES)]
 
 
 def _eligible(launch: Launch) -> bool:
     sig = launch.signature
     # A copy's [128, 1] scale blocks are 128-row tiles; rows gathered or scattered in the
-    # GEMM and SwiGLU over separate weights keep the tiling they were measured with.
-    return sig.tile_m > DECODE_TILE_M and not (sig.copy or sig.gather or sig.scatter or sig.swiglu_halves)
+    # GEMM keep the tiling they were measured with.
+    return sig.tile_m > DECODE_TILE_M and not (sig.copy or sig.gather or sig.scatter)
+
+
+def _first_fitting(spec: Spec, program: EmittedProgram, launch: Launch) -> tuple[EmittedProgram, bool] | None:
+    """`program` with `launch` re-emitted in the first of its decode configurations that
+    the kernel's options allow, and whether that is the wide one; None if none fits."""
+    for changes in decode_changes(launch):
+        try:
+            emitted = with_kernel_config(
+                spec, program, launch.index, table_tag=DECODE_TABLE_TAG, inline_leaves=DECODE_INLINE_MAX_LEAVES,
+                **changes,
+            )
+        except ValueError:
+            continue
+        return emitted, "tile_n" in changes
+    return None
 
 
 def decode_variant(spec: Spec, schedule: Schedule, program: EmittedProgram) -> DecodeVariant | None:
@@ -185,19 +214,10 @@ def decode_variant(spec: Spec, schedule: Schedule, program: EmittedProgram) -> D
             continue
         if rule is not None and (rule.dim, rule.group, rule.segments) != rows:
             continue
-        candidate = None
-        for changes in decode_changes(launch, program_alone(program)):  # the first that fits this kernel's options
-            try:
-                candidate = with_kernel_config(
-                    spec, variant, launch.index, table_tag=DECODE_TABLE_TAG, inline_leaves=DECODE_INLINE_MAX_LEAVES,
-                    **changes,
-                )
-                break
-            except ValueError:
-                continue
-        if candidate is None:  # no narrower tile fits this kernel's options
+        fitted = _first_fitting(spec, variant, launch)
+        if fitted is None:  # no narrower tile fits this kernel's options
             continue
-        wide = "tile_n" in changes
+        candidate, wide = fitted
         if rule is None:
             rule = DecodeRule(*rows, decode_rows_per_segment(launch, wide))
         else:  # the lowest threshold of the launches: none takes its variant where it loses

@@ -1,8 +1,9 @@
 """examples/moe_ffn_fp8_decode.gspec as emitted: one call is the gather pre-pass, the two
-grouped launches (each after its leaf-table builder) and scatter_add's five kernels, in
-that order, in the program as compiled and in its decode variant; every kernel file of
-both compiles for sm_90a with NVRTC, without warnings or spills, and defines the
-symbols the manifest launches."""
+grouped launches (each after its leaf-table builder; in the decode variant the second
+builds its table in its GEMM, from the offsets the first builder checked) and
+scatter_add's five kernels, in that order, in the program as compiled and in its decode
+variant; every kernel file of both compiles for sm_90a with NVRTC, without warnings or
+spills, and defines the symbols the manifest launches."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ sys.path.insert(0, str(HERE))
 from nvrtc_helper import spill_free_sass  # noqa: E402
 
 EXAMPLE = HERE.parents[1] / "examples" / "moe_ffn_fp8_decode.gspec"
-ROLES = ["gather", "leaf_table", "gemm", "leaf_table", "gemm",
-         "scatter_zero", "scatter_count", "scatter_scan", "scatter_place", "scatter_add"]
+COMBINE = ["scatter_zero", "scatter_count", "scatter_scan", "scatter_place", "scatter_add"]
+ROLES = ["gather", "leaf_table", "gemm", "leaf_table", "gemm", *COMBINE]
+DECODE_ROLES = ["gather", "leaf_table", "gemm", "gemm", *COMBINE]
 
 
 def programs():
@@ -33,13 +35,18 @@ def programs():
 
 def test_one_call_runs_every_step_in_order():
     exe, progs = programs()
-    for program in progs:
+    for program, roles in zip(progs, (ROLES, DECODE_ROLES)):
         steps = launch_manifest(exe.spec, program, program.spec).kernels
-        assert [s.role for s in steps] == ROLES
+        assert [s.role for s in steps] == roles
         assert [s.owner for s in steps][-5:] == ["postpass 0"] * 5
-    # The decode variant swaps the down-projection's kernel for its 64-row tile only.
-    ((index, compiled, decode),) = exe.decode.launches
-    assert index == 1 and "_t64x" in decode and "_t128x" in compiled
+    # The decode variant takes 64 x 256 tiles in both launches, whole; the second builds
+    # its table in the GEMM. A call takes it up to 16 rows per expert (the threshold of
+    # SwiGLU over separate weights, the lower of the two launches').
+    (up, down) = exe.decode.launches
+    assert [up[0], down[0]] == [0, 1]
+    assert "_t64x256x" in up[2] and "_t128x256x" in up[1] and "_swiglu_halves" in up[2]
+    assert "_t64x256x" in down[2] and "_t128x192x" in down[1] and down[2].endswith("_inl")
+    assert exe.decode.rule.rows_per_segment == 16
 
 
 @pytest.mark.slow
@@ -55,4 +62,4 @@ def test_every_kernel_of_both_programs_compiles_for_sm90a():
             assert re.search(rf"\b{re.escape(step.symbol)}\b", compiled[source]), step.symbol
             if step.role == "gemm":
                 assert re.search(r"\bQGMMA\b", compiled[source]), step.symbol
-    assert len(compiled) == 5  # pre-pass, two launches, their decode variant's down launch, the combine
+    assert len(compiled) == 6  # pre-pass, two launches, their decode variant's two, the combine

@@ -150,3 +150,34 @@ def test_the_bench_procedure_runs_and_checks_at_qwen3_sizes(monkeypatch):
     print("\n".join(f"{r.impl}: {r.check}" for r in rows))
     assert rows[0].impl.startswith("gemmspec one spec") and "same bits" in rows[0].check
     assert specs.ffn_decode_text(hidden=2048, f=768, e=128) != specs.example_text(specs.FFN_DECODE_EXAMPLE)
+
+
+@pytest.mark.parametrize("program", ["decode", "compiled"])
+def test_bad_offsets_compute_nothing_in_either_launch(layer, program):
+    # expert_offsets ending one row short of T: the check (in launch 0's builder) flags
+    # it, and neither GEMM writes a row, whichever program the call takes; check=True
+    # raises it; the next good call writes everything.
+    import torch
+
+    from gemmspec.errors import ArgumentError
+
+    exe, args = layer
+    exe.choose_at_call = program == "decode"
+    try:
+        route(args, seed=6)
+        good = args["expert_offsets"].clone()
+        args["expert_offsets"][-1] -= 1
+        for n in ("h", "y_rows"):
+            args[n].view(torch.uint8).fill_(0xFF)  # NaN
+        exe(**args)
+        torch.cuda.synchronize()
+        for n in ("h", "y_rows"):
+            assert torch.isnan(args[n].float()).all(), f"{n} written with bad offsets"
+        with pytest.raises(ArgumentError, match="expert_offsets"):
+            exe(check=True, **args)
+        args["expert_offsets"].copy_(good)
+        exe(check=True, **args)
+        torch.cuda.synchronize()
+        assert not torch.isnan(args["y_rows"].float()).any() and not torch.isnan(args["y"].float()).any()
+    finally:
+        exe.choose_at_call = True
