@@ -133,3 +133,18 @@ def test_required_backward_keys_present(capsys):
         (doc,) = explain_json(EXAMPLES / f"{example}.gspec", capsys)
         assert set(keys) == set(doc["backward"])
     assert doc["backward"]["refused"] and doc["backward"]["explain"] is None
+
+
+def test_usage_header_block_is_what_compile_writes(tmp_path):
+    # docs/usage.md quotes gen/moe_fp8_forward.h (its declarations and the decode rule's
+    # largest T, aligned and wrapped for reading): each quoted line, spaces collapsed, is
+    # in the header `gemmspec compile` writes.
+    usage = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    start = usage.index("`gen/moe_fp8_forward.h` declares")
+    block = re.search(r"```c\+\+\n(.*?)```", usage[start:], flags=re.S).group(1)
+    assert main(["compile", str(EXAMPLES / "moe_fp8_forward.gspec"), "-o", str(tmp_path)]) == 0
+    header = " ".join((tmp_path / "moe_fp8_forward.h").read_text().split())
+    quoted = [" ".join(line.split()) for line in block.splitlines() if line.strip()]
+    assert any("decode_max_rows" in line for line in quoted)
+    missing = [line for line in quoted if line not in header]
+    assert not missing, f"docs/usage.md quotes lines the header does not have: {missing}"
