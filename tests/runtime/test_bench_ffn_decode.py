@@ -162,3 +162,14 @@ def test_ffn_decode_check_fails_on_a_wrong_result(on_cpu, broken, message):
     on_cpu["broken"] = broken
     with pytest.raises(AssertionError, match=message):
         measure.ffn_decode(1, name="f", **SMALL)
+
+
+def test_combined_adds_each_tokens_rows_in_ascending_row_order_in_float32():
+    # Token 2 is named by rows 0, 2 and 4: 2^24 + 1 rounds to 2^24 in float32, so in
+    # ascending order the sum is 0 (another order would give 1); token 1 is named by no
+    # row and gets zeros.
+    src = torch.tensor([2, 0, 2, 3, 2], dtype=torch.int32)
+    rows = torch.tensor([[2.0**24, 1.0], [5.0, 6.0], [1.0, 2.0], [7.0, 8.0], [-(2.0**24), 3.0]]).to(torch.bfloat16)
+    y = measure.combined(rows, src, 4)
+    assert y.dtype == torch.bfloat16
+    assert y.float().tolist() == [[5.0, 6.0], [0.0, 0.0], [0.0, 6.0], [7.0, 8.0]]
