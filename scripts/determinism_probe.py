@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     import gemmspec
     from gemmspec.bench import measure, specs
-    from gemmspec.bench.inputs import random_fp8, random_scales, routed_rows
+    from gemmspec.bench.inputs import random_fp8, random_scales, route_into
 
     z = SIZES[args.sizes]
     s, e, hd, f = z["tokens"], z["experts"], z["hidden"], z["f"]
@@ -54,20 +54,11 @@ def main(argv=None) -> int:
              y=torch.empty((s, hd), dtype=torch.bfloat16, device="cuda"))
     outputs = ("h", "h_scale", "y_rows", "y")
 
-    def route(seed: int) -> None:
-        src, lengths = routed_rows(s, e, TOP_K, seed)
-        a["src"].copy_(torch.tensor(src, dtype=torch.int32))
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
-        a["expert_offsets"].copy_(torch.tensor(bounds, dtype=torch.int32))
-        a["route_w"].copy_(torch.rand(t, generator=torch.Generator().manual_seed(seed)))
-
     def poison() -> None:
         for n in outputs:
             a[n].view(torch.uint8).fill_(0xFF)  # NaN in each of these types
 
-    route(args.seed)
+    route_into(a, s, e, TOP_K, args.seed)
     exe(**a)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -76,7 +67,7 @@ def main(argv=None) -> int:
     start = time.time()
     for i in range(args.iterations):
         seed = args.seed + 1 + i
-        route(seed)
+        route_into(a, s, e, TOP_K, seed)
         poison()
         graph.replay()
         torch.cuda.synchronize()

@@ -116,3 +116,18 @@ def routed_rows(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[l
         for e in chosen:
             by_expert[e].append(token)
     return [s for rows in by_expert for s in rows], [len(rows) for rows in by_expert]
+
+
+def route_into(tensors: dict, tokens: int, experts: int, top_k: int, seed: int):
+    """A seeded top-k routing (`routed_rows`) written in place into the decode FFN's
+    `src`, `expert_offsets` and `route_w` (router weights uniform in [0, 1), seeded);
+    returns the expert of each routed row (a CPU tensor)."""
+    torch = load_torch()
+    src, lengths = routed_rows(tokens, experts, top_k, seed)
+    tensors["src"].copy_(torch.tensor(src, dtype=torch.int32))
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    tensors["expert_offsets"].copy_(torch.tensor(bounds, dtype=torch.int32))
+    tensors["route_w"].copy_(torch.rand(len(src), generator=torch.Generator(device="cpu").manual_seed(seed)))
+    return torch.repeat_interleave(torch.arange(experts), torch.tensor(lengths))

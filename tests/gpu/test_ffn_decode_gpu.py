@@ -17,7 +17,7 @@ import pytest
 
 import gemmspec
 from gemmspec.bench import measure, specs
-from gemmspec.bench.inputs import routed_counts, routed_rows
+from gemmspec.bench.inputs import route_into, routed_counts
 from gemmspec.runtime.verify import run_random
 
 pytestmark = pytest.mark.gpu
@@ -67,17 +67,7 @@ def layer():
 def route(args, seed: int):
     """A seeded top-8 routing written in place into src, expert_offsets and route_w; the
     expert of each routed row."""
-    import torch
-
-    src, lengths = routed_rows(TOKENS, EXPERTS, TOP_K, seed)
-    args["src"].copy_(torch.tensor(src, dtype=torch.int32))
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    args["expert_offsets"].copy_(torch.tensor(bounds, dtype=torch.int32))
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    args["route_w"].copy_(torch.rand(len(src), generator=g))
-    return torch.repeat_interleave(torch.arange(EXPERTS), torch.tensor(lengths))
+    return route_into(args, TOKENS, EXPERTS, TOP_K, seed)
 
 
 def judge(args, expert_of, tokens):

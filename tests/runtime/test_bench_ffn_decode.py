@@ -173,3 +173,20 @@ def test_combined_adds_each_tokens_rows_in_ascending_row_order_in_float32():
     y = measure.combined(rows, src, 4)
     assert y.dtype == torch.bfloat16
     assert y.float().tolist() == [[5.0, 6.0], [0.0, 0.0], [0.0, 6.0], [7.0, 8.0]]
+
+
+def test_route_into_writes_a_seeded_routing_in_place():
+    from gemmspec.bench.inputs import route_into
+
+    t = 5 * 2
+    tensors = {"src": torch.zeros(t, dtype=torch.int32), "expert_offsets": torch.zeros(5, dtype=torch.int32),
+               "route_w": torch.zeros(t)}
+    expert_of = route_into(tensors, 5, 4, 2, seed=3)
+    src, lengths = routed_rows(5, 4, 2, seed=3)
+    assert tensors["src"].tolist() == src
+    assert tensors["expert_offsets"].tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    assert expert_of.tolist() == [e for e, n in enumerate(lengths) for _ in range(n)]
+    weights = tensors["route_w"].clone()
+    assert ((weights >= 0) & (weights < 1)).all()
+    route_into(tensors, 5, 4, 2, seed=3)
+    assert torch.equal(tensors["route_w"], weights)  # the same seed, the same weights
