@@ -63,3 +63,16 @@ def test_every_kernel_of_both_programs_compiles_for_sm90a():
             if step.role == "gemm":
                 assert re.search(r"\bQGMMA\b", compiled[source]), step.symbol
     assert len(compiled) == 6  # pre-pass, two launches, their decode variant's two, the combine
+
+
+def test_the_down_projection_builds_its_table_from_the_checked_offsets():
+    # Launch 1's GEMM builds its table itself in the decode variant: it must read the
+    # copies of the offsets launch 0's builder checked (with bad offsets they make it
+    # compute nothing), never the caller's tensor. Only that builder reads the tensor.
+    exe, (_, variant) = programs()
+    kernels = launch_manifest(exe.spec, variant, variant.spec).kernels
+    down = next(k for k in kernels if k.role == "gemm" and k.owner == "launch 1")
+    offsets = {p.name: p.source for p in down.params if p.name.endswith("expert_offsets")}
+    assert {(s.kind, s.ref) for s in offsets.values()} == {("workspace", "check.expert_offsets")}
+    readers = [k.owner for k in kernels for p in k.params if (p.source.kind, p.source.ref) == ("tensor", "expert_offsets")]
+    assert readers == ["launch 0"]
