@@ -52,7 +52,9 @@ if want stress; then
   # GPU tests started together (STRESS_COPIES processes on one GPU), so that their kernels
   # interleave: a result that depends on timing shows here as a run that fails among
   # passing ones. The decode FFN's graph replay and the decode variant's graph tests.
-  copies=${STRESS_COPIES:-12}
+  # 10 by default: each copy of the decode FFN's test holds about 11.7 GB (DeepSeek-V3's
+  # 256 experts' weights), and 12 copies ran out of the H200's memory.
+  copies=${STRESS_COPIES:-10}
   for i in $(seq "$copies"); do
     timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_ffn_decode_gpu.py tests/gpu/test_decode_variant_gpu.py \
       -p no:cacheprovider -k "${STRESS_K:-graph}" > "$OUT/stress_$i.log" 2>&1 &
