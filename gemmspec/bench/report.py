@@ -13,11 +13,26 @@ from ..clocks import at_power_cap, peak_tflops
 from .cases import CASES, COPY_RATE_TBS, Case
 from .timing import Result
 
+# The verdict of a case whose target has a DeepGEMM ratio that could not be judged.
+UNJUDGED_DEEPGEMM = "pass, DeepGEMM's ratio not judged (it did not run)"
+
+
+def live_deepgemm(rows: list[Result]) -> Result | None:
+    """The case's DeepGEMM row where DeepGEMM ran live and was timed (a failed anchor's
+    row has no time)."""
+    return next((r for r in rows if r.impl.startswith("DeepGEMM") and r.ms == r.ms), None)
+
 
 def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Result] | None = None) -> str:
-    """`others`: the case's rows beside gemmspec's first, which `vs_separate` compares with."""
+    """`others`: the case's rows beside gemmspec's first, which `vs_separate` compares
+    with and among which a live DeepGEMM row is found for `vs_deepgemm`."""
     t = case.target
     ok = True
+    judged_deepgemm = True
+    if t.vs_deepgemm is not None:
+        dg = live_deepgemm(others or [])
+        judged_deepgemm = dg is not None
+        ok &= dg is None or dg.ms / ours.ms >= t.vs_deepgemm
     if t.vs_separate is not None:
         ok &= bool(others) and all(r.ms / ours.ms >= t.vs_separate for r in others)
     if t.tflops is not None:
@@ -28,7 +43,9 @@ def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Res
         ok &= ours.ms * 1e3 <= t.max_us
     if t.vs_torch is not None:
         ok &= torch_row is not None and torch_row.ms / ours.ms >= t.vs_torch
-    return "pass" if ok else "MISS"
+    if not ok:
+        return "MISS"
+    return "pass" if judged_deepgemm else UNJUDGED_DEEPGEMM
 
 
 def _clock(r: Result) -> str:

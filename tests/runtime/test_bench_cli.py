@@ -62,6 +62,21 @@ def test_checked_rejects_nan_and_large_errors():
             checked(bad, 4e-3, "ref")
 
 
+def test_verdict_judges_the_deepgemm_ratio_only_where_deepgemm_ran():
+    case = bench.Case("d", "", bench.Target(vs_torch=1.3, vs_deepgemm=1.05), lambda r: [])
+    assert case.target.describe() == ">= 1.30x torch, >= 1.05x DeepGEMM"
+    ours, torch_row = _row("d", "gemmspec", 1.0), _row("d", "torch", 1.5)
+    ahead, level = _row("d", "DeepGEMM 2.5.0 (masked)", 1.06), _row("d", "DeepGEMM 2.5.0 (masked)", 1.0)
+    assert verdict(case, ours, torch_row, [torch_row, ahead]) == "pass"
+    assert verdict(case, ours, torch_row, [torch_row, level]) == "MISS"  # 1.00x, not 1.05x
+    # DeepGEMM not importable, or its anchor failed (a row with no time): the rest is
+    # judged and the verdict says the DeepGEMM ratio was not.
+    failed = bench.Result("d", "DeepGEMM 2.5.0", float("nan"), 2e12, "TFLOPS", "not run: ValueError")
+    for others in ([torch_row], [torch_row, failed]):
+        assert verdict(case, ours, torch_row, others) == "pass, DeepGEMM's ratio not judged (it did not run)"
+    assert verdict(case, ours, _row("d", "torch", 1.2), [failed]) == "MISS"  # torch's ratio still judged
+
+
 def test_verdict_against_every_separate_launch_row():
     case = bench.Case("s", "", bench.Target(vs_separate=1.0), lambda r: [])
     assert case.target.describe() == "faster than separate launches"
