@@ -174,7 +174,6 @@ DECODE_VARIANTS = {
     "decode variant, 64 x 192, split K where it pays": {"decode": True, "tile_n": 192, "split_k": True},
     "decode variant, 64 x 256, split K where it pays": {"decode": True, "split_k": True},
     "decode variant, registers epilogue": {"decode": True, "store_tma": False},
-    "decode variant, K loops rotated per tile": {"decode": True, "k_rotate": True},
     "decode variant, 64 x 160 whole tiles": {"decode": True, "tile_n": 160, "split_k": False},
     "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False},
     "decode variant (again: drift over the run)": {"decode": True},
@@ -187,7 +186,6 @@ MASKED_VARIANTS = {
     "64 x 256, split K where it pays": {"tile_n": 256},
     "64 x 256, whole tiles": {"tile_n": 256, "split_k": False},
     "64 x 128, whole tiles": {"tile_n": 128, "split_k": False},
-    "64 x 256, whole tiles, K loops rotated per tile": {"tile_n": 256, "split_k": False, "k_rotate": True},
     "as compiled (again: drift over the run)": {},
 }
 # Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with
