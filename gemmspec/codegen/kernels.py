@@ -198,6 +198,13 @@ class GemmKernelConfig:
     # A pair (cluster 2) takes neighbouring row blocks and multicasts B, not neighbouring
     # column blocks multicasting A (``c2b`` in the name).
     multicast_b: bool = False
+    # Consumer warpgroups per 64 rows, each taking an equal share of the tile's columns
+    # (2: a 64 x 256 blockwise tile as two warpgroups of 64 x 128, each in one B scale
+    # block). One warpgroup runs its K block's two 128-column batches one after the other,
+    # each waited for and promoted before the next; two run theirs side by side, so a
+    # 64-row tile's K block takes about half as long where the tensor cores are not the
+    # bound (decode: a few rows per expert). ``_w384`` in the name of a 64-row tile.
+    n_split: int = 1
     store_tma: bool | None = None
     consumer_scales: bool | None = None
     prefetch_scales: bool | None = None
@@ -453,6 +460,18 @@ class GemmKernelConfig:
             raise ValueError("power-of-two copy scales belong to a copy")
         if self.mma_parts > 1 and self.sb_mode == 2:
             raise ValueError("a 256-column blockwise tile takes one or two B scales per K block")
+        if self.n_split not in (1, 2):
+            raise ValueError(f"n_split must be 1 or 2, got {self.n_split}")
+        if self.n_split == 2 and not (
+            self.tile_m == 64 and self.blockwise and self.tile_n == 2 * self.sb_bn == 2 * MMA_PART_N
+            and self.ctas_per_sm == 1 and not (self.accumulate or self.swiglu or self.epilogue or self.fp8_out
+                                               or self.gather or self.scatter or self.split_k)
+        ):
+            raise ValueError(
+                "columns split between two warpgroups: a 64 x 256 tile of blockwise scales in 128-column "
+                "blocks (one B scale block per warpgroup), one block per SM, stored (=) with no fused "
+                "epilogue, no SwiGLU, FP8 output, index tensors or split K"
+            )
 
     @property
     def element_bytes(self) -> int:
@@ -470,14 +489,20 @@ class GemmKernelConfig:
 
     @property
     def mma_parts(self) -> int:
-        """wgmma batches per K block: a blockwise tile of 256 columns runs its K block in two
-        128-column halves, each into one half-width K-block accumulator promoted before the
-        next (two full-width accumulator tiles would not fit the registers); else 1."""
-        return self.tile_n // MMA_PART_N if self.blockwise and self.tile_n > 192 else 1
+        """wgmma batches per K block and consumer warpgroup: a warpgroup of 256 blockwise
+        columns runs its K block in two 128-column halves, each into one half-width K-block
+        accumulator promoted before the next (two full-width accumulator tiles would not fit
+        the registers); else 1."""
+        return self.wg_cols // MMA_PART_N if self.blockwise and self.wg_cols > 192 else 1
+
+    @property
+    def wg_cols(self) -> int:
+        """Columns of the tile one consumer warpgroup computes (see ``n_split``)."""
+        return self.tile_n // self.n_split
 
     @property
     def consumer_warpgroups(self) -> int:
-        return self.tile_m // 64
+        return self.tile_m // 64 * self.n_split
 
     @property
     def threads(self) -> int:
@@ -546,7 +571,8 @@ class GemmKernelConfig:
 
     def products_possible(self) -> bool:
         """The producer can stage SA x SB products (see ``staged_products``)."""
-        return self.smem_scales and self.sb_mode != 2 and self.mma_parts == 1 and not self.gather
+        return (self.smem_scales and self.sb_mode != 2 and self.mma_parts == 1 and not self.gather
+                and self.n_split == 1)
 
     def early_scales_by_default(self) -> bool:
         """Staged scales read before the K block's wgmma issue: where B's scales change
@@ -583,6 +609,8 @@ class GemmKernelConfig:
         (the kernel compiles one main loop per count)."""
         if self.sb_mode != 1:
             return ()
+        if self.n_split > 1:  # each warpgroup's columns lie in one B scale block
+            return (self.wg_cols // 8,)
         g = math.gcd(self.tile_n, self.sb_bn)
         return tuple(sorted({min((self.sb_bn - r) // 8, self.tile_n // 8) for r in range(0, self.sb_bn, g)}))
 
@@ -1030,7 +1058,8 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,
         smem_bytes=cfg.smem_bytes,
-        mma=wgmma_struct(cfg.tile_n // cfg.mma_parts, cfg.a_type, cfg.b_type),
+        mma=wgmma_struct(cfg.wg_cols // cfg.mma_parts, cfg.a_type, cfg.b_type),
+        n_split=cfg.n_split,
         mma_parts=cfg.mma_parts,
         epilogue=dict(cfg.epilogue),
         swiglu=cfg.swiglu,

@@ -57,6 +57,14 @@ GEMM_CONFIGS = {
     "bf16_wide": GemmKernelConfig("bf16", "bf16", "bf16", tile_n=256, cluster=2),
     "e4m3_pair": GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, cluster=2),
     "e4m3_n192": GemmKernelConfig("e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_n=192),
+    # The decode variant's 64 x 256 tile: one warpgroup running two 128-column batches per
+    # K block, or two warpgroups of 128 columns each (n_split).
+    "e4m3_m64_n256": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, tile_n=256, cluster=1
+    ),
+    "e4m3_m64_n256_split": GemmKernelConfig(
+        "e4m3", "e4m3", "bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, tile_n=256, cluster=1, n_split=2
+    ),
     "e4m3_1d1d_n144": GemmKernelConfig(
         "e4m3", "e4m3", "f32", accumulate=True, scaled=True, sa_bm=1, sb_bn=1, tile_n=144
     ),
@@ -202,10 +210,11 @@ def test_gemm_compiles_to_tensor_cores(compiled, key: str) -> None:
     fp8 = cfg.a_type in ("e4m3", "e5m2")
     ops = set(re.findall(r"\b[HQ]GMMA\.[0-9x]+\.F32(?:\.[A-Z0-9]+)*", sass))
     sass_type = {"e4m3": ".E4M3", "e5m2": ".E5M2", "bf16": ".BF16", "f16": ""}  # F16 is implicit
+    mma_n = cfg.wg_cols // cfg.mma_parts  # one wgmma's columns
     if fp8:
-        want = f"QGMMA.64x{cfg.tile_n}x32.F32{sass_type[cfg.a_type]}{sass_type[cfg.b_type]}"
+        want = f"QGMMA.64x{mma_n}x32.F32{sass_type[cfg.a_type]}{sass_type[cfg.b_type]}"
     else:
-        want = f"HGMMA.64x{cfg.tile_n}x16.F32{sass_type[cfg.a_type]}"
+        want = f"HGMMA.64x{mma_n}x16.F32{sass_type[cfg.a_type]}"
     assert ops == {want}, ops
     # SwiGLU: one fast exponential per output element, lanes pairing up their columns.
     exps = len(re.findall(r"\bMUFU\.EX2\b", sass))
