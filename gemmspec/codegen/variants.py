@@ -9,8 +9,9 @@ pair's second CTA waits on its first: the kernel streams each active expert's we
 about half the HBM rate. The same launch with 64-row tiles of one CTA each streams them
 at three quarters of it (H200, FP8 1x128/128x128, E = 32 and T = 1024: 206 against 318
 us; E = 8 and T = 128: 57 against 87 us), and in 256-column whole tiles with the table
-built in the GEMM, at 65-103 % of the 4.2 TB/s copy rate (E = 32: 190 us; DeepSeek-V3's
-256 experts at T = 64: 1.48 ms for 6.4 GB; see docs/performance.md). In a program of
+built in the GEMM, two consumer warpgroups of 128 columns each, at 64-103 % of the 4.2 TB/s
+copy rate (E = 32: 190 us; DeepSeek-V3's 256 experts at T = 64: 1.48 ms for 6.4 GB; see
+docs/performance.md). In a program of
 several launches (the decode expert FFN: SwiGLU up, then the weighted down projection)
 every such launch takes its variant, and a launch after the first builds its table in
 its GEMM from the offsets the first launch's builder checked: DeepSeek-V3's FFN at T =
@@ -60,6 +61,15 @@ from .validate import group_chain_count
 DECODE_TILE_M = 64
 DECODE_TILE_N = 256
 DECODE_CHANGES = {"tile_m": DECODE_TILE_M, "cluster": 1, "multicast_b": False}
+# The wide tiles' columns split between two consumer warpgroups of 128 (GemmKernelConfig.
+# n_split) where the launch has no fused epilogue. One warpgroup ran each K block's two
+# 128-column batches one after the other and was busy about 90 % of its tile's main loop
+# (E 8: 1200 cycles per K block, waiting on loads for 11 %); two run them side by side.
+# Measured on the H200 (scripts/pipeline_probe.py --idle 150, against one warpgroup in the
+# same process): E 8 58.9 against 62.6 us, E 32 189.5 against 203.2 (N 4096, K 7168) and
+# 100.6 against 117.6 (N 7168, K 2048), Qwen3 down 66.6 against 80.9 and gate/up 113.3
+# against 130.2 (T 128), DeepSeek-V3 gate/up 1468 against 1519 (T 64).
+DECODE_N_SPLIT = 2
 # The most leaves whose table the variant's GEMM builds itself (the compiled kernels: 32),
 # where the launch is the program's only one or comes after the first (see
 # emit.table_in_gemm_allowed). Every block then builds all of them in its
@@ -77,6 +87,9 @@ DECODE_INLINE_MAX_LEAVES = 256
 # 96, and loses from 128 (0.99-1.11). Where it runs one CTA per tile (BF16's 128 x 256; E
 # 8 N 4096 K 7168 / E 128 N 1536 K 2048): the variant wins 0.96-0.97 / 0.91-0.92 up to 32
 # rows and is mixed at 64 (1.07 / 0.95).
+# At DeepSeek-V3's 256 experts (N 4096, K 7168) the wide variant (one warpgroup) still
+# wins at the bound: 0.54, 0.62, 0.78 and 0.87 of the compiled kernel at 32, 64, 96 and
+# 128 rows per expert.
 # SwiGLU over separate weights (compiled 128 x 256, one CTA per tile): its 64 x 256
 # variant won at 8 and 16 rows per expert (E 8, F 2048, K 7168: 80.2 against 82.5 us and
 # 80.6 against 82.1; in the DeepSeek-V3 and Qwen3 decode FFN at 2-16 rows, with its down
@@ -175,7 +188,10 @@ def decode_changes(launch: Launch) -> list[dict]:
     n = launch.problems.extents[1].size
     sig = launch.signature
     wide = sig.cluster > 1 and n.is_const and n.value % DECODE_TILE_N == 0 and sig.tile_n < DECODE_TILE_N
-    return ([{**DECODE_CHANGES, "tile_n": DECODE_TILE_N, "split_k": False}] if wide else []) + [dict(DECODE_CHANGES)]
+    wide_tiles = {**DECODE_CHANGES, "tile_n": DECODE_TILE_N, "split_k": False}
+    # Two consumer warpgroups of 128 columns each where the kernel allows it (no fused
+    # epilogue: see DECODE_N_SPLIT), else one of 256.
+    return ([{**wide_tiles, "n_split": DECODE_N_SPLIT}, wide_tiles] if wide else []) + [dict(DECODE_CHANGES)]
 
 
 def _eligible(launch: Launch) -> bool:

@@ -14,7 +14,7 @@ import pytest
 
 import gemmspec
 import gemmspec.bench
-from gemmspec.codegen.kernels import include_dir
+from gemmspec.codegen.kernels import GemmKernelConfig, include_dir
 from gemmspec.codegen.manifest import launch_manifest
 from gemmspec.codegen.variants import (
     DECODE_ROWS_PAIRED,
@@ -104,6 +104,9 @@ def test_decode_kernels_compile_without_spills(name):
         source = exe.decode.program.launches[index].source
         sass = spill_free_sass(source, [include_dir()], f"{after}.cu")
         assert re.search(r"\b[QH]GMMA\b", sass)
+        if exe.decode.program.launches[index].gemm.n_split > 1:
+            # Two column warpgroups: 128-column batches, the producer's registers moved to them.
+            assert re.search(r"\bQGMMA\.64x128x32\b", sass) and re.search(r"\bUSETMAXREG\b", sass)
 
 
 def test_explain_prints_the_rule_and_its_json_carries_it():
@@ -125,7 +128,7 @@ def test_the_variant_takes_256_columns_in_whole_tiles_where_n_allows():
     wide = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=128, fp8=True, scales_major_t=True))
     compiled, decode = wide.program.launches[0].gemm, wide.decode.program.launches[0].gemm
     assert (compiled.tile_m, compiled.tile_n, compiled.inline_table) == (128, 192, 0)
-    assert (decode.tile_m, decode.tile_n, decode.cluster, decode.split_k) == (64, 256, 1, False)
+    assert (decode.tile_m, decode.tile_n, decode.cluster, decode.split_k, decode.n_split) == (64, 256, 1, False, 2)
     assert decode.inline_table and wide.decode.program.launches[0].kernels == (decode.name,)
     # N = 576 (not a multiple of 256): the compiled width, split K as compiled.
     narrow = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=576, k=7168, e=8, fp8=True, scales_major_t=True))
@@ -134,6 +137,30 @@ def test_the_variant_takes_256_columns_in_whole_tiles_where_n_allows():
     # 257 leaves: past what the variant's GEMM builds itself, a builder runs before it.
     many = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=257, fp8=True, scales_major_t=True))
     assert not many.decode.program.launches[0].gemm.inline_table
+
+
+def test_column_split_warpgroups_only_where_the_kernel_allows_them():
+    base = dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64,
+                tile_n=256, cluster=1)
+    split = GemmKernelConfig(**base, n_split=2)
+    assert (split.consumer_warpgroups, split.threads, split.wg_cols, split.mma_parts) == (2, 384, 128, 1)
+    assert split.reallocates_registers and not split.staged_products
+    one = GemmKernelConfig(**base)
+    assert (one.consumer_warpgroups, one.threads, one.wg_cols, one.mma_parts) == (1, 256, 256, 2)
+    for changes in ({"tile_m": 128}, {"tile_n": 192}, {"epilogue": (("row", "f32"),)}, {"accumulate": True},
+                    {"split_k": True}):
+        with pytest.raises(ValueError, match="columns split between two warpgroups"):
+            GemmKernelConfig(**{**base, **changes}, n_split=2)
+    with pytest.raises(ValueError, match="n_split must be 1 or 2"):
+        GemmKernelConfig(**base, n_split=4)
+
+
+def test_a_launch_whose_epilogue_rules_out_the_split_keeps_one_warpgroup_of_256_columns():
+    # The decode FFN's down projection multiplies by the router weights in its epilogue.
+    exe = gemmspec.build((EXAMPLES / "moe_ffn_fp8_decode.gspec").read_text())
+    variant = exe.decode.program
+    down = variant.launches[-1].gemm
+    assert down.epilogue and (down.tile_m, down.tile_n, down.n_split) == (64, 256, 1)
 
 
 def test_decode_variant_is_none_without_ragged_launches():

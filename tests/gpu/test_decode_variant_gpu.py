@@ -2,7 +2,8 @@
 average rows per expert are at most the rule's threshold) computes what the compiled
 launch computes, on both sides of the rule's threshold, for FP8 blockwise and BF16
 operands, over leaves of 0, 1, 2, 7, 8, 9, 63, 64, 65, 127 and 129 rows; a CUDA graph
-captured on it replays with new counts. Judged element by element against the float64
+captured on it replays with new counts; the wide FP8 variant (two column warpgroups) after
+a leaf-table builder of its own. Judged element by element against the float64
 reference (gemmspec.runtime.verify), guard bytes included. Skipped elsewhere, with a
 reason."""
 
@@ -158,3 +159,24 @@ def test_launches_with_builders_of_their_own_match_the_reference(side):
     print(report.describe())
     assert report.ok, report.describe()
     assert {c.tensor for c in report.checks} == {"a", "y"}
+
+
+# More experts than the variant's GEMM builds a table for (DECODE_INLINE_MAX_LEAVES): a
+# leaf-table builder runs before it, and the wide tile's two column warpgroups store
+# through one output map per leaf (with the table in the GEMM, each has its own).
+MANY_EXPERTS = 264
+
+
+def test_the_wide_variant_after_a_builder_matches_the_reference():
+    from gemmspec.codegen.variants import DECODE_INLINE_MAX_LEAVES
+
+    text = SPEC.replace("E = 8", f"E = {MANY_EXPERTS}").format(kind="fp8_many", **KINDS["fp8_wide"])
+    exe = gemmspec.build(text)
+    gemm = exe.decode.program.launches[0].gemm
+    assert MANY_EXPERTS > DECODE_INLINE_MAX_LEAVES and not gemm.inline_table and gemm.n_split == 2
+    rng = np.random.default_rng(7)
+    lengths = [int(c) for c in rng.choice([0, 0, 1, 2, 7, 9, 63, 64, 65], size=MANY_EXPERTS)]
+    assert exe.program_for({"T": sum(lengths)}) is exe.decode.program
+    report = check_random(exe, lengths={"expert": lengths}, seed=3).report
+    print(report.describe())
+    assert report.ok, report.describe()
