@@ -174,6 +174,7 @@ DECODE_VARIANTS = {
     "decode variant, 64 x 192, split K where it pays": {"decode": True, "tile_n": 192, "split_k": True},
     "decode variant, 64 x 256, split K where it pays": {"decode": True, "split_k": True},
     "decode variant, registers epilogue": {"decode": True, "store_tma": False},
+    "decode variant, one consumer warpgroup": {"decode": True, "n_split": 1},
     "decode variant, 64 x 160 whole tiles": {"decode": True, "tile_n": 160, "split_k": False},
     "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False},
     "decode variant (again: drift over the run)": {"decode": True},
