@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     import gemmspec
     from gemmspec.bench import measure, specs
-    from gemmspec.bench.inputs import random_fp8, random_scales, route_into
+    from gemmspec.bench.inputs import random_fp8, random_fp8_experts, random_scales, route_into
 
     z = SIZES[args.sizes]
     s, e, hd, f = z["tokens"], z["experts"], z["hidden"], z["f"]
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     exe = gemmspec.build(specs.ffn_decode_text(hidden=hd, f=f, e=e, name=f"ffn_probe_{hd}_{f}_{e}"))
     picked = exe.program_for({"S": s, "T": t})
     print("kernels:", ", ".join(step.gemm.name for step in picked.launches), flush=True)
-    make = measure._random_fp8_experts
+    make = random_fp8_experts
     a = dict(wg=make((e, f, hd)), wu=make((e, f, hd)), w_down=make((e, hd, f)),
              wg_scale=random_scales((e, f // 128, hd // 128)), wu_scale=random_scales((e, f // 128, hd // 128)),
              w_down_scale=random_scales((e, hd // 128, f // 128)),

@@ -32,6 +32,7 @@ from gemmspec.bench import (  # noqa: E402
     LORA_EXPAND_COUNTS,
     MASKED_SPEC,
     WGRAD,
+    measure,
     moe_spec,
     nested_offsets,
     offsets_tensor,
@@ -319,9 +320,8 @@ def main() -> int:
         lengths = DECODE_MASKED
     flops = 2.0 * t * n * k
     # Bytes a decode call must move: the weights of every expert with a token (and their
-    # scales), the tokens and the output.
-    decode_bytes = (sum(1 for c in lengths if c) * n * k * (1 + 4 / 128 / 128) + t * k * (1 + 4 / 128) + 2 * t * n
-                    if args.decode or args.masked else 0)
+    # scales), the tokens and the output (as the bench counts them).
+    moved = measure.decode_bytes(lengths, n, k, fp8=True) if args.decode or args.masked else 0
     reference = None
     sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
@@ -364,7 +364,7 @@ def main() -> int:
             ms = do_bench(run.enqueue, warmup=50, rep=300, return_mode="median")
         clock = sustained_clock(sampler, run.enqueue)
         if args.decode or args.masked:
-            rate = f"{ms * 1e3:8.1f} us {decode_bytes / ms / 1e9:6.2f} TB/s"
+            rate = f"{ms * 1e3:8.1f} us {moved / ms / 1e9:6.2f} TB/s"
         elif args.lora or args.expand:
             rate = f"{ms * 1e3:8.1f} us"
         else:

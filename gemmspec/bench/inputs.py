@@ -23,6 +23,16 @@ def random_fp8(shape):
     return (torch.randn(shape, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
+def random_fp8_experts(shape):
+    """random_fp8 of an [E, ...] weight made an expert at a time (DeepSeek-V3's 256
+    experts would need tens of GB of float32 at once)."""
+    torch = load_torch()
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+    for e in range(shape[0]):
+        out[e] = random_fp8(shape[1:])
+    return out
+
+
 def random_scales(shape):
     torch = load_torch()
     return torch.rand(shape, device="cuda") * 0.01 + 0.001

@@ -20,6 +20,7 @@ from .inputs import (
     nested_offsets,
     offsets_tensor,
     random_fp8,
+    random_fp8_experts,
     random_nested_counts,
     random_scales,
     routed_rows,
@@ -553,16 +554,6 @@ def graphed(fn, stream):
     return graph.replay
 
 
-def _random_fp8_experts(shape):
-    """random_fp8 of an [E, ...] weight made an expert at a time (DeepSeek-V3's 256
-    experts would need tens of GB of float32 at once)."""
-    torch = load_torch()
-    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
-    for e in range(shape[0]):
-        out[e] = random_fp8(shape[1:])
-    return out
-
-
 def _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, tokens):
     """The routed rows of `tokens` (each token's rows in ascending order), their h as the
     GPU wrote it and in float64 (SwiGLU of the dequantized inputs), and their weighted
@@ -631,7 +622,7 @@ def ffn_decode(repeat: int, *, name: str, tokens: int, experts: int, top_k: int,
     rows = src.long()
     offs = offsets_tensor(lengths)
     x, xs = random_fp8((tokens, hidden)), random_scales((tokens, hidden // 128))
-    wg, wu, wd = (_random_fp8_experts(s) for s in ((experts, f, hidden), (experts, f, hidden), (experts, hidden, f)))
+    wg, wu, wd = (random_fp8_experts(s) for s in ((experts, f, hidden), (experts, f, hidden), (experts, hidden, f)))
     wgs, wus = random_scales((experts, f // 128, hidden // 128)), random_scales((experts, f // 128, hidden // 128))
     wds = random_scales((experts, hidden // 128, f // 128))
     route_w = torch.rand((t,), device="cuda")

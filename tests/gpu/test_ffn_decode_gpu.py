@@ -43,9 +43,9 @@ def test_example_matches_the_reference_on_random_data():
 @pytest.fixture(scope="module")
 def layer():
     torch = pytest.importorskip("torch")
-    from gemmspec.bench.inputs import random_fp8, random_scales
+    from gemmspec.bench.inputs import random_fp8, random_fp8_experts, random_scales
 
-    make = measure._random_fp8_experts
+    make = random_fp8_experts
     w = dict(wg=make((EXPERTS, F, H)), wu=make((EXPERTS, F, H)), w_down=make((EXPERTS, H, F)),
              wg_scale=random_scales((EXPERTS, F // 128, H // 128)), wu_scale=random_scales((EXPERTS, F // 128, H // 128)),
              w_down_scale=random_scales((EXPERTS, H // 128, F // 128)))
