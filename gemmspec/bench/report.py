@@ -95,8 +95,9 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
                 f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {_rate(r, share)} "
                 f"{ratio:10.2f}x  {_clock(r)}  {r.check}"
             )
-        live = any(r.impl.startswith("DeepGEMM") for r in rows)
-        dg = None if live else case.deepgemm_recorded_tflops
+        # The recorded figure stands in where no DeepGEMM row was timed (not installed, or
+        # its anchor failed), the same test the verdict's DeepGEMM ratio takes.
+        dg = None if live_deepgemm(rows) else case.deepgemm_recorded_tflops
         if dg:
             lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
         case_verdict = verdict(case, ours, torch_row, rows[1:])

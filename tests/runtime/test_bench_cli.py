@@ -163,6 +163,11 @@ def test_live_deepgemm_row_replaces_the_recorded_figure():
     assert "(recorded" not in text and "DeepGEMM 2.6.1 (contiguous)" in text
     assert summary[0]["deepgemm_recorded_tflops"] is None
     assert [r["impl"] for r in summary[0]["rows"]][2].startswith("DeepGEMM")
+    # A DeepGEMM row that failed to run was never timed: the recorded figure stays.
+    failed = bench.Result(name, "DeepGEMM 2.6.1 (contiguous)", float("nan"), 2e12, "TFLOPS", "not run: ValueError")
+    text, summary = bench.report([ours, torch_row, failed], {})
+    assert "DeepGEMM 2.6.1 (recorded 2026-11-30)" in text and "not run: ValueError" in text
+    assert summary[0]["deepgemm_recorded_tflops"] == 1232.4
 
 
 def test_a_failing_deepgemm_anchor_is_reported_in_its_row(monkeypatch, capsys):
