@@ -10,7 +10,7 @@ the earliest block's entry, after half a second of matmuls, with the first tile'
 product path: the stamps cost a few shared-memory stores and one printf per block.
 Needs a Hopper GPU and torch:
 
-    python3 scripts/decode_timeline.py [--k 7168] [--variant store_tma=0,tile_n=160]
+    python3 scripts/decode_timeline.py [--k 7168] [--variant n_split=1,tile_n=160,split_k=0]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=7168)
     ap.add_argument("--case", choices=("e8", "e32", "dsv3"), default="e8",
                     help="token counts: the bench's E 8 or E 32 decode, or DeepSeek-V3 at 64 tokens")
-    ap.add_argument("--variant", default="", help="kernel option changes, e.g. store_tma=0,tile_n=160")
+    ap.add_argument("--variant", default="", help="kernel option changes, e.g. n_split=1,tile_n=160,split_k=0")
     args = ap.parse_args()
     changes = {}
     for item in filter(None, args.variant.split(",")):

@@ -166,18 +166,19 @@ GATHER_VARIANTS = {
 
 # Decode-sized FP8 MoE (a few tokens per expert): each active expert's weights are read
 # once, so the kernel is bound by HBM and latency. The prefill tile (128 x 192, CTA pairs)
-# against 64-row tiles of one CTA, ring depths and widths.
+# against 64-row tiles of one CTA, ring depths and widths (one consumer warpgroup where the
+# variant's two column warpgroups do not apply: other widths, split K).
 DECODE_VARIANTS = {
     "as compiled": {},
     "decode variant": {"decode": True},
     "decode variant, a builder before the GEMM past 32 leaves": {"decode": True, "inline_leaves": 32},
-    "decode variant, 64 x 192": {"decode": True, "tile_n": 192},
-    "decode variant, 64 x 192, split K where it pays": {"decode": True, "tile_n": 192, "split_k": True},
-    "decode variant, 64 x 256, split K where it pays": {"decode": True, "split_k": True},
+    "decode variant, 64 x 192": {"decode": True, "tile_n": 192, "n_split": 1},
+    "decode variant, 64 x 192, split K where it pays": {"decode": True, "tile_n": 192, "split_k": True, "n_split": 1},
+    "decode variant, 64 x 256, split K where it pays": {"decode": True, "split_k": True, "n_split": 1},
     "decode variant, registers epilogue": {"decode": True, "store_tma": False},
     "decode variant, one consumer warpgroup": {"decode": True, "n_split": 1},
-    "decode variant, 64 x 160 whole tiles": {"decode": True, "tile_n": 160, "split_k": False},
-    "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False},
+    "decode variant, 64 x 160 whole tiles": {"decode": True, "tile_n": 160, "split_k": False, "n_split": 1},
+    "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False, "n_split": 1},
     "decode variant (again: drift over the run)": {"decode": True},
 }
 # The masked decode (E = 32 groups of M = 64 rows, 38-64 valid each): 64-row tiles as
