@@ -27,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_probe import variant  # noqa: E402
 
 import gemmspec  # noqa: E402
 from gemmspec.bench import offsets_tensor, random_fp8, random_scales, specs  # noqa: E402
@@ -102,6 +101,8 @@ def main() -> int:
                "dsv3": routed_counts(64, DSV3_EXPERTS, DECODE_TOP_K, seed=64)}[args.case]
     k = args.k
     e, t = len(lengths), sum(lengths)
+    from pipeline_probe import variant  # imports triton, which stamped() alone does not need
+
     exe = gemmspec.build(specs.moe_spec("moe_fp8", n=N, k=k, e=e, fp8=True, scales_major_t=True))
     cfg = variant(exe, decode=True, **changes)
     launch = exe.program.launches[0]
