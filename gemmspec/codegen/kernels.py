@@ -605,14 +605,13 @@ class GemmKernelConfig:
 
     @property
     def sb_splits(self) -> tuple[int, ...]:
-        """In mode 1, the possible counts of 8-column groups before a tile's block boundary
-        (the kernel compiles one main loop per count)."""
+        """In mode 1, the possible counts of 8-column groups of a consumer warpgroup's
+        columns before their block boundary (the kernel compiles one main loop per count;
+        with split columns each warpgroup's lie in one block: the one count is all of them)."""
         if self.sb_mode != 1:
             return ()
-        if self.n_split > 1:  # each warpgroup's columns lie in one B scale block
-            return (self.wg_cols // 8,)
-        g = math.gcd(self.tile_n, self.sb_bn)
-        return tuple(sorted({min((self.sb_bn - r) // 8, self.tile_n // 8) for r in range(0, self.sb_bn, g)}))
+        g = math.gcd(self.wg_cols, self.sb_bn)
+        return tuple(sorted({min((self.sb_bn - r) // 8, self.wg_cols // 8) for r in range(0, self.sb_bn, g)}))
 
     @property
     def box_cols(self) -> int:
