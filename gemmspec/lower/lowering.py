@@ -120,7 +120,22 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
     # A view is read with its own strides from its source's buffer: the schedule names
     # the buffer, so every later stage binds the source's pointer.
     buffer = spec.storage(t.name)
-    return OperandMap(buffer, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows, pad)
+    return OperandMap(
+        buffer, t.dtype, roles, offset, (stride[roles[0]], stride[roles[1]]), rows, pad, _elements(spec, buffer)
+    )
+
+
+def _elements(spec: Spec, name: str) -> Poly:
+    """The elements of tensor `name`'s storage (a padded segment_major layout's extra rows
+    included)."""
+    t = spec.tensor(name)
+    count = Poly.const(1)
+    for i, dim in enumerate(t.dims):
+        size = _dim_size(spec, dim)
+        if t.layout.pad_rows and i == t.layout.seg_axis:
+            size = size + t.layout.pad_rows
+        count = count * size
+    return count
 
 
 def _scale(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str], block_start: str = "bstart") -> ScaleMap | None:

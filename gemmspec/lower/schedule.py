@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..expr import Poly
+from ..expr import ZERO, Poly
 from ..spec import LeafAxis
 
 ROLES = ("m", "n", "k")
@@ -123,6 +123,9 @@ class OperandMap:
     strides: tuple[Poly, Poly]
     rows: IndexMap | None = None  # A's rows gathered or D's scattered through an index tensor
     pad: SegmentPad | None = None  # stored segment_major with padded segments
+    # The elements of the buffer `tensor` binds (its storage shape's product): how far a map
+    # over the whole buffer may reach (a kernel's whole-tensor maps, kernels.py).
+    elements: Poly = ZERO
 
     def __str__(self) -> str:
         r0, r1 = self.roles
