@@ -446,6 +446,9 @@ class InlineTable:
     copies: tuple[int, ...]  # one per checked copy, in the check's tensor order
     ignored_flags: int
     end: int
+    # With whole-tensor maps, each leaf's first row of A and of B in them (an int2 per
+    # leaf, the region's last bytes: the GEMM finds them from the region's size).
+    whole_rows: int = 0
 
 
 def table_record_bytes(pg: ProblemGenerator) -> int:
@@ -462,22 +465,49 @@ def table_record_bytes(pg: ProblemGenerator) -> int:
     return (pg.leaf_count + 1) * LEAF_RECORD_BYTES + pg.leaf_count * per_leaf
 
 
-def inline_table_layout(pg: ProblemGenerator, check: ValidationKernel | None) -> InlineTable:
+def inline_table_layout(pg: ProblemGenerator, check: ValidationKernel | None, whole_maps: bool = False) -> InlineTable:
     at, copies = _ceil16(table_record_bytes(pg)), []
     for ints in check.copy_ints if check else ():
         copies.append(at)
         at += _ceil16(4 * ints)
     flags = 4 * max(len(check.checks), 1) if check else 0
-    return InlineTable(tuple(copies), at, at + flags)
+    if not whole_maps:
+        return InlineTable(tuple(copies), at, at + flags)
+    rows = _ceil16(at + flags)
+    return InlineTable(tuple(copies), at, rows + 8 * pg.leaf_count, rows)
 
 
-def inline_fields(pg: ProblemGenerator, check: ValidationKernel | None) -> dict[str, int]:
-    """The configuration fields of a GEMM that builds its table: its region's bytes, and
-    the static shared memory its check takes (a counter, where scale rows are counted)."""
+def inline_fields(pg: ProblemGenerator, check: ValidationKernel | None) -> dict[str, int | bool]:
+    """The configuration fields of a GEMM that builds its table: its region's bytes, the
+    static shared memory its check takes (a counter, where scale rows are counted), and
+    whether A and B load through maps of their whole buffers."""
+    whole = whole_maps_possible(pg)
     return {
-        "inline_table": inline_table_layout(pg, check).end,
+        "inline_table": inline_table_layout(pg, check, whole).end,
         "inline_static": INLINE_STATIC_BYTES if check is not None and check.anchored else 0,
+        "whole_maps": whole,
     }
+
+
+def _leaf_free(p: Poly, pg: ProblemGenerator) -> bool:
+    """`p` is the same for every leaf of the launch: constants and run-time dims only."""
+    return p.symbols <= set(pg.runtime_dims)
+
+
+def whole_maps_possible(pg: ProblemGenerator) -> bool:
+    """Whether A and B can each be loaded through one map of its whole buffer (kernels.py,
+    ``whole_maps``): every leaf's K is the launch's K, each operand's rows are contiguous
+    along K with one row stride for every leaf, and its buffer's size is known from the
+    launch's own dims. Whether a leaf is a box of those maps is the device's to check."""
+    k = pg.extents[2]
+    if k.kind != "fixed" or not _leaf_free(k.size, pg) or pg.u is not None:
+        return False
+    return all(
+        op.rows is None and op.pad is None
+        and op.strides[1].is_const and op.strides[1].value == 1
+        and _leaf_free(op.strides[0], pg) and _leaf_free(op.elements, pg)
+        for op in (pg.a, pg.b)
+    )
 
 
 def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator, max_leaves: int = INLINE_MAX_LEAVES) -> bool:
@@ -503,6 +533,11 @@ def emit_launch(
     `table_tag` names the builder of a variant (names.table_symbol)."""
     pg = launch.problems
     cfg = config or _launch_gemm_config(launch, inline, check)
+    if cfg.whole_maps and not whole_maps_possible(pg):
+        raise EmitError(f"launch {launch.index}: A and B cannot load through maps of their whole buffers")
+    layout = inline_table_layout(pg, check, cfg.whole_maps)
+    if cfg.whole_maps and cfg.inline_table != layout.end:  # the GEMM finds the rows from the region's end
+        raise EmitError(f"launch {launch.index}: its table's region is {cfg.inline_table} B, its layout {layout.end} B")
     if cfg.split_k and not _one_k(pg):
         raise EmitError(f"launch {launch.index}: split K needs leaves that share one K (its K is {pg.extents[2]})")
     # The symbol names the spec and launch, so that equal configurations in two launches
@@ -581,7 +616,6 @@ def emit_launch(
                 raise EmitError(f"launch {launch.index} reads '{t}', which the offsets check does not take")
             aliases.append((tensor_param(t), name))
     unit_m, unit_n = unit_shape(cfg.tile_m, cfg.tile_n, cfg.cluster, cfg.multicast_b)
-    layout = inline_table_layout(pg, check)
     table = ENV.get_template("leaf_table.cu.jinja").render(
         name=table_name,
         inline=bool(cfg.inline_table),
@@ -640,6 +674,18 @@ def emit_launch(
         ),
         split_k=cfg.split_k,
         memory_bound=cfg.memory_bound,
+        whole_maps=cfg.whole_maps,
+        whole_rows_at=layout.whole_rows,
+        # The whole buffers' row strides and elements, and the launch's K (kernels.py).
+        whole_k=c_expr(pg.extents[2].size),
+        whole_a={"stride": c_expr(pg.a.strides[0]), "elements": c_expr(pg.a.elements)},
+        whole_b={"stride": c_expr(pg.b.strides[0]), "elements": c_expr(pg.b.elements)},
+        # Rows and columns past a leaf's read from a whole map are never stored, but an FP8
+        # D's scale takes the amax of a row's 128 columns, and its copy's of a column's 128
+        # rows: such a leaf takes a whole map only where its tiles end at its edge.
+        whole_ragged_m=not cfg.copy,
+        whole_ragged_n=not cfg.fp8_out,
+        consumer_threads=cfg.consumer_warpgroups * 128,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(
@@ -761,13 +807,17 @@ def with_kernel_config(
     x = program.launches[index]
     base = gemm_config(x.launch)
     # The table stays in the kernel unless the variant takes what a built-in table cannot.
-    inline = {"inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static}
+    inline = {
+        "inline_table": x.gemm.inline_table, "inline_static": x.gemm.inline_static, "whole_maps": x.gemm.whole_maps,
+    }
     if (inline_leaves and not x.gemm.inline_table and table_in_gemm_allowed(program, index)
             and inline_possible(base, x.launch.problems, inline_leaves)):
         inline = inline_fields(x.launch.problems, x.check)
     if any(changes.get(k) for k in ("gather", "scatter")):
-        inline = {"inline_table": 0, "inline_static": 0}
+        inline = {"inline_table": 0, "inline_static": 0, "whole_maps": False}
     fields = {**_DERIVED, **inline, **changes}
+    if fields["inline_table"]:  # the region holds the whole maps' rows where the variant takes them
+        fields["inline_table"] = inline_table_layout(x.launch.problems, x.check, fields["whole_maps"]).end
     if "tile_k" not in changes:
         # The K per stage follows the variant's tile (see _k_atoms).
         one_row = replace(base, **{**fields, "tile_k": 0, "split_k": False})

@@ -292,6 +292,17 @@ class GemmKernelConfig:
     # leaf-table builder before it. For launches of few leaves (at most INLINE_MAX_LEAVES)
     # and no rows through index tensors; the emitter decides. ``_inl``.
     inline_table: int = 0
+    # With a table built in the kernel: A and B loaded through maps of their whole buffers
+    # (one of each per block, written at the block's start while it checks the offsets and
+    # builds the table, then acquired and prefetched by the TMA issuer), a leaf's first row
+    # and expert becoming coordinates in them. Only D keeps a map per leaf, whose stores end
+    # at the leaf's rows and columns; a leaf the whole maps do not describe (see
+    # leaf_table.cu.jinja) keeps its own A and B maps. A box of a whole map reads the rows
+    # after a leaf's last (the next leaf's, or zeros past the buffer) where a leaf's own map
+    # reads zeros: those rows and columns of the tile are never stored. The emitter decides
+    # (where both operands' row strides and the K extent are the same for every leaf).
+    # ``_whole``.
+    whole_maps: bool = False
     # Static shared memory of that table's check (a counter for anchored scale rows), which
     # ptxas places before the 1024-byte aligned dynamic array: 0 or INLINE_STATIC_BYTES.
     inline_static: int = 0
@@ -315,6 +326,8 @@ class GemmKernelConfig:
             raise ValueError("a table built in the kernel takes no index tensors")
         if self.inline_table:
             object.__setattr__(self, "programmatic", False)  # no builder to wait for
+        if self.whole_maps and (not self.inline_table or self.swiglu_halves):
+            raise ValueError("whole-tensor maps take a table built in the kernel and one B map per leaf")
         if self.split_k and self.memory_bound and self.store_tma is None:
             object.__setattr__(self, "store_tma", False)  # the last unit of a tile stores it
         self._validate()
@@ -829,7 +842,7 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
     if cfg.fast_accum:
         staged += "_fastacc"
     if cfg.inline_table:
-        staged += "_inl"
+        staged += "_inl" + ("_whole" if cfg.whole_maps else "")
     elif not cfg.programmatic:
         staged += "_nopdl"
     if cfg.d_scale_pow2:
@@ -1092,6 +1105,8 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         memory_bound=cfg.memory_bound,
         cache_hints=cfg.cache_hints,
         inline_table=bool(cfg.inline_table),
+        whole_maps=cfg.whole_maps,
+        inline_table_bytes=cfg.inline_table,
         inline_bytes=cfg.inline_bytes,
         inline_max_blocks=INLINE_MAX_BLOCKS,
     )

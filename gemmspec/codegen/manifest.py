@@ -923,10 +923,11 @@ class _Builder:
         after its own, and map slots for each of its blocks."""
         i, cfg = x.launch.index, x.gemm
         leaf_maps = 2 + (cfg.consumer_warpgroups if cfg.store_tma else 0)
+        whole = 2 if cfg.whole_maps else 0  # each block's maps of A's and B's whole buffers, after those
         maps_ws = self.workspace(
             f"launch{i}.maps",
-            Formula.const(INLINE_MAX_BLOCKS * x.leaf_count * leaf_maps * TENSOR_MAP_BYTES),
-            "each block's tensor maps of the leaves it computes",
+            Formula.const(INLINE_MAX_BLOCKS * (x.leaf_count * leaf_maps + whole) * TENSOR_MAP_BYTES),
+            "each block's tensor maps of the leaves it computes" + (" and of A's and B's whole buffers" if whole else ""),
         )
         templates = self.map_templates(i, maps, maps_ws)
         params = (

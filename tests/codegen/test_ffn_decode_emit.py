@@ -45,7 +45,7 @@ def test_one_call_runs_every_step_in_order():
     (up, down) = exe.decode.launches
     assert [up[0], down[0]] == [0, 1]
     assert "_t64x256x" in up[2] and "_t128x256x" in up[1] and "_swiglu_halves" in up[2]
-    assert "_t64x256x" in down[2] and "_t128x192x" in down[1] and down[2].endswith("_inl")
+    assert "_t64x256x" in down[2] and "_t128x192x" in down[1] and down[2].endswith("_inl_whole")
     assert exe.decode.rule.rows_per_segment == 16
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gemmspec import bench
-from gemmspec.codegen.emit import emit, inline_table_layout, launch_config
+from gemmspec.codegen.emit import emit, inline_table_layout, launch_config, whole_maps_possible
 from gemmspec.codegen.kernels import (
     INLINE_MAX_BLOCKS,
     INLINE_MAX_LEAVES,
@@ -43,7 +43,10 @@ def test_single_launches_of_few_leaves_build_their_table(path):
             expected = (alone and pg.leaf_count <= INLINE_MAX_LEAVES and not pg.index_maps
                         and not x.gemm.swiglu_halves)
             assert bool(x.gemm.inline_table) == expected, x.gemm.name
-            assert x.gemm.name.endswith("_inl") == expected
+            # and loads A and B through maps of their whole buffers where every leaf's K and
+            # row strides allow it.
+            assert x.gemm.name.endswith("_inl" + ("_whole" if x.gemm.whole_maps else "")) == expected
+            assert x.gemm.whole_maps == (expected and whole_maps_possible(pg))
             # explain reports the configuration emit gives (the symbol adds the spec's name).
             assert replace(launch_config(spec, schedule, x.launch), name=x.gemm.name) == x.gemm
             assert x.gemm.name.endswith(launch_config(spec, schedule, x.launch).name[len("gs_"):])
@@ -72,8 +75,10 @@ def test_the_kernel_builds_the_table_then_runs_the_gemm():
     assert "int* const flags = blockIdx.x == 0 ? check_flags :" in source
     assert "int* const checked_lora_offsets = reinterpret_cast<int*>(copies + " in source
     # The records and copies fit the region the configuration reserves.
-    layout = inline_table_layout(x.launch.problems, x.check)
+    layout = inline_table_layout(x.launch.problems, x.check, cfg.whole_maps)
     assert cfg.inline_table == layout.end and cfg.inline_bytes >= layout.end
+    # With whole maps, each leaf's first rows in them (an int2) end the region.
+    assert cfg.whole_maps and layout.whole_rows == layout.end - 8 * x.leaf_count
 
 
 def test_the_manifest_has_one_kernel_step_with_the_builders_inputs():
@@ -93,8 +98,9 @@ def test_the_manifest_has_one_kernel_step_with_the_builders_inputs():
     assert [w.name for w in m.workspaces] == [
         CHECK_FLAGS, "launch0.maps", "launch0.templates", "launch0.split_counters", "launch0.split_sums"
     ]
-    maps = m.workspace("launch0.maps")
-    assert maps.bytes.evaluate({}) == INLINE_MAX_BLOCKS * x.leaf_count * 2 * TENSOR_MAP_BYTES
+    maps = m.workspace("launch0.maps")  # and each block's pair of whole maps after them
+    assert x.gemm.whole_maps
+    assert maps.bytes.evaluate({}) == INLINE_MAX_BLOCKS * (x.leaf_count * 2 + 2) * TENSOR_MAP_BYTES
     assert m.offsets_check.symbol == x.gemm.name and m.offsets_check.fused
 
 

@@ -142,7 +142,9 @@ def test_manifest_describes_the_emitted_program(path):
             maps = m.workspace(up.address_of)
             if x.gemm.inline_table:  # each block's slots: A, B and a D per consumer warpgroup
                 per_leaf = 2 + (x.gemm.consumer_warpgroups if x.gemm.store_tma else 0)
-                assert maps.bytes.evaluate({}) == INLINE_MAX_BLOCKS * per_leaf * x.leaf_count * TENSOR_MAP_BYTES
+                whole = 2 if x.gemm.whole_maps else 0  # then its maps of A's and B's whole buffers
+                slots = INLINE_MAX_BLOCKS * (per_leaf * x.leaf_count + whole)
+                assert maps.bytes.evaluate({}) == slots * TENSOR_MAP_BYTES
             else:
                 assert maps.bytes.evaluate({}) == len(want) * x.leaf_count * TENSOR_MAP_BYTES
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_default_for_the_lora_shrink():
     exe = gemmspec.build(SHRINK)
     cfg = exe.program.launches[0].gemm
-    assert cfg.split_k and cfg.inline_table and cfg.name.endswith("_splitk_inl") and not cfg.store_tma
+    assert cfg.split_k and cfg.inline_table and cfg.name.endswith("_splitk_inl_whole") and not cfg.store_tma
     assert "reduce_split" in exe.program.launches[0].source
     whole = with_kernel_config(exe.spec, exe.program, split_k=False).launches[0].gemm
     assert not whole.split_k and whole.inline_table and "_splitk" not in whole.name

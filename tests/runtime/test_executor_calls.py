@@ -67,7 +67,7 @@ def test_call_waits_for_nothing_and_reuses_its_plan(exe, offline):
     first = executor.LoadedKernel.launched[:]
     names = [name for name, _, _ in first]
     # The GEMM checks the offsets and builds its leaf table itself: one launch.
-    assert names == [exe.program.launches[0].gemm.name] and names[0].endswith("_inl")
+    assert names == [exe.program.launches[0].gemm.name] and names[0].endswith("_inl_whole")
     executor.LoadedKernel.launched.clear()
     exe(**forward_args(base=64 * GIB))  # same shapes, other memory
     assert len(exe._plans) == 1

@@ -46,8 +46,11 @@ static_assert(sizeof(GsEpilogue) == 48, "GsEpilogue layout must match the kernel
 // (16-byte aligned base and row stride, K contiguous); clear means the producer
 // warpgroup copies it with masked vector loads. GS_STORE_D_TMA: the leaf's output is
 // stored by TMA through its map (kernels that stage their epilogue in shared memory);
-// clear means the consumers store from registers.
-enum GsLoad : int { GS_LOAD_A_TMA = 1, GS_LOAD_B_TMA = 2, GS_STORE_D_TMA = 4 };
+// clear means the consumers store from registers. GS_LOAD_WHOLE (set with both load bits, by
+// kernels that build their table and load through maps of whole buffers): the leaf's A and
+// B are loaded through the block's maps of their whole buffers, its first rows coordinates
+// there, and have no maps of their own.
+enum GsLoad : int { GS_LOAD_A_TMA = 1, GS_LOAD_B_TMA = 2, GS_STORE_D_TMA = 4, GS_LOAD_WHOLE = 8 };
 
 // A CUtensorMap's 128 opaque bytes (cuda.h is not needed to hold one). Encoded on the
 // host as a template, patched per leaf on the device (tensormap.replace).
@@ -357,6 +360,11 @@ __device__ __forceinline__ void gs_tensormap_acquire(const GsTensorMap* map) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(
                    reinterpret_cast<unsigned long long>(map))
                : "memory");
+}
+
+// Fetches a tensor map's descriptor ahead of its first use (after its acquire).
+__device__ __forceinline__ void gs_tensormap_prefetch(const GsTensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
 // A leaf's operand: base + off elements, `rows` rows of `k` elements, rows `row_stride`
