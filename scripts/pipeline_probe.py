@@ -122,6 +122,7 @@ LORA_VARIANTS = {
     "whole tiles, wgmma lag 2": {"mma_lag": 2, "split_k": False},
     "four swizzle rows of K per stage": {"tile_k": 256},
     "four swizzle rows of K per stage, one block per SM": {"tile_k": 256, "ctas_per_sm": 1},
+    "maps per leaf (no whole-buffer maps)": {"whole_maps": False},
     "as compiled (again: drift over the run)": {},
 }
 
@@ -179,6 +180,7 @@ DECODE_VARIANTS = {
     "decode variant, one consumer warpgroup": {"decode": True, "n_split": 1},
     "decode variant, 64 x 160 whole tiles": {"decode": True, "tile_n": 160, "split_k": False, "n_split": 1},
     "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False, "n_split": 1},
+    "decode variant, maps per leaf (no whole-buffer maps)": {"decode": True, "whole_maps": False},
     "decode variant (again: drift over the run)": {"decode": True},
 }
 # The masked decode (E = 32 groups of M = 64 rows, 38-64 valid each): 64-row tiles as
@@ -189,6 +191,8 @@ MASKED_VARIANTS = {
     "64 x 256, split K where it pays": {"tile_n": 256},
     "64 x 256, whole tiles": {"tile_n": 256, "split_k": False},
     "64 x 128, whole tiles": {"tile_n": 128, "split_k": False},
+    "64 x 256, two column warpgroups": {"tile_n": 256, "split_k": False, "n_split": 2},
+    "maps per leaf (no whole-buffer maps)": {"whole_maps": False},
     "as compiled (again: drift over the run)": {},
 }
 # Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with
