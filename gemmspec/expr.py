@@ -50,6 +50,24 @@ class Poly:
 
     __rmul__ = __mul__
 
+    def exact_quotient(self, divisor: Poly) -> Poly | None:
+        """self / divisor where `divisor` is one term that divides every term of self
+        (its symbols among the term's, its coefficient a factor of the term's); else None."""
+        if len(divisor.terms) != 1:
+            return None
+        (dm, dc), = divisor.terms
+        acc: dict[Monomial, int] = {}
+        for m, c in self.terms:
+            rest = list(m)
+            for s in dm:
+                if s not in rest:
+                    return None
+                rest.remove(s)
+            if c % dc:
+                return None
+            acc[tuple(rest)] = c // dc
+        return Poly._make(acc)
+
     @property
     def is_const(self) -> bool:
         return all(m == () for m, _ in self.terms)

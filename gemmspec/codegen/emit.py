@@ -19,6 +19,7 @@ from ..lower.schedule import (
     Extent,
     KernelSignature,
     Launch,
+    OperandMap,
     PostPass,
     PrePass,
     ProblemGenerator,
@@ -497,8 +498,10 @@ def _leaf_free(p: Poly, pg: ProblemGenerator) -> bool:
 def whole_maps_possible(pg: ProblemGenerator) -> bool:
     """Whether A and B can each be loaded through one map of its whole buffer (kernels.py,
     ``whole_maps``): every leaf's K is the launch's K, each operand's rows are contiguous
-    along K with one row stride for every leaf, and its buffer's size is known from the
-    launch's own dims. Whether a leaf is a box of those maps is the device's to check."""
+    along K with one row stride for every leaf, every leaf starts at a whole row (its
+    offset a multiple of the stride in every term: its first row is a formula, with no
+    division on the device), and the buffer is whole rows of the launch's own dims.
+    Whether a leaf's rows lie inside the map is the device's to check."""
     k = pg.extents[2]
     if k.kind != "fixed" or not _leaf_free(k.size, pg) or pg.u is not None:
         return False
@@ -506,8 +509,21 @@ def whole_maps_possible(pg: ProblemGenerator) -> bool:
         op.rows is None and op.pad is None
         and op.strides[1].is_const and op.strides[1].value == 1
         and _leaf_free(op.strides[0], pg) and _leaf_free(op.elements, pg)
+        and op.offset.exact_quotient(op.strides[0]) is not None
+        and op.elements.exact_quotient(op.strides[0]) is not None
         for op in (pg.a, pg.b)
     )
+
+
+def _whole_buffer(op: OperandMap) -> dict[str, str]:
+    """An operand's whole-buffer map as the table builder writes it (C): its row stride,
+    its rows, and a leaf's first row there."""
+    stride = op.strides[0]
+    return {
+        "stride": c_expr(stride),
+        "rows": c_expr(op.elements.exact_quotient(stride)),
+        "first_row": c_expr(op.offset.exact_quotient(stride)),
+    }
 
 
 def inline_possible(cfg: GemmKernelConfig, pg: ProblemGenerator, max_leaves: int = INLINE_MAX_LEAVES) -> bool:
@@ -676,10 +692,10 @@ def emit_launch(
         memory_bound=cfg.memory_bound,
         whole_maps=cfg.whole_maps,
         whole_rows_at=layout.whole_rows,
-        # The whole buffers' row strides and elements, and the launch's K (kernels.py).
+        # The whole buffers' maps and the launch's K (kernels.py).
         whole_k=c_expr(pg.extents[2].size),
-        whole_a={"stride": c_expr(pg.a.strides[0]), "elements": c_expr(pg.a.elements)},
-        whole_b={"stride": c_expr(pg.b.strides[0]), "elements": c_expr(pg.b.elements)},
+        whole_a=_whole_buffer(pg.a) if cfg.whole_maps else {},
+        whole_b=_whole_buffer(pg.b) if cfg.whole_maps else {},
         # Rows and columns past a leaf's read from a whole map are never stored, but an FP8
         # D's scale takes the amax of a row's 128 columns, and its copy's of a column's 128
         # rows: such a leaf takes a whole map only where its tiles end at its edge.

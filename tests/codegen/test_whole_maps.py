@@ -16,6 +16,7 @@ from gemmspec import bench
 from gemmspec.codegen.emit import EmitError, emit_launch, inline_table_layout, whole_maps_possible
 from gemmspec.codegen.kernels import INLINE_MAX_BLOCKS, GemmKernelConfig, include_dir
 from gemmspec.codegen.manifest import launch_manifest
+from gemmspec.expr import Poly
 from gemmspec.runtime.tensormap import TENSOR_MAP_BYTES
 
 HERE = Path(__file__).resolve().parent
@@ -52,6 +53,16 @@ def test_a_swiglu_over_separate_weights_keeps_its_maps():
     assert x.gemm.swiglu_halves and not whole_maps_possible(x.launch.problems) and not x.gemm.whole_maps
 
 
+def test_first_rows_are_exact_quotients():
+    t, k, e, n = (Poly.sym(s) for s in ("start.m", "K", "g.expert", "N"))
+    assert (t * k).exact_quotient(k) == t
+    assert (e * n * k + t * k * 4).exact_quotient(k * 2) is None  # e * n / 2 is not whole
+    assert (e * n * k + t * k * 4).exact_quotient(k) == e * n + t * 4
+    assert (t * 300).exact_quotient(Poly.const(7)) is None
+    assert (t * 300 + 5).exact_quotient(Poly.const(300)) is None  # a leaf starting mid-row
+    assert t.exact_quotient(Poly.const(0)) is None and t.exact_quotient(t + k) is None
+
+
 def test_the_configuration_refuses_them_without_a_table_in_the_kernel():
     with pytest.raises(ValueError, match="whole-tensor maps"):
         GemmKernelConfig(a_type="bf16", b_type="bf16", d_type="bf16", whole_maps=True)
@@ -76,9 +87,11 @@ def test_region_rows_and_map_slots():
     source = x.source
     assert f"reinterpret_cast<unsigned char*>(leaves) + {layout.whole_rows})[leaf] = first_rows;" in source
     assert f"reinterpret_cast<const unsigned char*>(leaves) + {cfg.inline_table} -" in source
-    # The whole buffers' extents: T rows of A, E x N rows of B, K columns.
-    assert "gemm::whole_maps(A, B, (576LL * dim_T), (576LL),\n" in source
-    assert "(3244032LL), (576LL), (576LL));" in source  # 11 * 512 * 576 elements of w
+    # The whole buffers' extents: T rows of A, E x N rows of B, K columns; a leaf's first
+    # rows there are formulas (no division on the device).
+    assert "gemm::whole_maps(A, B, (dim_T), (576LL),\n" in source
+    assert "(5632LL), (576LL), (576LL));" in source  # 11 experts x 512 rows of w
+    assert "const long long a_row = (start_m), b_row = (512LL * g_expert);" in source
     maps = launch_manifest(exe.spec, exe.program).workspace("launch0.maps")
     per_leaf = 2 + (cfg.consumer_warpgroups if cfg.store_tma else 0)
     assert maps.bytes.evaluate({}) == INLINE_MAX_BLOCKS * (per_leaf * x.leaf_count + 2) * TENSOR_MAP_BYTES
