@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import gemmspec
+from gemmspec import bench
 from gemmspec.codegen.emit import emit_launch, inline_table_layout, with_kernel_config
 from gemmspec.codegen.variants import DECODE_TABLE_TAG
 from gemmspec.runtime.verify import check_random
@@ -49,21 +50,8 @@ gemm whole_fp8_out {
 }
 """
 
-MOE = """
-gemm whole_{t} {{
-  dim T
-  dim N = 512, K = 576
-  group expert[E = 11] = ragged(T, offsets = offs)
-  tensor x : {t} [T, K]{xs}
-  tensor w : {t} [E, N, K]{ws}
-  tensor y : bf16 [T, N]
-  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
-}}
-"""
-TYPES = {
-    "e4m3": dict(t="e4m3", xs=" scale f32 [1, 128]", ws=" scale f32 [1, 128, 128]"),
-    "bf16": dict(t="bf16", xs="", ws=""),
-}
+# Eleven experts, one per leaf size of EDGES.
+MOE = {dtype: bench.moe_spec(f"whole_{dtype}", n=512, k=576, e=11, fp8=dtype == "e4m3") for dtype in ("e4m3", "bf16")}
 
 
 def ok(exe, lengths, seed=0):
@@ -97,9 +85,9 @@ def both_ways(text, lengths, seed, **changes):
         yield exe
 
 
-@pytest.mark.parametrize("dtype", sorted(TYPES))
+@pytest.mark.parametrize("dtype", sorted(MOE))
 def test_moe_whole_and_per_leaf_maps(dtype):
-    list(both_ways(MOE.format(**TYPES[dtype]), {"expert": EDGES}, 1))
+    list(both_ways(MOE[dtype], {"expert": EDGES}, 1))
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_wide", "bf16"])
