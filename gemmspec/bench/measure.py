@@ -554,7 +554,7 @@ def graphed(fn, stream):
     return graph.replay
 
 
-def _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, tokens):
+def ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src, expert_of, tokens):
     """The routed rows of `tokens` (each token's rows in ascending order), their h as the
     GPU wrote it and in float64 (SwiGLU of the dequantized inputs), and their weighted
     down-projection in float64 from h as the GPU wrote it (FP8 rounding is discontinuous:
@@ -658,7 +658,7 @@ def ffn_decode(repeat: int, *, name: str, tokens: int, experts: int, top_k: int,
     g = torch.Generator(device="cpu").manual_seed(seed)
     sample = torch.randperm(tokens, generator=g)[:16].tolist()
     expert_of = torch.repeat_interleave(torch.arange(experts), torch.tensor(lengths))
-    sampled, h_got, h_ref, y_rows_ref = _ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src,
+    sampled, h_got, h_ref, y_rows_ref = ffn_decode_reference(x, xs, wg, wgs, wu, wus, wd, wds, h, hs, route_w, src,
                                                               expert_of, sample)
     check = "; ".join([
         elementwise("h", h_got, h_ref, "e4m3", "float64 reference (sampled tokens)"),

@@ -79,7 +79,7 @@ def judge(args, expert_of, tokens):
     import torch
 
     a = args
-    rows, h_got, h_ref, y_rows_ref = measure._ffn_decode_reference(
+    rows, h_got, h_ref, y_rows_ref = measure.ffn_decode_reference(
         a["x"], a["x_scale"], a["wg"], a["wg_scale"], a["wu"], a["wu_scale"], a["w_down"], a["w_down_scale"], a["h"],
         a["h_scale"], a["route_w"], a["src"], expert_of, tokens)
     assert_close_elementwise(h_got, h_ref, dtype="e4m3", name="h (routed rows of the sampled tokens)")
