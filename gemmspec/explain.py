@@ -171,6 +171,8 @@ def _decode_kernel_line(cfg) -> str:
     parts = [f"{cfg.tile_m} x {cfg.tile_n} tiles, one CTA per tile", "split K" if cfg.split_k else "whole tiles"]
     if cfg.inline_table:
         parts.append("the leaf table built in the GEMM")
+    if cfg.whole_maps:
+        parts.append("A and B through maps of their whole buffers")
     return ", ".join(parts)
 
 
@@ -228,6 +230,11 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
         parts.append("TMA loads with L2 eviction hints (A evict-first, B evict-last)")
     if cfg.inline_table:
         parts.append("leaf table built by each block (no builder kernel: one launch per call)")
+    if cfg.whole_maps:
+        parts.append(
+            "A and B loaded through one map of each whole buffer per block, a leaf's first rows coordinates there "
+            "(a leaf those maps do not describe keeps its own; the output keeps a map per leaf)"
+        )
     if cfg.staged_add:
         parts.append(
             "old output tile loaded into the staging by TMA, added to and stored by TMA where a leaf's rows end "

@@ -41,10 +41,11 @@ def first_launch(text: str):
     ],
 )
 def test_which_launches_take_them(name, whole):
-    _, x = first_launch((EXAMPLES / f"{name}.gspec").read_text())
+    exe, x = first_launch((EXAMPLES / f"{name}.gspec").read_text())
     assert whole_maps_possible(x.launch.problems) == whole
     assert x.gemm.whole_maps == (whole and bool(x.gemm.inline_table))
     assert x.gemm.name.endswith("_whole") == x.gemm.whole_maps
+    assert ("through one map of each whole buffer" in exe.explain()) == x.gemm.whole_maps  # explain says so
 
 
 def test_a_swiglu_over_separate_weights_keeps_its_maps():
