@@ -26,9 +26,10 @@ def moe_spec(
 ) -> str:
     """An M-grouped MoE GEMM: tokens in ragged expert segments, y = x * w[expert]^T.
     FP8 operands carry DeepSeek-V3 scales (1x128 activations, 128x128 weights), the
-    activation scales token-contiguous with `scales_major_t`; `capacity` lets the
-    offsets end below T."""
+    activation scales token-contiguous with `scales_major_t`; an FP8 `out` carries 1x128
+    scales (its epilogue quantizes it); `capacity` lets the offsets end below T."""
     t = "e4m3" if fp8 else "bf16"
+    ys = " scale f32 [1, 128]" if out in ("e4m3", "e5m2") else ""
     xs = " scale f32 [1, 128]" + (" layout major(T)" if scales_major_t else "") if fp8 else ""
     ws = " scale f32 [1, 128, 128]" if fp8 else ""
     ragged = "ragged(T, offsets = offs, capacity)" if capacity else "ragged(T, offsets = offs)"
@@ -39,7 +40,7 @@ gemm {name} {{
   group expert[E = {e}] = {ragged}
   tensor x : {t} [T, K]{xs}
   tensor w : {t} [E, N, K]{ws}
-  tensor y : {out} [T, N]
+  tensor y : {out} [T, N]{ys}
   y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
 }}
 """
