@@ -701,7 +701,6 @@ def emit_launch(
         # rows: such a leaf takes a whole map only where its tiles end at its edge.
         whole_ragged_m=not cfg.copy,
         whole_ragged_n=not cfg.fp8_out,
-        consumer_threads=cfg.consumer_warpgroups * 128,
     )
     source = HEADER + "\n" + render_gemm(cfg) + "\n" + table
     return EmittedLaunch(

@@ -293,14 +293,15 @@ class GemmKernelConfig:
     # and no rows through index tensors; the emitter decides. ``_inl``.
     inline_table: int = 0
     # With a table built in the kernel: A and B loaded through maps of their whole buffers
-    # (one of each per block, written at the block's start while it checks the offsets and
-    # builds the table, then acquired and prefetched by the TMA issuer), a leaf's first row
-    # and expert becoming coordinates in them. Only D keeps a map per leaf, whose stores end
+    # (one of each per block, written by the TMA issuer while the others build the table,
+    # then released, acquired and prefetched by it while the consumers write the D maps), a
+    # leaf's first rows becoming coordinates in them. Only D keeps a map per leaf, whose stores end
     # at the leaf's rows and columns; a leaf the whole maps do not describe (see
     # leaf_table.cu.jinja) keeps its own A and B maps. A box of a whole map reads the rows
     # after a leaf's last (the next leaf's, or zeros past the buffer) where a leaf's own map
     # reads zeros: those rows and columns of the tile are never stored. The emitter decides
-    # (where both operands' row strides and the K extent are the same for every leaf).
+    # (where both operands' row strides and the K extent are the same for every leaf and
+    # every leaf starts at a whole row: emit.whole_maps_possible).
     # ``_whole``.
     whole_maps: bool = False
     # Static shared memory of that table's check (a counter for anchored scale rows), which
