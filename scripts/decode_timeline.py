@@ -10,7 +10,7 @@ the earliest block's entry, after half a second of matmuls, with the first tile'
 product path: the stamps cost a few shared-memory stores and one printf per block.
 Needs a Hopper GPU and torch:
 
-    python3 scripts/decode_timeline.py [--k 7168] [--variant n_split=1,tile_n=160,split_k=0]
+    python3 scripts/decode_timeline.py [--k 7168] [--variant n_split=1,tile_n=160,split_k=0] [--warm]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -35,6 +36,10 @@ from gemmspec.bench.inputs import routed_counts  # noqa: E402
 
 N = 4096
 PHASES = ("entry", "offsets", "table", "maps", "ring", "loop0", "loop1", "done", "tma0")
+# The producer's way from the ready ring to its first TMA issue (thread 128's stamps):
+# past its register reallocation, into its first tile, the leaf found and the tile placed,
+# the loads' first rows in the whole maps added.
+PRODUCER_STEPS = ("p_regs", "p_tile", "p_leaf", "p_rows")
 # Cycle counts (clock64) of the first tile: its main loop, the consumer waiting for full
 # stages and the producer waiting for empty ones.
 CYCLES = ("wait_full", "wait_empty", "loop_cyc")
@@ -66,17 +71,24 @@ def stamped(source: str) -> str:
          r"  if constexpr (CLUSTER > 1) gs_cluster_sync(); else __syncthreads();\n  GS_STAMP(4);\n  if (threadIdx.x >= CONSUMER"),
         (r"(\n)(      switch \(first\) \{\n(?:.*\n)*?      \}\n)", r"\1      if (tile == unit0) GS_STAMP(5);\n\2"
          r"      if (tile == unit0) GS_STAMP(6);\n"),
-        (r"(      if \(ptid == 0\) \{\n        load_operands\()",
-         r"      if (ptid == 0 && kb == 0 && tile == unit0) gs_probe_stamps[8] = gs_probe_now();\n\1"),
+        (r"(          issue_loads\(\);\n)",
+         r"          if (kb == 0 && tile == unit0) gs_probe_stamps[8] = gs_probe_now();\n\1"),
         (r"      gs_mbar_wait\(empty0 \+ 8 \* stage, phase \^ 1\);\n",
          r"      gs_probe_timed_wait(empty0 + 8 * stage, phase ^ 1, 10, ptid == 0);\n"),
         (r"    gs_mbar_wait\(full0 \+ 8 \* st, ph\);\n", r"    gs_probe_timed_wait(full0 + 8 * st, ph, 9, threadIdx.x == 0);\n"),
         (r"(      if \(tile == unit0\) GS_STAMP\(5\);\n)", r"\1      if (tile == unit0 && threadIdx.x == 0) gs_probe_stamps[11] = clock64();\n"),
         (r"(      if \(tile == unit0\) GS_STAMP\(6\);\n)", r"\1      if (tile == unit0 && threadIdx.x == 0) gs_probe_stamps[11] = clock64() - gs_probe_stamps[11];\n"),
+        (r"(    if constexpr \(REALLOC\) gs_setmaxnreg_dec<PRODUCER_REGS>\(\);\n)",
+         r"\1    if (threadIdx.x == CONSUMER_THREADS) gs_probe_stamps[12] = gs_probe_now();\n"),
+        (r"(    const int li = find_leaf\(leaves, num_leaves, tile\);\n)",
+         r"    if (ptid == 0 && tile == unit0) gs_probe_stamps[13] = gs_probe_now();\n\1"),
+        (r"(    ScaleCopies scs;\n)", r"    if (ptid == 0 && tile == unit0) gs_probe_stamps[14] = gs_probe_now();\n\1"),
+        (r"(    if \(!by_hand\) announce_all\(\);\n)",
+         r"    if (ptid == 0 && tile == unit0) gs_probe_stamps[15] = gs_probe_now();\n\1"),
         (r"(\w+_run\(maps, [^;]*;\n)(\})",
          r'\1  __syncthreads();\n  GS_STAMP(7);\n  if (threadIdx.x == 0) { const unsigned long long* s = gs_probe_stamps; '
-         r'printf("stamps %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\\n", (int)blockIdx.x, s[0], s[1], '
-         r's[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11]); }\n\2'),
+         r'printf("stamps %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\\n", (int)blockIdx.x, '
+         r's[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]); }\n\2'),
     ]
     out = source.replace('#include "gemmspec_ptx.cuh"\n', '#include "gemmspec_ptx.cuh"\n' + PRELUDE, 1)
     for pattern, repl in edits:
@@ -91,6 +103,9 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=7168)
     ap.add_argument("--case", choices=("e8", "e32", "dsv3"), default="e8",
                     help="token counts: the bench's E 8 or E 32 decode, or DeepSeek-V3 at 64 tokens")
+    ap.add_argument("--warm", action="store_true",
+                    help="keep the L2 cache between calls (by default a 256 MB write evicts it before each call, "
+                    "as the bench's timing does)")
     ap.add_argument("--variant", default="", help="kernel option changes, e.g. n_split=1,tile_n=160,split_k=0")
     args = ap.parse_args()
     changes = {}
@@ -121,7 +136,8 @@ def main() -> int:
         os.dup2(log.fileno(), 1)  # the kernel's printf writes to the process's stdout
         try:
             for _ in range(5):
-                flush.zero_()
+                if not args.warm:
+                    flush.zero_()
                 run.enqueue()
             torch.cuda.synchronize()
         finally:
@@ -134,18 +150,27 @@ def main() -> int:
 
 
 def print_stamps(lines: list[str]) -> None:
-    """The stamps the kernel printed (one line per block), in ns after the earliest entry."""
+    """The stamps the kernel printed (one line per block), in ns after the earliest entry,
+    then each column's median over the blocks that had a tile."""
     rows = {}
     for line in lines:
         if line.startswith("stamps "):
             b, *vals = map(int, line.split()[1:])
             rows[b] = vals
     base = min(v[0] for v in rows.values())
-    print("block " + " ".join(f"{p:>7}" for p in PHASES) + " " + " ".join(f"{c:>10}" for c in CYCLES))
+    times_of = {b: [(v - base) if v else -1 for v in vals[: len(PHASES)]]
+                + [(v - base) if v else -1 for v in vals[len(PHASES) + len(CYCLES) :]] for b, vals in rows.items()}
+    cycles_of = {b: vals[len(PHASES) : len(PHASES) + len(CYCLES)] for b, vals in rows.items()}
+    names = PHASES + PRODUCER_STEPS
+    print("block  " + " ".join(f"{p:>8}" for p in names) + " " + " ".join(f"{c:>10}" for c in CYCLES))
     for b in sorted(rows):
-        times, cycles = rows[b][: len(PHASES)], rows[b][len(PHASES) :]
-        print(f"{b:5} " + " ".join(f"{(v - base) if v else -1:7d}" for v in times) + " "
-              + " ".join(f"{c:10d}" for c in cycles))
+        print(f"{b:5}  " + " ".join(f"{v:8d}" for v in times_of[b]) + " " + " ".join(f"{c:10d}" for c in cycles_of[b]))
+    worked = [b for b in rows if times_of[b][PHASES.index("tma0")] >= 0]
+    if worked:
+        medians = [statistics.median(times_of[b][i] for b in worked) for i in range(len(names))]
+        cycles = [statistics.median(cycles_of[b][i] for b in worked) for i in range(len(CYCLES))]
+        print(f"median over {len(worked)} blocks with a tile:")
+        print("       " + " ".join(f"{v:8.0f}" for v in medians) + " " + " ".join(f"{c:10.0f}" for c in cycles))
 
 
 if __name__ == "__main__":
