@@ -1,6 +1,7 @@
 """The decode variant (codegen/variants.py): which launches get one, the rule that picks
 it per call, that both programs' manifests name kernels their sources define, and that
-the decode kernels compile for sm_90a without spills."""
+the decode kernels compile for sm_90a without spills (the wide variant's producer issuing
+its first TMA load before its scale copies)."""
 
 from __future__ import annotations
 
@@ -185,3 +186,15 @@ def test_masked_groups_of_64_rows_compile_fp8_256_column_tiles_without_spills():
     assert (launch.gemm.tile_m, launch.gemm.tile_n) == (64, 256) and exe.decode is None
     sass = spill_free_sass(launch.source, [include_dir()], f"{launch.gemm.name}.cu")
     assert set(re.findall(r"\bQGMMA\.\w+", sass)) == {"QGMMA.64x128x32"}  # the two halves' wgmma
+
+
+def test_the_producer_issues_its_first_tma_load_before_its_scale_copies():
+    # The wide variant copies raw scales by cp.async (LDGSTS): its first TMA load (UTMALDG)
+    # must not wait on the scales' address arithmetic, the start of every short call.
+    exe = gemmspec.build(QWEN3_DOWN)
+    launch = exe.decode.program.launches[0]
+    assert launch.gemm.n_split == 2 and launch.gemm.inline_table, launch.gemm.name
+    sass = spill_free_sass(launch.source, [include_dir()], f"{launch.gemm.name}.cu")
+    producer = sass[sass.index("USETMAXREG.DEALLOC") :]  # the producer's branch, after its registers go
+    assert "LDGSTS" in producer and "UTMALDG" in producer
+    assert producer.index("UTMALDG") < producer.index("LDGSTS")
