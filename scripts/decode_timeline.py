@@ -4,9 +4,13 @@ T = 128 by default; N = 4096) at a given K, its GEMM (which builds its leaf tabl
 re-emitted with %globaltimer stamps taken by thread 0 of every block at each phase of its
 start (entry, offsets checked, table built, tensor maps written, ring initialised), when
 its first tile's main loop starts and ends, and when it is done; thread 128 (the
-producer) stamps its first TMA issue. One call's stamps are printed per block, in ns after
-the earliest block's entry, after half a second of matmuls, with the first tile's cycles
-(clock64) in its main loop and waiting on full and empty ring stages. A probe, not a
+producer's TMA issuer) stamps its way from the ready ring to its first TMA issue (past its
+register reallocation, into its first tile, the leaf found and the tile placed, the whole
+maps' first rows added) and the issue itself. One call's stamps are printed per block, in
+ns after the earliest block's entry, after half a second of matmuls, with the first tile's
+cycles (clock64) in its main loop and waiting on full and empty ring stages, then each
+column's median over the blocks with a tile. clock64 cycles over the main loop's ns give
+the SM clock the call ran at (the matmuls leave the card at its power cap). A probe, not a
 product path: the stamps cost a few shared-memory stores and one printf per block.
 Needs a Hopper GPU and torch:
 
