@@ -44,12 +44,17 @@ PHASES = ("entry", "offsets", "table", "maps", "ring", "loop0", "loop1", "done",
 # past its register reallocation, into its first tile, the leaf found and the tile placed,
 # the loads' first rows in the whole maps added.
 PRODUCER_STEPS = ("p_regs", "p_tile", "p_leaf", "p_rows")
+# Inside the table and maps phases (kernels with whole-buffer maps; -1 where a stamp's
+# place is not in the kernel): the whole maps' writer done writing them, past its release
+# and past its acquires and prefetches; the last consumer thread done with its D maps; the
+# last thread to reach the barrier after the table's scan.
+MAPS_STEPS = ("w_written", "w_released", "w_acquired", "d_maps", "scan_last")
 # Cycle counts (clock64) of the first tile: its main loop, the consumer waiting for full
 # stages and the producer waiting for empty ones.
 CYCLES = ("wait_full", "wait_empty", "loop_cyc")
 PRELUDE = """
 extern "C" __device__ int printf(const char*, ...);
-__shared__ unsigned long long gs_probe_stamps[16];
+__shared__ unsigned long long gs_probe_stamps[24];
 __device__ __forceinline__ unsigned long long gs_probe_now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -67,7 +72,7 @@ __device__ __forceinline__ void gs_probe_timed_wait(unsigned bar, unsigned phase
 def stamped(source: str) -> str:
     """`source` with the stamps placed (each anchor must be found once)."""
     edits = [
-        (r"(__device__ __noinline__ void \w+_leaves_\w*inline\([^{]*\{\n)", r"\1  if (threadIdx.x == 0) for (int i = 0; i < 16; ++i) gs_probe_stamps[i] = 0;\n  GS_STAMP(0);\n"),
+        (r"(__device__ __noinline__ void \w+_leaves_\w*inline\([^{]*\{\n)", r"\1  if (threadIdx.x == 0) for (int i = 0; i < 24; ++i) gs_probe_stamps[i] = 0;\n  GS_STAMP(0);\n"),
         (r"(  __syncthreads\(\);  // the templates and the checked copies are the block's\n)", r"\1  GS_STAMP(1);\n"),
         (r"(  __syncthreads\(\);  // the table is whole\n)", r"\1  GS_STAMP(2);\n"),
         (r"(  __syncthreads\(\);  // the maps are written[^\n]*\n)", r"\1  GS_STAMP(3);\n"),
@@ -89,15 +94,22 @@ def stamped(source: str) -> str:
         (r"(    ScaleCopies scs;\n)", r"    if (ptid == 0 && tile == unit0) gs_probe_stamps[14] = gs_probe_now();\n\1"),
         (r"(    if \(!by_hand\) announce_all\(\);\n)",
          r"    if (ptid == 0 && tile == unit0) gs_probe_stamps[15] = gs_probe_now();\n\1"),
+        (r"(    gs_write_map\(whole_ab \+ 1, [^;]*;\n)", r"\1    gs_probe_stamps[16] = gs_probe_now();\n", False),
+        (r"(  __syncthreads\(\);  // the table is whole\n)", r"  atomicMax(&gs_probe_stamps[20], gs_probe_now());\n\1"),
+        (r"(  if \(whole_writer\) \{[^\n]*\n    gs_tensormap_release\(\);\n)", r"\1    gs_probe_stamps[17] = gs_probe_now();\n",
+         False),
+        (r"(    gs_tensormap_prefetch\(whole_ab \+ 1\);\n)", r"\1    gs_probe_stamps[18] = gs_probe_now();\n", False),
+        (r"(  gs_fence_proxy_async_smem\(\);  // the ring's TMA writes come after these generic ones\n)",
+         r"  if (threadIdx.x < gemm::CONSUMER_THREADS) atomicMax(&gs_probe_stamps[19], gs_probe_now());\n\1"),
         (r"(\w+_run\(maps, [^;]*;\n)(\})",
          r'\1  __syncthreads();\n  GS_STAMP(7);\n  if (threadIdx.x == 0) { const unsigned long long* s = gs_probe_stamps; '
-         r'printf("stamps %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu\\n", (int)blockIdx.x, '
-         r's[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]); }\n\2'),
+         r'printf("stamps %d' + " %llu" * 21 + r'\\n", (int)blockIdx.x, ' + ", ".join(f"s[{i}]" for i in range(21))
+         + r'); }\n\2'),
     ]
     out = source.replace('#include "gemmspec_ptx.cuh"\n', '#include "gemmspec_ptx.cuh"\n' + PRELUDE, 1)
-    for pattern, repl in edits:
+    for pattern, repl, *required in edits:
         out, n = re.subn(pattern, repl, out, count=1)
-        if n != 1:
+        if n != 1 and (not required or required[0]):
             raise SystemExit(f"anchor not found: {pattern[:60]}")
     return out
 
@@ -115,7 +127,7 @@ def main() -> int:
     changes = {}
     for item in filter(None, args.variant.split(",")):
         key, value = item.split("=")
-        changes[key] = bool(int(value)) if key in ("store_tma", "split_k") else int(value)
+        changes[key] = bool(int(value)) if key in ("store_tma", "split_k", "whole_maps") else int(value)
     lengths = {"e8": DECODE_E8, "e32": DECODE_E32,
                "dsv3": routed_counts(64, DSV3_EXPERTS, DECODE_TOP_K, seed=64)}[args.case]
     k = args.k
@@ -165,7 +177,7 @@ def print_stamps(lines: list[str]) -> None:
     times_of = {b: [(v - base) if v else -1 for v in vals[: len(PHASES)]]
                 + [(v - base) if v else -1 for v in vals[len(PHASES) + len(CYCLES) :]] for b, vals in rows.items()}
     cycles_of = {b: vals[len(PHASES) : len(PHASES) + len(CYCLES)] for b, vals in rows.items()}
-    names = PHASES + PRODUCER_STEPS
+    names = PHASES + PRODUCER_STEPS + MAPS_STEPS
     print("block  " + " ".join(f"{p:>8}" for p in names) + " " + " ".join(f"{c:>10}" for c in CYCLES))
     for b in sorted(rows):
         print(f"{b:5}  " + " ".join(f"{v:8d}" for v in times_of[b]) + " " + " ".join(f"{c:10d}" for c in cycles_of[b]))
