@@ -37,6 +37,9 @@ def test_the_stamped_decode_gemm_keeps_every_anchor_and_compiles():
     stamped = probe.stamped(launch.source)  # raises SystemExit where an anchor is gone
     assert sorted(set(map(int, re.findall(r"GS_STAMP\((\d)\);", stamped)))) == list(range(8))
     assert "gs_probe_stamps[8] = gs_probe_now()" in stamped and stamped.count("gs_probe_timed_wait(") == 3
+    # The producer's way to its first issue (12-15) and the table and maps phases (16-20,
+    # this kernel has whole-buffer maps): each placed once.
+    assert [stamped.count(f"gs_probe_stamps[{i}]") for i in range(12, 21)] == [1] * 9
     # (printf's arguments go through local memory: no spill check here.)
     cubin, _ = compile_cubin(stamped, [include_dir()], f"{launch.gemm.name}_stamped.cu")
     assert re.search(r"\bQGMMA\b", disassemble(cubin))
