@@ -143,8 +143,8 @@ _TORCH_TENSORS: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter once torc
 
 def _torch_tensor_types() -> tuple[type, ...]:
     global _TORCH_TENSORS
-    if not _TORCH_TENSORS and "torch" in sys.modules:
-        torch = sys.modules["torch"]
+    torch = sys.modules.get("torch")  # None where `import torch` is blocked: no torch tensors
+    if not _TORCH_TENSORS and torch is not None:
         _TORCH_TENSORS = (torch.Tensor, torch.nn.Parameter)
     return _TORCH_TENSORS
 
