@@ -130,10 +130,7 @@ def _elements(spec: Spec, name: str) -> Poly:
     included)."""
     t = spec.tensor(name)
     count = Poly.const(1)
-    for i, dim in enumerate(t.dims):
-        size = _dim_size(spec, dim)
-        if t.layout.pad_rows and i == t.layout.seg_axis:
-            size = size + t.layout.pad_rows
+    for size in t.layout.storage_shape(tuple(_dim_size(spec, d) for d in t.dims)):
         count = count * size
     return count
 
