@@ -235,6 +235,11 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
             "A and B loaded through one map of each whole buffer per block, a leaf's first rows coordinates there "
             "(a leaf those maps do not describe keeps its own; the output keeps a map per leaf)"
         )
+    if cfg.late_d_maps:
+        parts.append(
+            "output maps written by the consumers at their start, ring initialised while the table is built "
+            "(the producer waits for neither)"
+        )
     if cfg.staged_add:
         parts.append(
             "old output tile loaded into the staging by TMA, added to and stored by TMA where a leaf's rows end "

@@ -294,10 +294,11 @@ class GemmKernelConfig:
     inline_table: int = 0
     # With a table built in the kernel: A and B loaded through maps of their whole buffers
     # (one of each per block, written by the TMA issuer while the others build the table,
-    # then released, acquired and prefetched by it while the consumers write the D maps), a
-    # leaf's first rows becoming coordinates in them. Only D keeps a map per leaf, whose stores end
-    # at the leaf's rows and columns; a leaf the whole maps do not describe (see
-    # leaf_table.cu.jinja) keeps its own A and B maps. A box of a whole map reads the rows
+    # then released, acquired and prefetched by it while the consumer threads write the
+    # leaves' own maps), a leaf's first rows becoming coordinates in them. Only D keeps a map
+    # per leaf, whose stores end at the leaf's rows and columns (written by the consumers at
+    # their start where they can: LATE_D_MAPS, config.cu.jinja); a leaf the whole maps do
+    # not describe (see leaf_table.cu.jinja) keeps its own A and B maps. A box of a whole map reads the rows
     # after a leaf's last (the next leaf's, or zeros past the buffer) where a leaf's own map
     # reads zeros: those rows and columns of the tile are never stored. The emitter decides
     # (where both operands' row strides and the K extent are the same for every leaf and
@@ -631,6 +632,19 @@ class GemmKernelConfig:
     def box_cols(self) -> int:
         """Columns of D in one 128-byte swizzle row: the width of a staged epilogue box."""
         return SWIZZLE_BYTES // ELEMENT_BYTES[self.d_type]
+
+    @property
+    def late_d_maps(self) -> bool:
+        """With whole-buffer maps: the consumers write the block's D maps at their start, each
+        thread in its own 128-byte slot of the epilogue's staging, rather than the table's
+        build in the ring's first stage before the GEMM starts (and the ring's mbarriers are
+        initialised during the table's build). For a 16- or 32-bit D stored by TMA (no
+        SwiGLU, FP8 output or staged `+=`), no tile split, and a staging of at least 128
+        bytes per consumer thread (a warpgroup's columns at least 256 bytes wide)."""
+        return bool(
+            self.whole_maps and self.store_tma and not self.split_k and not self.staged_add and not self.swiglu
+            and not self.fp8_out and self.tile_n // self.n_split * ELEMENT_BYTES[self.d_type] >= 256
+        )
 
     @property
     def store_tma_possible(self) -> bool:
@@ -1107,6 +1121,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         cache_hints=cfg.cache_hints,
         inline_table=bool(cfg.inline_table),
         whole_maps=cfg.whole_maps,
+        late_d_maps=cfg.late_d_maps,
         inline_table_bytes=cfg.inline_table,
         inline_bytes=cfg.inline_bytes,
         inline_max_blocks=INLINE_MAX_BLOCKS,

@@ -198,3 +198,42 @@ def test_the_producer_issues_its_first_tma_load_before_its_scale_copies():
     producer = sass[sass.index("USETMAXREG.DEALLOC") :]  # the producer's branch, after its registers go
     assert "LDGSTS" in producer and "UTMALDG" in producer
     assert producer.index("UTMALDG") < producer.index("LDGSTS")
+
+
+def _table_build(source: str) -> str:
+    """The launch's table build in the GEMM (the `_inline` function) of `source`."""
+    start = source.index("__device__ __noinline__ void")
+    return source[start : source.index('extern "C" __global__', start)]
+
+
+def test_the_wide_variants_consumers_write_its_d_maps_while_its_first_loads_fly():
+    # late_d_maps: the table's build writes no D map and initialises the ring's mbarriers
+    # (its last barrier publishes them: the GEMM's entry keeps no barrier of its own), so the
+    # producer starts once the table and the whole maps are ready; the consumers write the
+    # D maps at their start, in their staging. The compiled kernel (split K, CTA pairs)
+    # keeps its D maps in the table's build, before its entry's barrier.
+    exe = gemmspec.build(EXAMPLES / "moe_fp8_forward.gspec")
+    variant, compiled = exe.decode.program.launches[0], exe.program.launches[0]
+    assert variant.gemm.whole_maps and compiled.gemm.whole_maps
+    assert variant.gemm.late_d_maps and not compiled.gemm.late_d_maps
+    late, early = _table_build(variant.source), _table_build(compiled.source)
+    assert f"{variant.gemm.name}_init_ring();" in late and "shared_templates + 2, D," not in late
+    assert "_init_ring" not in early and "shared_templates + 2, D," in early
+    run = variant.source[variant.source.index(f"void {variant.gemm.name}_run(") :]
+    assert "__syncthreads()" not in run[: run.index("if (threadIdx.x >= CONSUMER_THREADS)")]
+    assert "gs_write_map(own + LEAF_MAPS * leaf + 2 + w, slot, d_template, D," in variant.source
+    spill_free_sass(variant.source, [include_dir()], f"{variant.gemm.name}.cu")
+
+
+@pytest.mark.parametrize(
+    "name, index, late",
+    [
+        ("moe_fp8_rowwise", None, True),  # the compiled kernel: whole tiles, a plain TMA-stored epilogue
+        ("moe_fp8_forward", None, False),  # split K
+        ("moe_ffn_fp8_decode", 0, False),  # SwiGLU halves: no whole maps
+    ],
+)
+def test_which_kernels_write_their_d_maps_late(name, index, late):
+    exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
+    program = exe.program if index is None else exe.decode.program
+    assert program.launches[index or 0].gemm.late_d_maps is late
