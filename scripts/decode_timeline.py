@@ -46,8 +46,8 @@ PHASES = ("entry", "offsets", "table", "maps", "ring", "loop0", "loop1", "done",
 PRODUCER_STEPS = ("p_regs", "p_tile", "p_leaf", "p_rows")
 # Inside the table and maps phases (kernels with whole-buffer maps; -1 where a stamp's
 # place is not in the kernel): the whole maps' writer done writing them, past its release
-# and past its acquires and prefetches; the last consumer thread done with its D maps; the
-# last thread to reach the barrier after the table's scan.
+# and past its acquires and prefetches; the consumers past their D maps' release (in the
+# GEMM, a barrier of theirs); the last thread to reach the barrier after the table's scan.
 MAPS_STEPS = ("w_written", "w_released", "w_acquired", "d_maps", "scan_last")
 # Cycle counts (clock64) of the first tile: its main loop, the consumer waiting for full
 # stages and the producer waiting for empty ones.
@@ -76,8 +76,9 @@ def stamped(source: str) -> str:
         (r"(  __syncthreads\(\);  // the templates and the checked copies are the block's\n)", r"\1  GS_STAMP(1);\n"),
         (r"(  __syncthreads\(\);  // the table is whole\n)", r"\1  GS_STAMP(2);\n"),
         (r"(  __syncthreads\(\);  // the maps are written[^\n]*\n)", r"\1  GS_STAMP(3);\n"),
-        (r"(  if constexpr \(CLUSTER > 1\) gs_cluster_sync\(\); else __syncthreads\(\);\n  if \(threadIdx\.x >= CONSUMER)",
-         r"  if constexpr (CLUSTER > 1) gs_cluster_sync(); else __syncthreads();\n  GS_STAMP(4);\n  if (threadIdx.x >= CONSUMER"),
+        # (Where the table's build initialised the ring, no barrier of the entry's is left.)
+        (r"(  if constexpr \(CLUSTER > 1\) gs_cluster_sync\(\);(?: else __syncthreads\(\);)?\n)(  if \(threadIdx\.x >= CONSUMER)",
+         r"\1  GS_STAMP(4);\n\2"),
         (r"(\n)(      switch \(first\) \{\n(?:.*\n)*?      \}\n)", r"\1      if (tile == unit0) GS_STAMP(5);\n\2"
          r"      if (tile == unit0) GS_STAMP(6);\n"),
         # The issuer's first TMA issue: after its expect_tx, where the loads go out before the
@@ -98,11 +99,11 @@ def stamped(source: str) -> str:
          r"    if (ptid == 0 && tile == unit0) gs_probe_stamps[15] = gs_probe_now();\n\1"),
         (r"(    gs_write_map\(whole_ab \+ 1, [^;]*;\n)", r"\1    gs_probe_stamps[16] = gs_probe_now();\n", False),
         (r"(  __syncthreads\(\);  // the table is whole\n)", r"  atomicMax(&gs_probe_stamps[20], gs_probe_now());\n\1"),
-        (r"(  if \(whole_writer\) \{[^\n]*\n    gs_tensormap_release\(\);\n)", r"\1    gs_probe_stamps[17] = gs_probe_now();\n",
-         False),
+        (r"(    gs_tensormap_release\(\);\n)(    gs_tensormap_acquire\(whole_ab\);\n)",
+         r"\1    gs_probe_stamps[17] = gs_probe_now();\n\2", False),
         (r"(    gs_tensormap_prefetch\(whole_ab \+ 1\);\n)", r"\1    gs_probe_stamps[18] = gs_probe_now();\n", False),
-        (r"(  gs_fence_proxy_async_smem\(\);  // the ring's TMA writes come after these generic ones\n)",
-         r"  if (threadIdx.x < gemm::CONSUMER_THREADS) atomicMax(&gs_probe_stamps[19], gs_probe_now());\n\1"),
+        (r"(    gs_named_barrier\(D_MAPS_BARRIER, CONSUMER_THREADS\);\n)",
+         r"\1    if (threadIdx.x == 0) gs_probe_stamps[19] = gs_probe_now();\n", False),
         (r"(\w+_run\(maps, [^;]*;\n)(\})",
          r'\1  __syncthreads();\n  GS_STAMP(7);\n  if (threadIdx.x == 0) { const unsigned long long* s = gs_probe_stamps; '
          r'printf("stamps %d' + " %llu" * 21 + r'\\n", (int)blockIdx.x, ' + ", ".join(f"s[{i}]" for i in range(21))
