@@ -297,8 +297,8 @@ class GemmKernelConfig:
     # then released, acquired and prefetched by it while the consumer threads write the
     # leaves' own maps), a leaf's first rows becoming coordinates in them. Only D keeps a map
     # per leaf, whose stores end at the leaf's rows and columns (written by the consumers at
-    # their start where they can: LATE_D_MAPS, config.cu.jinja); a leaf the whole maps do
-    # not describe (see leaf_table.cu.jinja) keeps its own A and B maps. A box of a whole map reads the rows
+    # their start where they can: ``late_d_maps``); a leaf the whole maps do not describe
+    # (see leaf_table.cu.jinja) keeps its own A and B maps. A box of a whole map reads the rows
     # after a leaf's last (the next leaf's, or zeros past the buffer) where a leaf's own map
     # reads zeros: those rows and columns of the tile are never stored. The emitter decides
     # (where both operands' row strides and the K extent are the same for every leaf and

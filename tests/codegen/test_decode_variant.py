@@ -221,7 +221,7 @@ def test_the_wide_variants_consumers_write_its_d_maps_while_its_first_loads_fly(
     assert "_init_ring" not in early and "shared_templates + 2, D," in early
     run = variant.source[variant.source.index(f"void {variant.gemm.name}_run(") :]
     assert "__syncthreads()" not in run[: run.index("if (threadIdx.x >= CONSUMER_THREADS)")]
-    assert "gs_write_map(own + LEAF_MAPS * leaf + 2 + w, slot, d_template, D," in variant.source
+    assert "write_d_maps(own + LEAF_MAPS * leaf, slot, d_template, D, L);" in variant.source
     spill_free_sass(variant.source, [include_dir()], f"{variant.gemm.name}.cu")
 
 
