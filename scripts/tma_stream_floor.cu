@@ -10,28 +10,8 @@
 //
 //   nvcc -O2 -arch=sm_90a -std=c++17 -o tma_stream_floor scripts/tma_stream_floor.cu && ./tma_stream_floor
 //   ./tma_stream_floor TILE_M BOX_K BOXES STAGES GRID   # one configuration (for a profiler)
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cstdio>
-#include <cstdlib>
+#include "tma_ring.cuh"
 #include <vector>
-
-#define CK(x) do { auto e = (x); if (e != 0) { printf("err %d line %d\n", (int)e, __LINE__); exit(1); } } while (0)
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned b, unsigned n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n)); }
-__device__ __forceinline__ void mbar_expect(unsigned b, unsigned bytes) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory"); }
-__device__ __forceinline__ void mbar_arrive(unsigned b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory"); }
-__device__ __forceinline__ void mbar_wait(unsigned b, unsigned ph) {
-  unsigned done;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0,1,0,p;\n}\n" : "=r"(done) : "r"(b), "r"(ph) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void tma2d(unsigned dst, const CUtensorMap* m, unsigned bar, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-               ::"r"(dst), "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
 
 // A ring of `stages` full/empty mbarrier pairs after the stages' bytes; returns full0
 // (empty0 is full0 + 8 * stages). The whole block waits until they are initialised.
@@ -148,10 +128,6 @@ __global__ void __launch_bounds__(256) plain(const uint4* x, int tiles, int tile
   if (acc == 0x12345) sink[0] = acc;
 }
 
-typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                             const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
 int main(int argc, char** argv) {
   const int T = 8192, K = 4096;
   const size_t bytes = (size_t)T * K * 2, alloc = (size_t)(T + 1024) * K * 2;
@@ -159,8 +135,7 @@ int main(int argc, char** argv) {
   std::vector<void*> bufs(nbuf);
   for (auto& b : bufs) { CK(cudaMalloc(&b, alloc)); CK(cudaMemset(b, 1, alloc)); }
   unsigned* sink; CK(cudaMalloc(&sink, 4096 * 4));
-  EncodeFn encode; cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&encode, cudaEnableDefault, &q));
+  const EncodeFn encode = tensor_map_encoder();
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));

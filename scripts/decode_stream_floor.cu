@@ -1,0 +1,162 @@
+// The streaming floor of the decode rows' access pattern (needs a Hopper GPU): by default
+// the ragged E = 8 case's five active experts, N = 4096 weight rows each of K = 7168 FP8
+// bytes (147 MB), read by TMA through a ring of mbarrier-guarded stages, a tile of TILE_N
+// weight rows at a time with its 64-row A box beside each B box as the GEMM loads them, no
+// math: the consumer reads one word of a stage, optionally spins SPIN cycles (a stand-in
+// for its wgmma and promotion), and releases it. Sweeps the tile width (how many blocks
+// stream), the ring's depth (the bytes in flight per block) and parts of K per tile;
+// where the tiles outnumber the blocks that fit, blocks loop over them (persistent).
+// Times are CUDA events around 20 back-to-back launches over two rotating weight buffers
+// (L2 holds little of the next), and around one launch after a 256 MB memset (a dirty
+// L2, as the bench's zero-filling cache flush leaves it).
+//
+//   nvcc -O2 -arch=sm_90a -std=c++17 -o decode_stream_floor scripts/decode_stream_floor.cu && ./decode_stream_floor
+//   ./decode_stream_floor [E,N,K] [rows=R0,R1,...] [TILE_N STAGES PARTS SPIN ...]
+//     (other weights, each expert's row tiles, only these configurations)
+#include "tma_ring.cuh"
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+constexpr int A_ROWS = 64, BOX_K = 128;
+
+// Work unit u is part (u % parts) of K for tile (u / parts): rows [n0, n0 + tile_n) of its
+// expert's weights, beside the expert's 64 rows of A. Blocks take units u = block, block +
+// grid, ... (persistent where the units outnumber the blocks that fit), the ring running on
+// across them. Thread 0 produces, thread 32 consumes.
+__global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                             int n, int k, int units, int tile_n, int parts,
+                                             int stages, int spin, const int2* tile_list, unsigned* sink) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int a_bytes = A_ROWS * BOX_K, b_bytes = tile_n * BOX_K, stage_bytes = a_bytes + b_bytes;
+  const unsigned full0 = smem_u32(smem + stages * stage_bytes), empty0 = full0 + 8 * stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(empty0 + 8 * s, 1); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int nk = k / BOX_K;
+  // Box rows past the weights' last row arrive as zeros and count as the box's bytes.
+  const unsigned tx = stage_bytes;
+  int stage = 0; unsigned phase = 0, acc = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int tile = u / parts, part = u % parts;
+    const int2 et = tile_list[tile];  // (expert, first weight row)
+    const int expert = et.x, n0 = et.y;
+    const int kb0 = nk * part / parts, kb1 = nk * (part + 1) / parts;
+    if (threadIdx.x == 0) {
+      for (int kb = kb0; kb < kb1; ++kb) {
+        mbar_wait(empty0 + 8 * stage, phase ^ 1);
+        mbar_expect(full0 + 8 * stage, tx);
+        const unsigned dst = smem_u32(smem + stage * stage_bytes);
+        tma2d(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0);
+        tma2d(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS);
+        if (++stage == stages) { stage = 0; phase ^= 1; }
+      }
+    } else if (threadIdx.x == 32) {
+      for (int kb = kb0; kb < kb1; ++kb) {
+        mbar_wait(full0 + 8 * stage, phase);
+        acc += *reinterpret_cast<volatile unsigned*>(smem + stage * stage_bytes + a_bytes);
+        if (spin) { const long long t0 = clock64(); while (clock64() - t0 < spin) {} }
+        mbar_arrive(empty0 + 8 * stage);
+        if (++stage == stages) { stage = 0; phase ^= 1; }
+      }
+    }
+  }
+  if (threadIdx.x == 32) sink[blockIdx.x] = acc;
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  // The weights: EXPERTS active experts of N rows x K bytes (by default the ragged E = 8
+  // case's five); `E,N,K` as the first argument sets them.
+  int EXPERTS = 5, N = 4096, K = 7168;
+  if (argc > 1 && sscanf(argv[1], "%d,%d,%d", &EXPERTS, &N, &K) == 3) { --argc; ++argv; }
+  // rows=R0,R1,...: each expert's 64-row tiles of tokens (one per expert by default), as a
+  // ragged case has them; an expert's row tiles of one column tile run one after the
+  // other, so that they read its weights together (the second from L2).
+  std::vector<int> row_tiles(EXPERTS, 1);
+  if (argc > 1 && strncmp(argv[1], "rows=", 5) == 0) {
+    const char* c = argv[1] + 5;
+    for (int e = 0; e < EXPERTS && *c; ++e) { row_tiles[e] = atoi(c); while (*c && *c != ',') ++c; if (*c) ++c; }
+    --argc; ++argv;
+  }
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const size_t w_bytes = (size_t)EXPERTS * N * K, a_alloc = (size_t)EXPERTS * A_ROWS * K;
+  const int nbuf = 2;
+  std::vector<void*> w(nbuf), a(nbuf);
+  for (int i = 0; i < nbuf; ++i) {
+    CK(cudaMalloc(&w[i], w_bytes)); CK(cudaMemset(w[i], 1, w_bytes));
+    CK(cudaMalloc(&a[i], a_alloc)); CK(cudaMemset(a[i], 1, a_alloc));
+  }
+  void* flush; CK(cudaMalloc(&flush, 256 << 20));
+  unsigned* sink; CK(cudaMalloc(&sink, 65536 * 4));
+  const EncodeFn encode = tensor_map_encoder();
+  CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  auto encode2d = [&](CUtensorMap* m, void* base, cuuint64_t rows, cuuint32_t box_rows) {
+    cuuint64_t dims[2] = {(cuuint64_t)K, rows};
+    cuuint64_t strides[1] = {(cuuint64_t)K};
+    cuuint32_t box[2] = {BOX_K, box_rows};
+    cuuint32_t es[2] = {1, 1};
+    CK(encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
+  };
+  printf("%d experts x %d rows x %d bytes = %.1f MB of weights per call\n", EXPERTS, N, K, w_bytes / 1e6);
+  auto run = [&](int tile_n, int stages, int parts, int spin) {
+    std::vector<CUtensorMap> ma(nbuf), mb(nbuf);
+    for (int i = 0; i < nbuf; ++i) {
+      encode2d(&ma[i], a[i], (cuuint64_t)EXPERTS * A_ROWS, A_ROWS);
+      encode2d(&mb[i], w[i], (cuuint64_t)EXPERTS * N, tile_n);
+    }
+    const int tpe = (N + tile_n - 1) / tile_n;
+    std::vector<int2> list;
+    for (int e = 0; e < EXPERTS; ++e)
+      for (int t = 0; t < tpe; ++t)
+        for (int r = 0; r < row_tiles[e]; ++r) list.push_back(make_int2(e, t * tile_n));
+    int2* tile_list = nullptr;
+    CK(cudaMalloc(&tile_list, list.size() * sizeof(int2)));
+    CK(cudaMemcpy(tile_list, list.data(), list.size() * sizeof(int2), cudaMemcpyHostToDevice));
+    const int units = (int)list.size() * parts;
+    const size_t stage_bytes = (size_t)(A_ROWS + tile_n) * BOX_K, smem = stages * stage_bytes + 16 * stages;
+    if (smem > 227 * 1024) { CK(cudaFree(tile_list)); return; }
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream, 64, smem));
+    const int grid = std::min(units, sms * per_sm);
+    auto launch = [&](int i) {
+      stream<<<grid, 64, smem>>>(ma[i % nbuf], mb[i % nbuf], N, K, units, tile_n, parts, stages, spin, tile_list, sink);
+    };
+    for (int i = 0; i < 3; ++i) launch(i);
+    CK(cudaGetLastError());
+    const int reps = 20;
+    cudaEventRecord(e0);
+    for (int r = 0; r < reps; ++r) launch(r);
+    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+    float ms; cudaEventElapsedTime(&ms, e0, e1); ms /= reps;
+    float dirty = 0;  // one launch after a dirtying memset, median of 9
+    std::vector<float> d;
+    for (int r = 0; r < 9; ++r) {
+      CK(cudaMemsetAsync(flush, r, 256 << 20));
+      cudaEventRecord(e0); launch(r); cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+      float t; cudaEventElapsedTime(&t, e0, e1); d.push_back(t);
+    }
+    std::sort(d.begin(), d.end()); dirty = d[4];
+    CK(cudaFree(tile_list));
+    printf("tile_n %3d parts %d stages %d (%3zu KB in flight, %d per SM) spin %4d units %4d grid %3d: back to back %6.1f us %5.2f TB/s | after memset %6.1f us %5.2f TB/s\n",
+           tile_n, parts, stages, stages * stage_bytes / 1024, per_sm, spin, units, grid, ms * 1e3,
+           w_bytes / ms / 1e9, dirty * 1e3, w_bytes / dirty / 1e9);
+  };
+  if (argc > 1) {  // one configuration per four arguments: TILE_N STAGES PARTS SPIN ...
+    for (int i = 1; i + 3 < argc; i += 4) run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]));
+    return 0;
+  }
+  for (int st : {2, 3, 4, 5}) run(256, st, 1, 0);          // the decode variant: 80 blocks of 64 x 256
+  for (int sp : {600, 1200}) run(256, 4, 1, sp);            // with a consumer's time per K block
+  for (int st : {3, 4, 5, 6}) run(192, st, 1, 0);           // 110 blocks
+  for (int st : {4, 5, 7}) run(160, st, 1, 0);              // 130 blocks (DeepGEMM's count)
+  run(160, 7, 1, 900);
+  for (int st : {4, 6, 8}) run(128, st, 1, 0);              // 160 blocks: two waves at one per SM
+  run(256, 2, 2, 0); run(256, 3, 2, 0); run(256, 4, 2, 0);  // two parts of K: 160 blocks
+  run(128, 4, 1, 0);
+  return 0;
+}
