@@ -10,7 +10,7 @@ as useful work), printed where DeepGEMM does not run live.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import measure
 from .anchors import Problem, deepgemm
@@ -86,6 +86,8 @@ class Case:
     dtypes: str = ""  # the operands' types, A x B -> D
     anchors: tuple[Anchor, ...] = ()
     deepgemm_recorded_tflops: float | None = None
+    # A decode row's weights streamed alone (see STREAM_FLOOR_US), in us.
+    stream_floor_us: float | None = None
 
     def measure(self, repeat: int) -> list[Result]:
         """Every row of the case: gemmspec's (and its variants'), then each anchor's."""
@@ -169,6 +171,23 @@ ROUTED_DECODE_TARGET = Target(vs_torch=1.3, copy_share=0.85)
 BF16 = "bf16 x bf16 -> bf16"
 
 
+# Decode rows' weights streamed alone, in us: by TMA in the decode variant's access pattern
+# (64 x 256 tiles, 4 stages, the kernel's tile order, row tiles included) with no math,
+# timed around one launch after a 256 MB memset as the bench's flush leaves L2
+# (scripts/decode_stream_floor.cu, one H200, 2026-12-04). No kernel that loads the bytes
+# this way takes less under the bench's method: a target below it is out of reach so.
+STREAM_FLOOR_RECORDED = "2026-12-04"
+STREAM_FLOOR_US = {
+    "decode_ragged_E32_T1024_N4096_K7168": 176.0,
+    "decode_ragged_E32_T1024_N7168_K2048": 89.7,
+    "decode_ragged_E8_T128_N4096_K7168": 46.9,
+    "decode_masked_E32xM64_N4096_K7168": 235.3,
+    "decode_masked_E32xM64_N7168_K2048": 122.9,
+    "decode_qwen3_fp8_T128_N2048_K768": 61.7,
+    "decode_qwen3_fp8_T512_N2048_K768": 61.7,
+}
+
+
 def _decode_cases() -> list[Case]:
     out = []
     for counts, n, k in ((DECODE_E32, 4096, 7168), (DECODE_E32, 7168, 2048), (DECODE_E8, 4096, 7168)):
@@ -199,7 +218,7 @@ def _decode_cases() -> list[Case]:
                                 measure.decode_fp8 if fp8 else measure.decode_bf16, memory_bound=True,
                                 shape=dict(lengths=lengths, n=n, k=k), dtypes=FP8 if fp8 else BF16,
                                 anchors=FP8_ANCHORS if fp8 else (torch_anchor.grouped_mm, deepgemm.m_grouped_bf16)))
-    return out
+    return [replace(c, stream_floor_us=STREAM_FLOOR_US.get(c.name)) for c in out]
 
 
 CASES += _decode_cases()

@@ -2,7 +2,8 @@
 gemmspec's, its clock and power, the check it passed, and the case's verdict against
 its target (with DeepGEMM's recorded figure where it did not run live). Rows judged
 against the HBM copy rate (the decode rows) also show their share of it, and their case
-the bytes it reads and the floor those bytes set.
+the bytes it reads, the floor those bytes set at the copy rate and, where recorded, how
+long its weights take streamed alone in the kernel's access pattern.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ..clocks import at_power_cap, peak_tflops
-from .cases import CASES, COPY_RATE_TBS, Case
+from .cases import CASES, COPY_RATE_TBS, STREAM_FLOOR_RECORDED, Case
 from .timing import Result
 
 # The verdict of a case whose target has a DeepGEMM ratio that could not be judged.
@@ -112,6 +113,9 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
             f"; reads {ours.work / 1e6:.1f} MB: {hbm_floor_us(ours.work):.1f} us at {COPY_RATE_TBS} TB/s"
             if share and ours.unit == "TB/s" else ""
         )
+        if case.stream_floor_us is not None:
+            floor += (f"; its weights streamed alone: {case.stream_floor_us:.1f} us "
+                      f"(no math, after the flush; recorded {STREAM_FLOOR_RECORDED})")
         lines.append(f"{'':36} target {case.target.describe()}: {case_verdict}{at_clock}{floor}")
         entry = {
             "case": case.name,
@@ -125,6 +129,7 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
         if share:
             entry["bytes_read"] = ours.work
             entry["hbm_floor_us"] = hbm_floor_us(ours.work)
+            entry["stream_floor_us"] = case.stream_floor_us
             for d, r in zip(entry["rows"], rows):
                 d["copy_share"] = copy_share(r)
         summary.append(entry)

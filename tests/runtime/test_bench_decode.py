@@ -16,6 +16,7 @@ import gemmspec
 from gemmspec import bench
 from gemmspec.bench import cases, measure, specs, sweep
 from gemmspec.bench.anchors import deepgemm
+from gemmspec.bench.cases import STREAM_FLOOR_US
 from gemmspec.bench.inputs import expert_counts, masked_counts, routed_counts, topk_routing
 from gemmspec.bench.plot import sweep_series
 from gemmspec.bench.report import verdict
@@ -174,11 +175,28 @@ def test_report_shows_tbs_share_and_the_floor_of_a_decode_row():
     assert "   2.10 TB/s  50% of 4.2       1.60x" in lines[2]
     assert lines[3].strip() == (
         f"target >= 85% of 4.2 TB/s, >= 1.30x torch, >= 1.00x DeepGEMM: MISS; reads {MOVED / 1e6:.1f} MB: "
-        f"{floor_us:.1f} us at 4.2 TB/s"
+        f"{floor_us:.1f} us at 4.2 TB/s; its weights streamed alone: 46.9 us (no math, after the flush; "
+        f"recorded 2026-12-04)"
     )
     (entry,) = summary
     assert entry["bytes_read"] == MOVED and entry["hbm_floor_us"] == pytest.approx(floor_us)
+    assert entry["stream_floor_us"] == 46.9
     assert [round(r["copy_share"], 3) for r in entry["rows"]] == [0.8, 0.5]
+
+
+def test_recorded_stream_floors_name_decode_rows_and_only_they_print_one():
+    by_name = {c.name: c for c in bench.CASES}
+    assert set(STREAM_FLOOR_US) <= set(by_name)  # no floor recorded under a stale name
+    for name, us in STREAM_FLOOR_US.items():
+        assert by_name[name].stream_floor_us == us and by_name[name].memory_bound
+    # Each recorded floor lies above the copy rate's floor of the same row's bytes (the
+    # weights alone, streamed in tiles, cannot beat the bytes at the copy rate).
+    e8 = by_name[NAME]
+    assert e8.stream_floor_us > MOVED / 4.2e12 * 1e6
+    name = "decode_dsv3_fp8_T64_N4096_K7168"
+    assert by_name[name].stream_floor_us is None
+    text, summary = bench.report([_row("gemmspec", 1.5, case=name)], {})
+    assert "streamed alone" not in text and summary[0]["stream_floor_us"] is None
 
 
 def test_report_of_other_rows_is_unchanged():
