@@ -126,13 +126,7 @@ int main(int argc, char** argv) {
     auto launch = [&](int i) {
       stream<<<grid, 64, smem>>>(ma[i % nbuf], mb[i % nbuf], N, K, units, tile_n, parts, stages, spin, tile_list, sink);
     };
-    for (int i = 0; i < 3; ++i) launch(i);
-    CK(cudaGetLastError());
-    const int reps = 20;
-    cudaEventRecord(e0);
-    for (int r = 0; r < reps; ++r) launch(r);
-    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-    float ms; cudaEventElapsedTime(&ms, e0, e1); ms /= reps;
+    const float ms = mean_ms(launch, e0, e1);
     float dirty = 0;  // one launch after a dirtying memset, median of 9
     std::vector<float> d;
     for (int r = 0; r < 9; ++r) {

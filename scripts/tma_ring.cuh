@@ -1,6 +1,7 @@
 // What the TMA streaming microbenchmarks (tma_stream_floor.cu, decode_stream_floor.cu)
-// share: a CUDA error check, mbarrier and 2-D TMA load wrappers, and the driver's tensor
-// map encoder fetched through the runtime (no link against libcuda).
+// share: a CUDA error check, mbarrier and 2-D TMA load wrappers, the driver's tensor map
+// encoder fetched through the runtime (no link against libcuda), and the back-to-back
+// timing of a launch.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -33,4 +34,17 @@ inline EncodeFn tensor_map_encoder() {
   EncodeFn encode; cudaDriverEntryPointQueryResult q;
   CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&encode, cudaEnableDefault, &q));
   return encode;
+}
+
+// Mean time in ms of 20 back-to-back launches after 3 warm-ups; launch(i) launches the i-th.
+template <class Launch>
+float mean_ms(Launch launch, cudaEvent_t e0, cudaEvent_t e1) {
+  for (int w = 0; w < 3; ++w) launch(w);
+  CK(cudaGetLastError());
+  const int reps = 20;
+  cudaEventRecord(e0);
+  for (int r = 0; r < reps; ++r) launch(r);
+  cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+  float ms; cudaEventElapsedTime(&ms, e0, e1);
+  return ms / reps;
 }

@@ -140,20 +140,9 @@ int main(int argc, char** argv) {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
 
-  // Mean time of 20 back-to-back launches after 3 warm-ups; launch(i) launches the i-th.
-  auto mean_ms = [&](auto launch) {
-    for (int w = 0; w < 3; ++w) launch(w);
-    CK(cudaGetLastError());
-    const int reps = 20;
-    cudaEventRecord(e0);
-    for (int r = 0; r < reps; ++r) launch(r);
-    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-    float ms; cudaEventElapsedTime(&ms, e0, e1);
-    return ms / reps;
-  };
   auto run_plain = [&](int tile_m, int grid) {
     int tiles = T / tile_m;
-    const float ms = mean_ms([&](int i) { plain<<<grid, 256>>>((const uint4*)bufs[i % nbuf], tiles, tile_m, K, sink); });
+    const float ms = mean_ms([&](int i) { plain<<<grid, 256>>>((const uint4*)bufs[i % nbuf], tiles, tile_m, K, sink); }, e0, e1);
     printf("plain ldcs    tile_m %3d grid %4d: %7.2f us %6.2f TB/s\n", tile_m, grid, ms * 1e3, bytes / ms / 1e9);
   };
   auto run = [&](int tile_m, int box_k, int boxes, int stages, int grid, int promo, int rows_total) {
@@ -173,7 +162,7 @@ int main(int argc, char** argv) {
     if (sm > 227 * 1024) { printf("skip smem\n"); return; }
     const float ms = mean_ms([&](int i) {
       stream<<<grid, 64, sm>>>(maps[i % nbuf], tiles, tile_m, K, box_k, boxes, stages, sink);
-    });
+    }, e0, e1);
     double b = (double)rows_total * K * 2;
     printf("tma tile_m %3d box_k %3d x%d stages %2d (%3zu KB) grid %4d promo %3d rows %5d: %7.2f us %6.2f TB/s  %6.1f GB/s/block\n",
            tile_m, box_k, boxes, stages, sm / 1024, grid, promo, rows_total, ms * 1e3, b / ms / 1e9, b / ms / 1e6 / std::min(grid, tiles));
@@ -230,7 +219,7 @@ int main(int argc, char** argv) {
       CK(cudaFuncSetAttribute(stream2, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
       const float ms = mean_ms([&](int i) {
         stream2<<<grid, 64, sm>>>(maps[i % nbuf], mb, tiles, K, stages, balanced, with_b, sink);
-      });
+      }, e0, e1);
       double b = (double)tiles * 64 * K * 2;
       printf("lora-like tiles %3d grid %3d stages %2d %s%s: %7.2f us %6.2f TB/s (A bytes)\n", tiles, grid, stages,
              balanced ? "balanced   " : "round robin", with_b ? " +B" : "   ", ms * 1e3, b / ms / 1e9);
