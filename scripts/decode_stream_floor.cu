@@ -7,12 +7,17 @@
 // stream), the ring's depth (the bytes in flight per block) and parts of K per tile;
 // where the tiles outnumber the blocks that fit, blocks loop over them (persistent).
 // Times are CUDA events around 20 back-to-back launches over two rotating weight buffers
-// (L2 holds little of the next), and around one launch after a 256 MB memset (a dirty
-// L2, as the bench's zero-filling cache flush leaves it).
+// (L2 holds little of the next), around one launch after a 256 MB memset (a dirty L2, as
+// the bench's zero-filling cache flush leaves it: its lines are written back to HBM while
+// the weights stream in), and around one launch after a kernel has read 256 MB (an L2 of
+// clean lines: the same cold weights, no write-back).
+// `hints=W,A` gives the weights' and A's loads an L2 eviction policy (first, last or
+// none, the default): weights read once and evicted first leave the lines already in L2
+// in place, the flush's dirty ones among them.
 //
 //   nvcc -O2 -arch=sm_90a -std=c++17 -o decode_stream_floor scripts/decode_stream_floor.cu && ./decode_stream_floor
-//   ./decode_stream_floor [E,N,K] [rows=R0,R1,...] [TILE_N STAGES PARTS SPIN ...]
-//     (other weights, each expert's row tiles, only these configurations)
+//   ./decode_stream_floor [E,N,K] [rows=R0,R1,...] [hints=W,A] [TILE_N STAGES PARTS SPIN ...]
+//     (other weights, each expert's row tiles, L2 policies, only these configurations)
 #include "tma_ring.cuh"
 #include <algorithm>
 #include <cstring>
@@ -26,7 +31,8 @@ constexpr int A_ROWS = 64, BOX_K = 128;
 // across them. Thread 0 produces, thread 32 consumes.
 __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                              int n, int k, int units, int tile_n, int parts,
-                                             int stages, int spin, const int2* tile_list, unsigned* sink) {
+                                             int stages, int spin, const int2* tile_list, unsigned long long policy_b,
+                                             unsigned long long policy_a, unsigned* sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int a_bytes = A_ROWS * BOX_K, b_bytes = tile_n * BOX_K, stage_bytes = a_bytes + b_bytes;
   const unsigned full0 = smem_u32(smem + stages * stage_bytes), empty0 = full0 + 8 * stages;
@@ -49,8 +55,10 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
         mbar_wait(empty0 + 8 * stage, phase ^ 1);
         mbar_expect(full0 + 8 * stage, tx);
         const unsigned dst = smem_u32(smem + stage * stage_bytes);
-        tma2d(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0);
-        tma2d(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS);
+        if (policy_b) tma2d_hint(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0, policy_b);
+        else tma2d(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0);
+        if (policy_a) tma2d_hint(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS, policy_a);
+        else tma2d(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS);
         if (++stage == stages) { stage = 0; phase ^= 1; }
       }
     } else if (threadIdx.x == 32) {
@@ -64,6 +72,29 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
     }
   }
   if (threadIdx.x == 32) sink[blockIdx.x] = acc;
+}
+
+// The policies a kernel's loads take: 0 (none), 1 (evict first), 2 (evict last).
+__global__ void make_policies(int b, int a, unsigned long long* out) {
+  out[0] = b == 1 ? policy_evict_first() : b == 2 ? policy_evict_last() : 0;
+  out[1] = a == 1 ? policy_evict_first() : a == 2 ? policy_evict_last() : 0;
+}
+
+// Reads `words` 16-byte words (an L2 left full of clean lines); the sum goes nowhere unless
+// it is the impossible value, so the loads stay.
+__global__ void read_flush(const uint4* p, size_t words, unsigned* sink) {
+  unsigned acc = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 v = p[i];
+    acc += v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+static int policy_code(const char* word) {
+  if (strncmp(word, "first", 5) == 0) return 1;
+  if (strncmp(word, "last", 4) == 0) return 2;
+  return 0;
 }
 
 int main(int argc, char** argv) {
@@ -81,6 +112,16 @@ int main(int argc, char** argv) {
     for (int e = 0; e < EXPERTS && *c; ++e) { row_tiles[e] = atoi(c); while (*c && *c != ',') ++c; if (*c) ++c; }
     --argc; ++argv;
   }
+  // hints=W,A: the weights' and A's L2 policies (first, last, none).
+  int hint_b = 0, hint_a = 0;
+  if (argc > 1 && strncmp(argv[1], "hints=", 6) == 0) {
+    const char* c = argv[1] + 6;
+    hint_b = policy_code(c);
+    const char* comma = strchr(c, ',');
+    if (comma) hint_a = policy_code(comma + 1);
+    --argc; ++argv;
+  }
+  static const char* const policy_names[] = {"none", "first", "last"};
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   const size_t w_bytes = (size_t)EXPERTS * N * K, a_alloc = (size_t)EXPERTS * A_ROWS * K;
   const int nbuf = 2;
@@ -91,6 +132,9 @@ int main(int argc, char** argv) {
   }
   void* flush; CK(cudaMalloc(&flush, 256 << 20));
   unsigned* sink; CK(cudaMalloc(&sink, 65536 * 4));
+  unsigned long long* policies; CK(cudaMalloc(&policies, 2 * sizeof(unsigned long long)));
+  make_policies<<<1, 1>>>(hint_b, hint_a, policies);
+  unsigned long long policy[2]; CK(cudaMemcpy(policy, policies, sizeof(policy), cudaMemcpyDeviceToHost));
   const EncodeFn encode = tensor_map_encoder();
   CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
@@ -102,7 +146,8 @@ int main(int argc, char** argv) {
     CK(encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
   };
-  printf("%d experts x %d rows x %d bytes = %.1f MB of weights per call\n", EXPERTS, N, K, w_bytes / 1e6);
+  printf("%d experts x %d rows x %d bytes = %.1f MB of weights per call; L2 policy: weights %s, A %s\n", EXPERTS, N,
+         K, w_bytes / 1e6, policy_names[hint_b], policy_names[hint_a]);
   auto run = [&](int tile_n, int stages, int parts, int spin) {
     std::vector<CUtensorMap> ma(nbuf), mb(nbuf);
     for (int i = 0; i < nbuf; ++i) {
@@ -124,21 +169,27 @@ int main(int argc, char** argv) {
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, stream, 64, smem));
     const int grid = std::min(units, sms * per_sm);
     auto launch = [&](int i) {
-      stream<<<grid, 64, smem>>>(ma[i % nbuf], mb[i % nbuf], N, K, units, tile_n, parts, stages, spin, tile_list, sink);
+      stream<<<grid, 64, smem>>>(ma[i % nbuf], mb[i % nbuf], N, K, units, tile_n, parts, stages, spin, tile_list,
+                                 policy[0], policy[1], sink);
     };
     const float ms = mean_ms(launch, e0, e1);
-    float dirty = 0;  // one launch after a dirtying memset, median of 9
-    std::vector<float> d;
-    for (int r = 0; r < 9; ++r) {
-      CK(cudaMemsetAsync(flush, r, 256 << 20));
-      cudaEventRecord(e0); launch(r); cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-      float t; cudaEventElapsedTime(&t, e0, e1); d.push_back(t);
-    }
-    std::sort(d.begin(), d.end()); dirty = d[4];
+    // One launch after a flush, median of 9: a dirtying memset, or a read of as many bytes.
+    auto after = [&](bool dirtying) {
+      std::vector<float> d;
+      for (int r = 0; r < 9; ++r) {
+        if (dirtying) CK(cudaMemsetAsync(flush, r, 256 << 20));
+        else read_flush<<<4 * sms, 512>>>(static_cast<const uint4*>(flush), (256 << 20) / 16, sink);
+        cudaEventRecord(e0); launch(r); cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+        float t; cudaEventElapsedTime(&t, e0, e1); d.push_back(t);
+      }
+      std::sort(d.begin(), d.end());
+      return d[4];
+    };
+    const float dirty = after(true), clean = after(false);
     CK(cudaFree(tile_list));
-    printf("tile_n %3d parts %d stages %d (%3zu KB in flight, %d per SM) spin %4d units %4d grid %3d: back to back %6.1f us %5.2f TB/s | after memset %6.1f us %5.2f TB/s\n",
+    printf("tile_n %3d parts %d stages %d (%3zu KB in flight, %d per SM) spin %4d units %4d grid %3d: back to back %6.1f us %5.2f TB/s | after memset %6.1f us %5.2f TB/s | after a read %6.1f us %5.2f TB/s\n",
            tile_n, parts, stages, stages * stage_bytes / 1024, per_sm, spin, units, grid, ms * 1e3,
-           w_bytes / ms / 1e9, dirty * 1e3, w_bytes / dirty / 1e9);
+           w_bytes / ms / 1e9, dirty * 1e3, w_bytes / dirty / 1e9, clean * 1e3, w_bytes / clean / 1e9);
   };
   if (argc > 1) {  // one configuration per four arguments: TILE_N STAGES PARTS SPIN ...
     for (int i = 1; i + 3 < argc; i += 4) run(atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]));
