@@ -228,6 +228,13 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
         )
     if cfg.cache_hints:
         parts.append("TMA loads with L2 eviction hints (A evict-first, B evict-last)")
+    if cfg.prefetch_k_blocks:
+        parts.append(
+            f"the first tile's weights, {cfg.prefetch_k_blocks} K blocks of each row, prefetched into L2 once the "
+            "table is built"
+        )
+    if cfg.b_evict_first:
+        parts.append("B's TMA loads evict first in L2 (weights read once leave what L2 holds in place)")
     if cfg.inline_table:
         parts.append("leaf table built by each block (no builder kernel: one launch per call)")
     if cfg.whole_maps:

@@ -181,6 +181,13 @@ DECODE_VARIANTS = {
     "decode variant, 64 x 160 whole tiles": {"decode": True, "tile_n": 160, "split_k": False, "n_split": 1},
     "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False, "n_split": 1},
     "decode variant, maps per leaf (no whole-buffer maps)": {"decode": True, "whole_maps": False},
+    "decode variant, weights evict first in L2": {"decode": True, "b_evict_first": True},
+    "decode variant, first tile's weights in L2 ahead (4 K blocks)": {"decode": True, "prefetch_k_blocks": 4},
+    "decode variant, first tile's weights in L2 ahead (8 K blocks)": {"decode": True, "prefetch_k_blocks": 8},
+    "decode variant, ahead (4 K blocks), weights evict first": {"decode": True, "prefetch_k_blocks": 4,
+                                                                 "b_evict_first": True},
+    "decode variant, 128 x 256 (two row warpgroups)": {"decode": True, "tile_m": 128, "n_split": 1},
+    "decode variant, 128 x 256, weights evict first": {"decode": True, "tile_m": 128, "n_split": 1, "b_evict_first": True},
     "decode variant (again: drift over the run)": {"decode": True},
 }
 # The masked decode (E = 32 groups of M = 64 rows, 38-64 valid each): 64-row tiles as
@@ -193,6 +200,11 @@ MASKED_VARIANTS = {
     "64 x 128, whole tiles": {"tile_n": 128, "split_k": False},
     "64 x 256, two column warpgroups": {"tile_n": 256, "split_k": False, "n_split": 2},
     "maps per leaf (no whole-buffer maps)": {"whole_maps": False},
+    "weights evict first in L2": {"b_evict_first": True},
+    "64 x 256, two column warpgroups, weights evict first": {"tile_n": 256, "split_k": False, "n_split": 2,
+                                                            "b_evict_first": True},
+    "64 x 256, two column warpgroups, weights evict first, ahead (4 K blocks)": {
+        "tile_n": 256, "split_k": False, "n_split": 2, "b_evict_first": True, "prefetch_k_blocks": 4},
     "as compiled (again: drift over the run)": {},
 }
 # Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with

@@ -693,6 +693,7 @@ def emit_launch(
         whole_maps=cfg.whole_maps,
         whole_rows_at=layout.whole_rows,
         late_d_maps=cfg.late_d_maps,
+        prefetch_k_blocks=cfg.prefetch_k_blocks,
         # The whole buffers' maps and the launch's K (kernels.py).
         whole_k=c_expr(pg.extents[2].size),
         whole_a=_whole_buffer(pg.a) if cfg.whole_maps else {},

@@ -108,6 +108,10 @@ INLINE_STATIC_BYTES = 1024
 INLINE_MAX_BLOCKS = 320
 INLINE_MAX_LEAVES = 32
 MAX_STAGES = 12
+# The most K blocks of a first tile's weights that its L2 prefetch asks for (see
+# prefetch_k_blocks): 16 blocks of 128 bytes per row, 512 KB per 256-row tile, 68 MB over
+# 132 blocks, already more than L2 holds.
+MAX_PREFETCH_K_BLOCKS = 16
 # Swizzle rows of K a ring stage may hold (tile_k / its one-row value).
 K_ATOMS = (1, 2, 4)
 # A staged epilogue is worth its shared memory only while the ring stays this deep.
@@ -211,6 +215,11 @@ class GemmKernelConfig:
     # L2 eviction policies on the TMA loads (A evict-first, B evict-last); default: for
     # memory-bound tiles, which stream A once while B stays to be read again.
     cache_hints: bool | None = None
+    # B's TMA loads evict first in L2 (A's keep no policy): weights read once per call (a
+    # decode step's experts) then leave what L2 already holds in place, dirty lines among
+    # it, instead of evicting it and making HBM take their write-back while the weights
+    # stream in. Not with cache_hints (which keeps B) or a pair's multicast loads.
+    b_evict_first: bool = False
     lean_registers: bool | None = None
     ctas_per_sm: int = 0
     name: str = ""
@@ -305,6 +314,12 @@ class GemmKernelConfig:
     # every leaf starts at a whole row: emit.whole_maps_possible).
     # ``_whole``.
     whole_maps: bool = False
+    # With whole maps, no split K and one CTA per tile: once the table is built, the block's
+    # consumer threads prefetch into L2 the first `prefetch_k_blocks` K blocks of its first
+    # tile's B rows (one row each, `cp.async.bulk.prefetch`), so HBM starts streaming the
+    # weights while the producer still waits for the whole maps (about 1.5 us at decode
+    # sizes). Only a leaf in the whole maps: its rows lie in B's buffer. ``_pf<n>``.
+    prefetch_k_blocks: int = 0
     # Static shared memory of that table's check (a counter for anchored scale rows), which
     # ptxas places before the 1024-byte aligned dynamic array: 0 or INLINE_STATIC_BYTES.
     inline_static: int = 0
@@ -330,6 +345,10 @@ class GemmKernelConfig:
             object.__setattr__(self, "programmatic", False)  # no builder to wait for
         if self.whole_maps and (not self.inline_table or self.swiglu_halves):
             raise ValueError("whole-tensor maps take a table built in the kernel and one B map per leaf")
+        if self.prefetch_k_blocks and not (self.whole_maps and not self.split_k and self.cluster == 1):
+            raise ValueError("the first tile's L2 prefetch takes whole maps, whole tiles and one CTA per tile")
+        if not 0 <= self.prefetch_k_blocks <= MAX_PREFETCH_K_BLOCKS:
+            raise ValueError(f"prefetch_k_blocks must be in [0, {MAX_PREFETCH_K_BLOCKS}]")
         if self.split_k and self.memory_bound and self.store_tma is None:
             object.__setattr__(self, "store_tma", False)  # the last unit of a tile stores it
         self._validate()
@@ -342,6 +361,10 @@ class GemmKernelConfig:
             raise ValueError("a gathered A's scales are staged by the producer, which reads its row numbers")
         if self.cache_hints is None:
             object.__setattr__(self, "cache_hints", self.memory_bound and self.cluster == 1)
+        if self.b_evict_first and self.cache_hints:
+            raise ValueError("B evicts first or stays in L2 (cache_hints), not both")
+        if self.b_evict_first and self.cluster > 1:
+            raise ValueError("a pair's multicast loads take no L2 policy (b_evict_first needs one CTA per tile)")
         if self.prefetch_scales is None:
             object.__setattr__(self, "prefetch_scales", self.consumer_scales and not self.bias_crowds_registers())
         elif not self.consumer_scales:
@@ -850,6 +873,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_scatter"
     if cfg.cache_hints != (cfg.memory_bound and cfg.cluster == 1):  # not the default
         staged += "_hints" if cfg.cache_hints else "_nohints"
+    if cfg.b_evict_first:
+        staged += "_bfirst"
     if cfg.split_k:
         staged += "_splitk"
     if cfg.mma_lag != 1:
@@ -860,6 +885,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_inl" + ("_whole" if cfg.whole_maps else "")
     elif not cfg.programmatic:
         staged += "_nopdl"
+    if cfg.prefetch_k_blocks:
+        staged += f"_pf{cfg.prefetch_k_blocks}"
     if cfg.d_scale_pow2:
         staged += "_pow2"
     if cfg.copy:
@@ -1119,6 +1146,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         split_bytes=cfg.split_bytes,
         memory_bound=cfg.memory_bound,
         cache_hints=cfg.cache_hints,
+        b_evict_first=cfg.b_evict_first,
         inline_table=bool(cfg.inline_table),
         whole_maps=cfg.whole_maps,
         late_d_maps=cfg.late_d_maps,

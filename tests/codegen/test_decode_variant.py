@@ -15,12 +15,15 @@ import pytest
 
 import gemmspec
 import gemmspec.bench
+from gemmspec.codegen.emit import with_kernel_config
 from gemmspec.codegen.kernels import GemmKernelConfig, include_dir
 from gemmspec.codegen.manifest import launch_manifest
 from gemmspec.codegen.variants import (
+    DECODE_INLINE_MAX_LEAVES,
     DECODE_ROWS_PAIRED,
     DECODE_ROWS_PAIRED_WIDE,
     DECODE_ROWS_SINGLE,
+    decode_changes,
     decode_variant,
 )
 
@@ -237,3 +240,76 @@ def test_which_kernels_write_their_d_maps_late(name, index, late):
     exe = gemmspec.build(EXAMPLES / f"{name}.gspec")
     program = exe.program if index is None else exe.decode.program
     assert program.launches[index or 0].gemm.late_d_maps is late
+
+
+def _tma_loads(sass: str) -> tuple[int, int]:
+    """(TMA loads with an L2 cache policy, TMA loads without one) in `sass`."""
+    loads = re.findall(r"\bUTMALDG[^;]*;", sass)
+    hinted = [x for x in loads if "desc[" in x]
+    return len(hinted), len(loads) - len(hinted)
+
+
+@pytest.mark.parametrize("name", ["e8", "ffn_swiglu_halves"])
+def test_weights_that_evict_first_put_the_policy_on_b_loads_and_nowhere_else(name):
+    # b_evict_first: B's (and a SwiGLU's up weight's) TMA loads carry an evict-first L2
+    # policy, A's none; the kernel is another one (its name says so); without it no load
+    # has a policy (the decode variant as it runs by default).
+    if name == "e8":
+        exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
+        program, changes = exe.program, {**decode_changes(exe.schedule.launches[0])[0]}
+        kwargs = {"inline_leaves": DECODE_INLINE_MAX_LEAVES}
+    else:
+        exe = gemmspec.build(EXAMPLES / "moe_ffn_fp8_decode.gspec")
+        program, changes, kwargs = exe.decode.program, {}, {"table_tag": "bfirst"}
+    plain = with_kernel_config(exe.spec, program, 0, **kwargs, **changes)
+    first = with_kernel_config(exe.spec, program, 0, **kwargs, **changes, b_evict_first=True)
+    gemm = first.launches[0].gemm
+    assert gemm.b_evict_first and not plain.launches[0].gemm.b_evict_first
+    assert "_bfirst" in gemm.name and "_bfirst" not in plain.launches[0].gemm.name
+    assert gemm.swiglu_halves is (name != "e8")
+    hinted, unhinted = _tma_loads(spill_free_sass(first.launches[0].source, [include_dir()], f"{gemm.name}.cu"))
+    assert hinted and unhinted, (hinted, unhinted)  # B's (and U's) loads, then A's
+    assert first.launches[0].source.count("gs_policy_evict_first()") - plain.launches[0].source.count(
+        "gs_policy_evict_first()") == (2 if gemm.swiglu_halves else 1)
+    assert _tma_loads(spill_free_sass(plain.launches[0].source, [include_dir()], "plain.cu"))[0] == 0
+
+
+def test_weights_evict_first_only_where_no_other_policy_or_multicast_applies():
+    base = dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bm=1, sb_bn=128)
+    assert GemmKernelConfig(**base, tile_m=64, tile_n=256, b_evict_first=True).b_evict_first
+    with pytest.raises(ValueError, match="not both"):  # memory-bound tiles keep B (evict last)
+        GemmKernelConfig(**base, tile_m=64, tile_n=32, b_evict_first=True)
+    with pytest.raises(ValueError, match="multicast"):
+        GemmKernelConfig(**base, tile_m=128, tile_n=192, cluster=2, b_evict_first=True)
+
+
+def test_the_first_tiles_weights_are_asked_of_l2_once_the_table_is_built():
+    # prefetch_k_blocks: after the table's barrier the consumer threads ask L2 for their
+    # first tile's B rows (cp.async.bulk.prefetch, UBLKPF in SASS), that many K blocks of
+    # each; the kernel is another one (its name says so), the default asks for nothing.
+    exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
+    changes = decode_changes(exe.schedule.launches[0])[0]
+    plain, ahead = (
+        with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes, **extra)
+        .launches[0]
+        for extra in ({}, {"prefetch_k_blocks": 4})
+    )
+    assert ahead.gemm.name == plain.gemm.name + "_pf4"
+    table = _table_build(ahead.source)
+    at = table.index("the table is whole")
+    assert "gs_prefetch_l2(" in table[at:] and "4LL * gemm::TILE_K" in table[at:]
+    assert table.index("gs_prefetch_l2(") < table.index("__syncthreads();  // the maps are written")
+    assert "gs_prefetch_l2(" not in plain.source.replace("void gs_prefetch_l2(", "")
+    assert re.search(r"\bUBLKPF\.L2\b", spill_free_sass(ahead.source, [include_dir()], f"{ahead.gemm.name}.cu"))
+    assert not re.search(r"\bUBLKPF\b", spill_free_sass(plain.source, [include_dir()], f"{plain.gemm.name}.cu"))
+
+
+def test_the_first_tiles_prefetch_only_with_whole_maps_whole_tiles_and_one_cta():
+    base = dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, tile_n=256,
+                inline_table=4096, whole_maps=True)
+    assert GemmKernelConfig(**base, prefetch_k_blocks=4).prefetch_k_blocks == 4
+    for changes in ({"whole_maps": False}, {"split_k": True}):
+        with pytest.raises(ValueError, match="L2 prefetch takes whole maps"):
+            GemmKernelConfig(**{**base, **changes}, prefetch_k_blocks=4)
+    with pytest.raises(ValueError, match="prefetch_k_blocks must be in"):
+        GemmKernelConfig(**base, prefetch_k_blocks=17)

@@ -362,6 +362,13 @@ __device__ __forceinline__ void gs_tensormap_acquire(const GsTensorMap* map) {
                : "memory");
 }
 
+// Asks L2 to fetch `bytes` (a multiple of 16) from global memory at `p` (16-byte
+// aligned), asynchronously and with nothing to wait for: a hint, no value depends on it.
+__device__ __forceinline__ void gs_prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<unsigned long long>(p)),
+               "r"(bytes) : "memory");
+}
+
 // Fetches a tensor map's descriptor ahead of its first use (after its acquire).
 __device__ __forceinline__ void gs_tensormap_prefetch(const GsTensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
