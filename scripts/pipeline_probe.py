@@ -11,7 +11,7 @@ against the default configuration's output. Prints one line per variant, with th
 clock and board power of its kernel kept running for a second after its timing (where
 nvidia-smi is on the PATH; as `gemmspec bench` reads them).
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|dsv3 | --masked] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|qwen3_t16|qwen3_t512|dsv3 [--bf16] | --masked] [--idle MS]
 """
 
 from __future__ import annotations
@@ -165,10 +165,11 @@ GATHER_VARIANTS = {
 }
 
 
-# Decode-sized FP8 MoE (a few tokens per expert): each active expert's weights are read
-# once, so the kernel is bound by HBM and latency. The prefill tile (128 x 192, CTA pairs)
-# against 64-row tiles of one CTA, ring depths and widths (one consumer warpgroup where the
-# variant's two column warpgroups do not apply: other widths, split K).
+# Decode-sized FP8 MoE (a few tokens per expert; with --bf16 the BF16 kernel): each active
+# expert's weights are read once, so the kernel is bound by HBM and latency. The prefill
+# tile (128 x 192, CTA pairs) against 64-row tiles of one CTA, ring depths and widths (one
+# consumer warpgroup where the variant's two column warpgroups do not apply: other widths,
+# split K), and where the weights go in L2 (evicted first; the first tile's asked ahead).
 DECODE_VARIANTS = {
     "as compiled": {},
     "decode variant": {"decode": True},
@@ -182,10 +183,14 @@ DECODE_VARIANTS = {
     "decode variant, 64 x 128 whole tiles": {"decode": True, "tile_n": 128, "split_k": False, "n_split": 1},
     "decode variant, maps per leaf (no whole-buffer maps)": {"decode": True, "whole_maps": False},
     "decode variant, weights evict first in L2": {"decode": True, "b_evict_first": True},
-    "decode variant, first tile's weights in L2 ahead (4 K blocks)": {"decode": True, "prefetch_k_blocks": 4},
-    "decode variant, first tile's weights in L2 ahead (8 K blocks)": {"decode": True, "prefetch_k_blocks": 8},
-    "decode variant, ahead (4 K blocks), weights evict first": {"decode": True, "prefetch_k_blocks": 4,
-                                                                 "b_evict_first": True},
+    # (The first tile's prefetch takes whole tiles: the BF16 variant's split K turned off.)
+    "decode variant, whole tiles (no split K)": {"decode": True, "split_k": False},
+    "decode variant, first tile's weights in L2 ahead (4 K blocks)": {"decode": True, "split_k": False,
+                                                                      "prefetch_k_blocks": 4},
+    "decode variant, first tile's weights in L2 ahead (8 K blocks)": {"decode": True, "split_k": False,
+                                                                      "prefetch_k_blocks": 8},
+    "decode variant, ahead (4 K blocks), weights evict first": {"decode": True, "split_k": False,
+                                                                 "prefetch_k_blocks": 4, "b_evict_first": True},
     "decode variant, 128 x 256 (two row warpgroups)": {"decode": True, "tile_m": 128, "n_split": 1},
     "decode variant, 128 x 256, weights evict first": {"decode": True, "tile_m": 128, "n_split": 1, "b_evict_first": True},
     "decode variant (again: drift over the run)": {"decode": True},
@@ -203,6 +208,8 @@ MASKED_VARIANTS = {
     "weights evict first in L2": {"b_evict_first": True},
     "64 x 256, two column warpgroups, weights evict first": {"tile_n": 256, "split_k": False, "n_split": 2,
                                                             "b_evict_first": True},
+    "whole tiles, weights evict first, ahead (4 K blocks)": {"split_k": False, "b_evict_first": True,
+                                                              "prefetch_k_blocks": 4},
     "64 x 256, two column warpgroups, weights evict first, ahead (4 K blocks)": {
         "tile_n": 256, "split_k": False, "n_split": 2, "b_evict_first": True, "prefetch_k_blocks": 4},
     "as compiled (again: drift over the run)": {},
@@ -215,6 +222,8 @@ DECODE_LENGTHS = {
     "e32": DECODE_E32,
     "e8": DECODE_E8,
     "qwen3": routed_counts(128, QWEN3_EXPERTS, DECODE_TOP_K, seed=128),
+    "qwen3_t16": routed_counts(16, QWEN3_EXPERTS, DECODE_TOP_K, seed=16),
+    "qwen3_t512": routed_counts(512, QWEN3_EXPERTS, DECODE_TOP_K, seed=512),
     "dsv3": routed_counts(64, DSV3_EXPERTS, DECODE_TOP_K, seed=64),
 }
 
@@ -263,7 +272,8 @@ def main() -> int:
     ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
     ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
     ap.add_argument("--decode", choices=sorted(DECODE_LENGTHS),
-                    help="probe the FP8 kernel at a decode case's token counts (N and K from --shape)")
+                    help="probe the FP8 kernel (with --bf16 the BF16 one) at a decode case's token counts, as the "
+                    "bench routes them (N and K from --shape)")
     ap.add_argument("--masked", action="store_true",
                     help="probe the FP8 masked decode (32 groups of 64 rows, the bench's counts; N and K from --shape)")
     ap.add_argument(
@@ -320,9 +330,11 @@ def main() -> int:
         }
         variants, spec = MASKED_VARIANTS, MASKED_SPEC.format(m=m, n=n, k=k, e=e)
     elif args.bf16:
+        lengths = DECODE_LENGTHS[args.decode] if args.decode else [m] * e
+        e, t = len(lengths), sum(lengths)
         x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
         w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
-        tensors, variants = {"x": x, "w": w}, BF16_VARIANTS
+        tensors, variants = {"x": x, "w": w}, DECODE_VARIANTS if args.decode else BF16_VARIANTS
         spec = moe_spec("moe_bf16", n=n, k=k, e=e)
     else:
         lengths = DECODE_LENGTHS[args.decode] if args.decode else [m] * e
@@ -338,7 +350,7 @@ def main() -> int:
     flops = 2.0 * t * n * k
     # Bytes a decode call must move: the weights of every expert with a token (and their
     # scales), the tokens and the output (as the bench counts them).
-    moved = measure.decode_bytes(lengths, n, k, fp8=True) if args.decode or args.masked else 0
+    moved = measure.decode_bytes(lengths, n, k, fp8=not args.bf16) if args.decode or args.masked else 0
     reference = None
     sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
