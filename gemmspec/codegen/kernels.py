@@ -314,10 +314,11 @@ class GemmKernelConfig:
     # every leaf starts at a whole row: emit.whole_maps_possible).
     # ``_whole``.
     whole_maps: bool = False
-    # With whole maps, no split K and one CTA per tile: once the table is built, the block's
-    # consumer threads prefetch into L2 the first `prefetch_k_blocks` K blocks of its first
-    # tile's B rows (one row each, `cp.async.bulk.prefetch`), so HBM starts streaming the
-    # weights while the producer still waits for the whole maps (about 1.5 us at decode
+    # With whole maps and one CTA per tile (not the memory-bound tiles, whose split runs
+    # start anywhere): once the table (and split K's plan) is built, the block's consumer
+    # threads prefetch into L2 `prefetch_k_blocks` K blocks of its first unit's B rows from
+    # its first K block (one row each, `cp.async.bulk.prefetch`), so HBM starts streaming
+    # the weights while the producer still waits for the whole maps (about 1.5 us at decode
     # sizes). Only a leaf in the whole maps: its rows lie in B's buffer. ``_pf<n>``.
     prefetch_k_blocks: int = 0
     # Static shared memory of that table's check (a counter for anchored scale rows), which
@@ -345,8 +346,8 @@ class GemmKernelConfig:
             object.__setattr__(self, "programmatic", False)  # no builder to wait for
         if self.whole_maps and (not self.inline_table or self.swiglu_halves):
             raise ValueError("whole-tensor maps take a table built in the kernel and one B map per leaf")
-        if self.prefetch_k_blocks and not (self.whole_maps and not self.split_k and self.cluster == 1):
-            raise ValueError("the first tile's L2 prefetch takes whole maps, whole tiles and one CTA per tile")
+        if self.prefetch_k_blocks and not (self.whole_maps and self.cluster == 1 and not self.memory_bound):
+            raise ValueError("the first tile's L2 prefetch takes whole maps, one CTA per tile and no memory-bound tile")
         if not 0 <= self.prefetch_k_blocks <= MAX_PREFETCH_K_BLOCKS:
             raise ValueError(f"prefetch_k_blocks must be in [0, {MAX_PREFETCH_K_BLOCKS}]")
         if self.split_k and self.memory_bound and self.store_tma is None:

@@ -303,12 +303,23 @@ def test_the_first_tiles_weights_are_asked_of_l2_once_the_table_is_built():
     assert re.search(r"\bUBLKPF\.L2\b", spill_free_sass(ahead.source, [include_dir()], f"{ahead.gemm.name}.cu"))
     assert not re.search(r"\bUBLKPF\b", spill_free_sass(plain.source, [include_dir()], f"{plain.gemm.name}.cu"))
 
+    # A kernel that splits K (the masked decode's as compiled) asks for its first unit: a
+    # whole tile, or a part of a split one from that part's first K block.
+    masked = gemmspec.build(gemmspec.bench.MASKED_SPEC.format(m=64, n=4096, k=7168, e=32))
+    split = with_kernel_config(masked.spec, masked.program, prefetch_k_blocks=4).launches[0]
+    assert split.gemm.split_k and split.gemm.name.endswith("_splitk_inl_whole_pf4")
+    table = _table_build(split.source)
+    assert table.index("const gemm::SplitPlan plan = work->plan;") < table.index("gs_prefetch_l2(")
+    assert "const int tile = first_tile, kb = first_kb;" in table
+    assert re.search(r"\bUBLKPF\.L2\b", spill_free_sass(split.source, [include_dir()], f"{split.gemm.name}.cu"))
 
-def test_the_first_tiles_prefetch_only_with_whole_maps_whole_tiles_and_one_cta():
+
+def test_the_first_tiles_prefetch_only_with_whole_maps_one_cta_and_no_memory_bound_tile():
     base = dict(a_type="e4m3", b_type="e4m3", d_type="bf16", scaled=True, sa_bm=1, sb_bn=128, tile_m=64, tile_n=256,
                 inline_table=4096, whole_maps=True)
     assert GemmKernelConfig(**base, prefetch_k_blocks=4).prefetch_k_blocks == 4
-    for changes in ({"whole_maps": False}, {"split_k": True}):
+    assert GemmKernelConfig(**base, split_k=True, prefetch_k_blocks=4).name.endswith("_splitk_inl_whole_pf4")
+    for changes in ({"whole_maps": False}, {"tile_n": 32}):
         with pytest.raises(ValueError, match="L2 prefetch takes whole maps"):
             GemmKernelConfig(**{**base, **changes}, prefetch_k_blocks=4)
     with pytest.raises(ValueError, match="prefetch_k_blocks must be in"):
