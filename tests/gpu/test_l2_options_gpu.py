@@ -1,0 +1,72 @@
+"""On a Hopper GPU: the two L2 options of a GEMM kernel (kernels.py: ``b_evict_first``, B's
+TMA loads evicting first; ``prefetch_k_blocks``, the block's first unit's weights asked of
+L2 once its table is built) change where bytes go in L2, never a value. The decode
+variants (FP8 64 x 256 whole tiles, FP8 at the compiled width with split K, BF16 with split
+K) and the masked kernel (as compiled, with split K, and in whole tiles), each with either
+option and with both, judged element by element against the float64 reference (guard bytes
+included, gemmspec.runtime.verify) on leaves of 0, 1, 2, 7, 8, 9, 63, 64, 65, 127 and 129
+rows. Skipped without a Hopper GPU (conftest.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import gemmspec
+from gemmspec.codegen.emit import with_kernel_config
+from gemmspec.codegen.variants import DECODE_INLINE_MAX_LEAVES, decode_changes
+from gemmspec.runtime.verify import check_random
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_decode_variant_gpu import COUNTS, spec_text  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each option alone, and both with a prefetch longer than these launches' K (512: four K
+# blocks of FP8, eight of BF16), so that it ends at the row's end.
+OPTIONS = {
+    "bfirst": {"b_evict_first": True},
+    "pf4": {"prefetch_k_blocks": 4},
+    "both": {"b_evict_first": True, "prefetch_k_blocks": 16},
+}
+
+
+def with_options(exe, changes, options):
+    """`exe` running launch 0 under `changes` plus `options` at every size (no choice per
+    call); returns the kernel without the options, for its name."""
+    exe.choose_at_call = False
+    plain = with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes)
+    exe.program = with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes,
+                                     **options)
+    gemm = exe.program.launches[0].gemm
+    assert gemm.b_evict_first == options.get("b_evict_first", False)
+    assert gemm.prefetch_k_blocks == options.get("prefetch_k_blocks", 0)
+    assert gemm.name.endswith(f"_pf{gemm.prefetch_k_blocks}") == bool(gemm.prefetch_k_blocks)
+    assert ("_bfirst" in gemm.name) == gemm.b_evict_first
+    return plain.launches[0].gemm
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("counts", ["edges_low", "edges_high"])
+@pytest.mark.parametrize("kind", ["fp8", "fp8_wide", "bf16"])
+def test_decode_variants_with_l2_options_match_the_reference(kind, counts, option):
+    exe = gemmspec.build(spec_text(kind))
+    plain = with_options(exe, decode_changes(exe.schedule.launches[0])[0], OPTIONS[option])
+    assert plain.name == exe.decode.program.launches[0].gemm.name  # the decode variant's kernel
+    for seed in (0, 1):
+        report = check_random(exe, lengths={"expert": COUNTS[counts]}, seed=seed).report
+        assert report.ok, report.describe()
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("split_k", [True, False])
+def test_masked_groups_with_l2_options_match_the_reference(split_k, option):
+    exe = gemmspec.build((ROOT / "examples" / "moe_masked_decode.gspec").read_text())
+    compiled = exe.program.launches[0].gemm
+    plain = with_options(exe, {} if split_k else {"split_k": False}, OPTIONS[option])
+    assert plain.split_k is split_k and (compiled.name == plain.name) is split_k
+    report = check_random(exe, seed=5).report
+    assert report.ok, report.describe()
