@@ -55,9 +55,11 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
         mbar_wait(empty0 + 8 * stage, phase ^ 1);
         mbar_expect(full0 + 8 * stage, tx);
         const unsigned dst = smem_u32(smem + stage * stage_bytes);
-        if (policy_b) tma2d_hint(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0, policy_b);
+        const GsTensorMap* mb = reinterpret_cast<const GsTensorMap*>(&map_b);
+        const GsTensorMap* ma = reinterpret_cast<const GsTensorMap*>(&map_a);
+        if (policy_b) gs_tma_load_2d_hint(dst + a_bytes, mb, full0 + 8 * stage, kb * BOX_K, expert * n + n0, policy_b);
         else tma2d(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0);
-        if (policy_a) tma2d_hint(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS, policy_a);
+        if (policy_a) gs_tma_load_2d_hint(dst, ma, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS, policy_a);
         else tma2d(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS);
         if (++stage == stages) { stage = 0; phase ^= 1; }
       }
@@ -76,8 +78,8 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
 
 // The policies a kernel's loads take: 0 (none), 1 (evict first), 2 (evict last).
 __global__ void make_policies(int b, int a, unsigned long long* out) {
-  out[0] = b == 1 ? policy_evict_first() : b == 2 ? policy_evict_last() : 0;
-  out[1] = a == 1 ? policy_evict_first() : a == 2 ? policy_evict_last() : 0;
+  out[0] = b == 1 ? gs_policy_evict_first() : b == 2 ? gs_policy_evict_last() : 0;
+  out[1] = a == 1 ? gs_policy_evict_first() : a == 2 ? gs_policy_evict_last() : 0;
 }
 
 // Reads `words` 16-byte words (an L2 left full of clean lines); the sum goes nowhere unless

@@ -1,10 +1,12 @@
 // What the TMA streaming microbenchmarks (tma_stream_floor.cu, decode_stream_floor.cu)
-// share: a CUDA error check, mbarrier and 2-D TMA load wrappers (with or without an L2
-// eviction policy), the driver's tensor map encoder fetched through the runtime (no link
-// against libcuda), and the back-to-back timing of a launch.
+// share: a CUDA error check, mbarrier and 2-D TMA load wrappers, the driver's tensor map
+// encoder fetched through the runtime (no link against libcuda), and the back-to-back
+// timing of a launch. Loads with an L2 eviction policy are the kernels' own
+// (gs_tma_load_2d_hint, gs_policy_* in gemmspec's device header).
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include "../gemmspec/codegen/include/gemmspec_ptx.cuh"
 #include <cstdio>
 #include <cstdlib>
 
@@ -23,24 +25,6 @@ __device__ __forceinline__ void mbar_wait(unsigned b, unsigned ph) {
 __device__ __forceinline__ void tma2d(unsigned dst, const CUtensorMap* m, unsigned bar, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                ::"r"(dst), "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-// The same load with an L2 eviction policy (createpolicy's 64-bit value; 0: no hint).
-__device__ __forceinline__ void tma2d_hint(unsigned dst, const CUtensorMap* m, unsigned bar, int c0, int c1,
-                                           unsigned long long policy) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-               " [%0], [%1, {%2, %3}], [%4], %5;"
-               ::"r"(dst), "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(bar), "l"(policy) : "memory");
-}
-__device__ __forceinline__ unsigned long long policy_evict_first() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ unsigned long long policy_evict_last() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
 }
 
 typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
