@@ -10,12 +10,14 @@
 #           128-row tiles), one launch per 150 ms idle gap
 #   masked  the masked rows the same way
 #   bf16    Qwen3's BF16 rows the same way
+#   ffn     the decode expert FFN in one spec (DeepSeek-V3 T64 and T512, Qwen3 T128) with its
+#           launches under the options (ffn_decode_probe.py, graph replays, idle gaps)
 #
 #   scripts/decode_l2_probe.sh PART [OUT_DIR]     (logs go to OUT_DIR/PART.log; default l2_probe)
 #
 # Every command has its own timeout. PYTHONPATH must reach gemmspec's Python dependencies.
 set -uo pipefail
-part=${1:?usage: scripts/decode_l2_probe.sh floor|fp8|masked|bf16 [OUT_DIR]}
+part=${1:?usage: scripts/decode_l2_probe.sh floor|fp8|masked|bf16|ffn [OUT_DIR]}
 out=${2:-l2_probe}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
@@ -70,8 +72,15 @@ case "$part" in
       probe --bf16 --decode qwen3_t512 --shape 128,32,1536,2048 --only "$only"
     } > "$log" 2>&1
     ;;
+  ffn)
+    for case in dsv3_T64 dsv3_T512 qwen3_T128; do
+      echo "== ffn_decode_probe.py --case $case"
+      PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" timeout 280 python3 "$here/scripts/ffn_decode_probe.py" --case "$case" 2>&1 |
+        grep -E "TB/s|Error|BITS"
+    done > "$log" 2>&1
+    ;;
   *)
-    echo "unknown part '$part' (floor, fp8, masked or bf16)" >&2
+    echo "unknown part '$part' (floor, fp8, masked, bf16 or ffn)" >&2
     exit 2
     ;;
 esac
