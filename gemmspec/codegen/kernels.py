@@ -315,11 +315,12 @@ class GemmKernelConfig:
     # ``_whole``.
     whole_maps: bool = False
     # With whole maps and one CTA per tile (not the memory-bound tiles, whose split runs
-    # start anywhere): once the table (and split K's plan) is built, the block's consumer
-    # threads prefetch into L2 `prefetch_k_blocks` K blocks of its first unit's B rows from
-    # its first K block (one row each, `cp.async.bulk.prefetch`), so HBM starts streaming
-    # the weights while the producer still waits for the whole maps (about 1.5 us at decode
-    # sizes). Only a leaf in the whole maps: its rows lie in B's buffer. ``_pf<n>``.
+    # start anywhere): once the table (and split K's plan) is built, the block's warps but
+    # the whole maps' writer's prefetch into L2 `prefetch_k_blocks` K blocks of its first
+    # unit's B rows from its first K block (a row per lane, `cp.async.bulk.prefetch`), so
+    # HBM starts streaming the weights while the producer still waits for the whole maps
+    # (about 1.5 us at decode sizes). Only a leaf in the whole maps: its rows lie in B's
+    # buffer. ``_pf<n>``.
     prefetch_k_blocks: int = 0
     # Static shared memory of that table's check (a counter for anchored scale rows), which
     # ptxas places before the 1024-byte aligned dynamic array: 0 or INLINE_STATIC_BYTES.

@@ -284,9 +284,10 @@ def test_weights_evict_first_only_where_no_other_policy_or_multicast_applies():
 
 
 def test_the_first_tiles_weights_are_asked_of_l2_once_the_table_is_built():
-    # prefetch_k_blocks: after the table's barrier the consumer threads ask L2 for their
-    # first tile's B rows (cp.async.bulk.prefetch, UBLKPF in SASS), that many K blocks of
-    # each; the kernel is another one (its name says so), the default asks for nothing.
+    # prefetch_k_blocks: after the table's barrier the block's warps (but the whole maps'
+    # writer's) ask L2 for their first tile's B rows (cp.async.bulk.prefetch, UBLKPF in
+    # SASS), that many K blocks of each; the kernel is another one (its name says so), the
+    # default asks for nothing.
     exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
     changes = decode_changes(exe.schedule.launches[0])[0]
     plain, ahead = (
