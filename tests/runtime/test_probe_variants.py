@@ -1,6 +1,7 @@
-"""Every variant of scripts/pipeline_probe.py names kernel options that exist: a variant
-naming a removed option would stop the probe mid-run on the GPU. Read from the script's
-source (it imports torch and triton, which this check does not need)."""
+"""Every variant of scripts/pipeline_probe.py (and configuration of ffn_decode_probe.py)
+names kernel options that exist: a variant naming a removed option would stop the probe
+mid-run on the GPU; and every label decode_l2_probe.sh selects is one. Read from the
+scripts' source (they import torch and triton, which these checks do not need)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,24 @@ def test_every_probe_variant_names_existing_kernel_options():
         if set(changes) - known
     }
     assert not unknown, unknown
+
+
+def test_the_ffn_probes_configurations_name_existing_kernel_options():
+    tree = ast.parse((PROBE.parent / "ffn_decode_probe.py").read_text())
+    (configs,) = [ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                  and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "CONFIGS"]
+    known = {f.name for f in fields(GemmKernelConfig)}
+    assert configs and all(set(options) <= known for options in configs.values()), configs
+
+
+def test_every_label_the_l2_probe_selects_is_a_variant_of_the_table_it_runs():
+    # decode_l2_probe.sh picks variants by substrings of their labels (--only): a label
+    # renamed in pipeline_probe.py would leave a part timing nothing.
+    script = (PROBE.parent / "decode_l2_probe.sh").read_text()
+    tables = _variant_tables()
+    only = script.split('only="', 1)[1].split('"', 1)[0]
+    for table, selection in (("DECODE_VARIANTS", only), ("MASKED_VARIANTS", "evict first,ahead,as compiled")):
+        assert selection in script
+        labels = list(tables[table])
+        missing = [part for part in selection.split(",") if not any(part in label for label in labels)]
+        assert not missing, (table, missing)
