@@ -235,6 +235,8 @@ def _kernel_line(spec: Spec, schedule: Schedule, launch) -> str:
         )
     if cfg.b_evict_first:
         parts.append("B's TMA loads evict first in L2 (weights read once leave what L2 holds in place)")
+    if cfg.exit_on_read:
+        parts.append("blocks leave once their last TMA stores have read the staging (the grid waits for the writes)")
     if cfg.inline_table:
         parts.append("leaf table built by each block (no builder kernel: one launch per call)")
     if cfg.whole_maps:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Where a decode row's weights go in L2, measured on a Hopper GPU, one part per run:
+# The decode kernels' options (where the weights go in L2, when a CTA leaves), measured on
+# a Hopper GPU, one part per run:
 #
 #   floor   every decode row's weights streamed alone (decode_stream_floor.cu), their loads
 #           with no L2 policy, evicting first, and evicting first beside A's evicting last;
 #           each with no consumer and with an 850-cycle one (back to back, after the
 #           bench's dirtying memset, after a read of as many bytes)
-#   fp8     each FP8 decode case's variant against the same kernel with the L2 options
-#           (pipeline_probe.py: weights evicting first, the first unit asked of L2 ahead,
-#           128-row tiles), one launch per 150 ms idle gap
+#   fp8     the FP8 decode variant against the same kernel with the options (pipeline_probe.py:
+#           weights evicting first, the first unit asked of L2 ahead, CTAs leaving once their
+#           last stores have read the staging, 128-row tiles), one launch per 150 ms idle
+#           gap: E8 and E32 N4096
+#   fp8_more  the same for E32 N7168 and Qwen3's FP8 down projection
 #   masked  the masked rows the same way
 #   bf16    Qwen3's BF16 rows the same way
 #   ffn     the decode expert FFN in one spec (DeepSeek-V3 T64 and T512, Qwen3 T128) with its
@@ -17,14 +20,14 @@
 #
 # Every command has its own timeout. PYTHONPATH must reach gemmspec's Python dependencies.
 set -uo pipefail
-part=${1:?usage: scripts/decode_l2_probe.sh floor|fp8|masked|bf16|ffn [OUT_DIR]}
+part=${1:?usage: scripts/decode_l2_probe.sh floor|fp8|fp8_more|masked|bf16|ffn [OUT_DIR]}
 out=${2:-l2_probe}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 log="$out/$part.log"
 
 # The probe's variants that name an L2 option or the 128-row tile, then the variant again.
-only="evict first,ahead,128 x 256,whole tiles (no split K),(again"
+only="evict first,ahead,leave on,128 x 256,whole tiles (no split K),(again"
 probe() {
   echo "== pipeline_probe.py $*"
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" timeout 280 python3 "$here/scripts/pipeline_probe.py" --idle 150 "$@" 2>&1 |
@@ -56,14 +59,18 @@ case "$part" in
     {
       probe --decode e8 --shape 8,16,4096,7168 --only "$only"
       probe --decode e32 --shape 32,32,4096,7168 --only "$only"
+    } > "$log" 2>&1
+    ;;
+  fp8_more)
+    {
       probe --decode e32 --shape 32,32,7168,2048 --only "$only"
       probe --decode qwen3 --shape 128,8,2048,768 --only "$only"
     } > "$log" 2>&1
     ;;
   masked)
     {
-      probe --masked --shape 32,64,4096,7168 --only "evict first,ahead,as compiled"
-      probe --masked --shape 32,64,7168,2048 --only "evict first,ahead,as compiled"
+      probe --masked --shape 32,64,4096,7168 --only "evict first,ahead,leave on,as compiled"
+      probe --masked --shape 32,64,7168,2048 --only "evict first,ahead,leave on,as compiled"
     } > "$log" 2>&1
     ;;
   bf16)
@@ -80,7 +87,7 @@ case "$part" in
     done > "$log" 2>&1
     ;;
   *)
-    echo "unknown part '$part' (floor, fp8, masked, bf16 or ffn)" >&2
+    echo "unknown part '$part' (floor, fp8, fp8_more, masked, bf16 or ffn)" >&2
     exit 2
     ;;
 esac

@@ -4,7 +4,8 @@ variant's kernels under the L2 options (needs a Hopper GPU + torch).
 
 Each configuration re-emits every launch of the decode variant with the options its kernel
 takes (kernels.py: ``b_evict_first``, B's loads evicting first; ``prefetch_k_blocks``,
-the first unit's weights asked of L2 ahead, where the kernel has whole-buffer maps),
+the first unit's weights asked of L2 ahead, where the kernel has whole-buffer maps;
+``exit_on_read``, CTAs leaving once their last TMA stores have read the staging),
 captures the call in a CUDA graph and times its replay, one launch per idle gap with L2
 flushed before each (as `gemmspec bench --idle`), rated in TB/s of the bytes the layer
 must move. The options move no value: every configuration's `y` must equal the first's
@@ -38,7 +39,12 @@ CONFIGS = {
     "weights evict first": {"b_evict_first": True},
     "first unit ahead (4 K blocks)": {"prefetch_k_blocks": 4},
     "both": {"b_evict_first": True, "prefetch_k_blocks": 4},
+    "both, leave on read": {"b_evict_first": True, "prefetch_k_blocks": 4, "exit_on_read": True},
 }
+# Options a kernel may not take, dropped in this order until it does: the first unit's
+# prefetch needs whole maps, leaving on read a TMA-stored epilogue (the SwiGLU's FP8 h
+# is stored from registers).
+OPTIONAL = ("prefetch_k_blocks", "exit_on_read")
 
 
 def with_options(exe, options: dict) -> list[str]:
@@ -53,10 +59,11 @@ def with_options(exe, options: dict) -> list[str]:
             try:
                 cfg = replace(x.gemm, **taken, name="")
                 break
-            except ValueError:  # no whole maps for the first unit's prefetch: without it
-                if "prefetch_k_blocks" not in taken:
+            except ValueError:
+                dropped = next((key for key in OPTIONAL if key in taken), None)
+                if dropped is None:
                     raise
-                taken.pop("prefetch_k_blocks")
+                taken.pop(dropped)
         launches[index] = emit_launch(exe.spec, x.launch, cfg, x.check, table_tag=DECODE_TABLE_TAG)
     exe.decode = replace(variant, program=replace(variant.program, launches=tuple(launches)))
     return [x.gemm.name for x in launches]

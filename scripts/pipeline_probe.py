@@ -188,6 +188,9 @@ DECODE_VARIANTS = {
     "decode variant, first tile's weights in L2 ahead (8 K blocks)": {"decode": True, "prefetch_k_blocks": 8},
     "decode variant, ahead (4 K blocks), weights evict first": {"decode": True, "prefetch_k_blocks": 4,
                                                                  "b_evict_first": True},
+    "decode variant, CTAs leave once their last stores have read the staging": {"decode": True, "exit_on_read": True},
+    "decode variant, ahead (4 K blocks), weights evict first, leave on read": {
+        "decode": True, "prefetch_k_blocks": 4, "b_evict_first": True, "exit_on_read": True},
     "decode variant, 128 x 256 (two row warpgroups)": {"decode": True, "tile_m": 128, "n_split": 1},
     "decode variant, 128 x 256, weights evict first": {"decode": True, "tile_m": 128, "n_split": 1, "b_evict_first": True},
     "decode variant (again: drift over the run)": {"decode": True},
@@ -206,6 +209,8 @@ MASKED_VARIANTS = {
     "64 x 256, two column warpgroups, weights evict first": {"tile_n": 256, "split_k": False, "n_split": 2,
                                                             "b_evict_first": True},
     "weights evict first, ahead (4 K blocks)": {"b_evict_first": True, "prefetch_k_blocks": 4},
+    "weights evict first, ahead (4 K blocks), leave on read": {"b_evict_first": True, "prefetch_k_blocks": 4,
+                                                                "exit_on_read": True},
     "64 x 256, two column warpgroups, weights evict first, ahead (4 K blocks)": {
         "tile_n": 256, "split_k": False, "n_split": 2, "b_evict_first": True, "prefetch_k_blocks": 4},
     "as compiled (again: drift over the run)": {},

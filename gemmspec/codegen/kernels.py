@@ -322,6 +322,11 @@ class GemmKernelConfig:
     # (about 1.5 us at decode sizes). Only a leaf in the whole maps: its rows lie in B's
     # buffer. ``_pf<n>``.
     prefetch_k_blocks: int = 0
+    # A TMA-stored epilogue's CTA leaves once its last stores have read their staging
+    # (`cp.async.bulk.wait_group.read`) rather than once their global writes are done: the
+    # grid still completes only after them, but the last tile's CTA stops waiting for the
+    # writes' acknowledgements (a decode call ends on its blocks' last epilogues). ``_xr``.
+    exit_on_read: bool = False
     # Static shared memory of that table's check (a counter for anchored scale rows), which
     # ptxas places before the 1024-byte aligned dynamic array: 0 or INLINE_STATIC_BYTES.
     inline_static: int = 0
@@ -394,6 +399,8 @@ class GemmKernelConfig:
             raise ValueError(
                 f"a TMA-stored epilogue needs whole {self.box_cols}-column boxes (tile_n {self.tile_n}, {self.d_type})"
             )
+        if self.exit_on_read and not self.store_tma:
+            raise ValueError("exit_on_read is about a TMA-stored epilogue's last stores (this one stores from registers)")
         if self.stages == 0:
             object.__setattr__(self, "stages", self._max_stages())
         if not 2 <= self.stages <= MAX_STAGES or self.smem_bytes > self.smem_limit:
@@ -889,6 +896,8 @@ def gemm_kernel_name(cfg: GemmKernelConfig) -> str:
         staged += "_nopdl"
     if cfg.prefetch_k_blocks:
         staged += f"_pf{cfg.prefetch_k_blocks}"
+    if cfg.exit_on_read:
+        staged += "_xr"
     if cfg.d_scale_pow2:
         staged += "_pow2"
     if cfg.copy:
@@ -1149,6 +1158,7 @@ def render_gemm(cfg: GemmKernelConfig) -> str:
         memory_bound=cfg.memory_bound,
         cache_hints=cfg.cache_hints,
         b_evict_first=cfg.b_evict_first,
+        exit_on_read=cfg.exit_on_read,
         inline_table=bool(cfg.inline_table),
         whole_maps=cfg.whole_maps,
         late_d_maps=cfg.late_d_maps,

@@ -325,3 +325,23 @@ def test_the_first_tiles_prefetch_only_with_whole_maps_one_cta_and_no_memory_bou
             GemmKernelConfig(**{**base, **changes}, prefetch_k_blocks=4)
     with pytest.raises(ValueError, match="prefetch_k_blocks must be in"):
         GemmKernelConfig(**base, prefetch_k_blocks=17)
+
+
+def test_ctas_that_leave_on_read_wait_for_their_stores_reads_only():
+    # exit_on_read: the consumers' last wait on their TMA stores is the read of the
+    # staging (wait_group.read), not the writes' completion; only a TMA-stored epilogue.
+    exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
+    changes = decode_changes(exe.schedule.launches[0])[0]
+    plain, leaving = (
+        with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes, **extra)
+        .launches[0]
+        for extra in ({}, {"exit_on_read": True})
+    )
+    assert leaving.gemm.name == plain.gemm.name + "_xr"
+    tail = "if (threadIdx.x % 128 == 0) gs_bulk_wait"
+    assert f"{tail}();" in plain.source and f"{tail}_read();" not in plain.source.split("no CTA exits")[1][:400]
+    assert f"{tail}_read();" in leaving.source.split("no CTA exits")[1][:400] and f"{tail}();" not in leaving.source
+    spill_free_sass(leaving.source, [include_dir()], f"{leaving.gemm.name}.cu")
+    with pytest.raises(ValueError, match="exit_on_read is about a TMA-stored epilogue"):
+        with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes, store_tma=False,
+                           exit_on_read=True)

@@ -1,11 +1,13 @@
-"""On a Hopper GPU: the two L2 options of a GEMM kernel (kernels.py: ``b_evict_first``, B's
-TMA loads evicting first; ``prefetch_k_blocks``, the block's first unit's weights asked of
-L2 once its table is built) change where bytes go in L2, never a value. The decode
-variants (FP8 64 x 256 whole tiles, FP8 at the compiled width with split K, BF16 with split
-K) and the masked kernel (as compiled, with split K, and in whole tiles), each with either
-option and with both, judged element by element against the float64 reference (guard bytes
-included, gemmspec.runtime.verify) on leaves of 0, 1, 2, 7, 8, 9, 63, 64, 65, 127 and 129
-rows. Skipped without a Hopper GPU (conftest.py)."""
+"""On a Hopper GPU: the decode options of a GEMM kernel change where bytes go or when a
+CTA leaves, never a value (kernels.py: ``b_evict_first``, B's TMA loads evicting first in
+L2; ``prefetch_k_blocks``, the block's first unit's weights asked of L2 once its table is
+built; ``exit_on_read``, CTAs leaving once their last TMA stores have read the staging,
+the grid's completion still bringing their writes to the output). The decode variants
+(FP8 64 x 256 whole tiles, FP8 at the compiled width with split K, BF16 with split K) and
+the masked kernel (as compiled, with split K, and in whole tiles), each with either L2
+option and with all three, judged element by element against the float64 reference
+(guard bytes included, gemmspec.runtime.verify) on leaves of 0, 1, 2, 7, 8, 9, 63, 64,
+65, 127 and 129 rows. Skipped without a Hopper GPU (conftest.py)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,13 @@ from test_decode_variant_gpu import COUNTS, spec_text  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-# Each option alone, and both with a prefetch longer than these launches' K (512: four K
-# blocks of FP8, eight of BF16), so that it ends at the row's end.
+# Each L2 option alone, and all three (CTAs leaving once their last stores have read the
+# staging too) with a prefetch longer than these launches' K (512: four K blocks of FP8,
+# eight of BF16), so that it ends at the row's end.
 OPTIONS = {
     "bfirst": {"b_evict_first": True},
     "pf4": {"prefetch_k_blocks": 4},
-    "both": {"b_evict_first": True, "prefetch_k_blocks": 16},
+    "all": {"b_evict_first": True, "prefetch_k_blocks": 16, "exit_on_read": True},
 }
 
 
@@ -44,8 +47,9 @@ def with_options(exe, changes, options):
     gemm = exe.program.launches[0].gemm
     assert gemm.b_evict_first == options.get("b_evict_first", False)
     assert gemm.prefetch_k_blocks == options.get("prefetch_k_blocks", 0)
-    assert gemm.name.endswith(f"_pf{gemm.prefetch_k_blocks}") == bool(gemm.prefetch_k_blocks)
+    assert (f"_pf{gemm.prefetch_k_blocks}" in gemm.name) == bool(gemm.prefetch_k_blocks)
     assert ("_bfirst" in gemm.name) == gemm.b_evict_first
+    assert gemm.name.endswith("_xr") == gemm.exit_on_read == options.get("exit_on_read", False)
     return plain.launches[0].gemm
 
 
