@@ -242,6 +242,18 @@ def test_which_kernels_write_their_d_maps_late(name, index, late):
     assert program.launches[index or 0].gemm.late_d_maps is late
 
 
+# E8 T128's shape (N 4096, K 7168) in FP8: its decode variant, as the options tests start from.
+E8_SPEC = gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True)
+
+
+def _e8_decode_launch(**options):
+    """Launch 0 of E8's program re-emitted as its decode variant, with `options`."""
+    exe = gemmspec.build(E8_SPEC)
+    changes = decode_changes(exe.schedule.launches[0])[0]
+    return with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes,
+                              **options).launches[0]
+
+
 def _tma_loads(sass: str) -> tuple[int, int]:
     """(TMA loads with an L2 cache policy, TMA loads without one) in `sass`."""
     loads = re.findall(r"\bUTMALDG[^;]*;", sass)
@@ -255,23 +267,20 @@ def test_weights_that_evict_first_put_the_policy_on_b_loads_and_nowhere_else(nam
     # policy, A's none; the kernel is another one (its name says so); without it no load
     # has a policy (the decode variant as it runs by default).
     if name == "e8":
-        exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
-        program, changes = exe.program, {**decode_changes(exe.schedule.launches[0])[0]}
-        kwargs = {"inline_leaves": DECODE_INLINE_MAX_LEAVES}
+        plain, first = _e8_decode_launch(), _e8_decode_launch(b_evict_first=True)
     else:
         exe = gemmspec.build(EXAMPLES / "moe_ffn_fp8_decode.gspec")
-        program, changes, kwargs = exe.decode.program, {}, {"table_tag": "bfirst"}
-    plain = with_kernel_config(exe.spec, program, 0, **kwargs, **changes)
-    first = with_kernel_config(exe.spec, program, 0, **kwargs, **changes, b_evict_first=True)
-    gemm = first.launches[0].gemm
-    assert gemm.b_evict_first and not plain.launches[0].gemm.b_evict_first
-    assert "_bfirst" in gemm.name and "_bfirst" not in plain.launches[0].gemm.name
+        plain, first = (with_kernel_config(exe.spec, exe.decode.program, 0, table_tag="bfirst", **options).launches[0]
+                        for options in ({}, {"b_evict_first": True}))
+    gemm = first.gemm
+    assert gemm.b_evict_first and not plain.gemm.b_evict_first
+    assert "_bfirst" in gemm.name and "_bfirst" not in plain.gemm.name
     assert gemm.swiglu_halves is (name != "e8")
-    hinted, unhinted = _tma_loads(spill_free_sass(first.launches[0].source, [include_dir()], f"{gemm.name}.cu"))
+    hinted, unhinted = _tma_loads(spill_free_sass(first.source, [include_dir()], f"{gemm.name}.cu"))
     assert hinted and unhinted, (hinted, unhinted)  # B's (and U's) loads, then A's
-    assert first.launches[0].source.count("gs_policy_evict_first()") - plain.launches[0].source.count(
-        "gs_policy_evict_first()") == (2 if gemm.swiglu_halves else 1)
-    assert _tma_loads(spill_free_sass(plain.launches[0].source, [include_dir()], "plain.cu"))[0] == 0
+    policies = [x.source.count("gs_policy_evict_first()") for x in (first, plain)]
+    assert policies[0] - policies[1] == (2 if gemm.swiglu_halves else 1)
+    assert _tma_loads(spill_free_sass(plain.source, [include_dir()], "plain.cu"))[0] == 0
 
 
 def test_weights_evict_first_only_where_no_other_policy_or_multicast_applies():
@@ -288,13 +297,7 @@ def test_the_first_tiles_weights_are_asked_of_l2_once_the_table_is_built():
     # writer's) ask L2 for their first tile's B rows (cp.async.bulk.prefetch, UBLKPF in
     # SASS), that many K blocks of each; the kernel is another one (its name says so), the
     # default asks for nothing.
-    exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
-    changes = decode_changes(exe.schedule.launches[0])[0]
-    plain, ahead = (
-        with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes, **extra)
-        .launches[0]
-        for extra in ({}, {"prefetch_k_blocks": 4})
-    )
+    plain, ahead = _e8_decode_launch(), _e8_decode_launch(prefetch_k_blocks=4)
     assert ahead.gemm.name == plain.gemm.name + "_pf4"
     table = _table_build(ahead.source)
     at = table.index("the table is whole")
@@ -330,18 +333,11 @@ def test_the_first_tiles_prefetch_only_with_whole_maps_one_cta_and_no_memory_bou
 def test_ctas_that_leave_on_read_wait_for_their_stores_reads_only():
     # exit_on_read: the consumers' last wait on their TMA stores is the read of the
     # staging (wait_group.read), not the writes' completion; only a TMA-stored epilogue.
-    exe = gemmspec.build(gemmspec.bench.moe_spec("moe_fp8", n=4096, k=7168, e=8, fp8=True, scales_major_t=True))
-    changes = decode_changes(exe.schedule.launches[0])[0]
-    plain, leaving = (
-        with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes, **extra)
-        .launches[0]
-        for extra in ({}, {"exit_on_read": True})
-    )
+    plain, leaving = _e8_decode_launch(), _e8_decode_launch(exit_on_read=True)
     assert leaving.gemm.name == plain.gemm.name + "_xr"
     tail = "if (threadIdx.x % 128 == 0) gs_bulk_wait"
     assert f"{tail}();" in plain.source and f"{tail}_read();" not in plain.source.split("no CTA exits")[1][:400]
     assert f"{tail}_read();" in leaving.source.split("no CTA exits")[1][:400] and f"{tail}();" not in leaving.source
     spill_free_sass(leaving.source, [include_dir()], f"{leaving.gemm.name}.cu")
     with pytest.raises(ValueError, match="exit_on_read is about a TMA-stored epilogue"):
-        with_kernel_config(exe.spec, exe.program, inline_leaves=DECODE_INLINE_MAX_LEAVES, **changes, store_tma=False,
-                           exit_on_read=True)
+        _e8_decode_launch(store_tma=False, exit_on_read=True)
