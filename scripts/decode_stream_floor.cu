@@ -35,10 +35,10 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
                                              unsigned long long policy_a, unsigned* sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const int a_bytes = A_ROWS * BOX_K, b_bytes = tile_n * BOX_K, stage_bytes = a_bytes + b_bytes;
-  const unsigned full0 = smem_u32(smem + stages * stage_bytes), empty0 = full0 + 8 * stages;
+  const unsigned full0 = gs_smem_addr(smem + stages * stage_bytes), empty0 = full0 + 8 * stages;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(empty0 + 8 * s, 1); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int s = 0; s < stages; ++s) { gs_mbar_init(full0 + 8 * s, 1); gs_mbar_init(empty0 + 8 * s, 1); }
+    gs_fence_mbar_init();
   }
   __syncthreads();
   const int nk = k / BOX_K;
@@ -52,23 +52,23 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
     const int kb0 = nk * part / parts, kb1 = nk * (part + 1) / parts;
     if (threadIdx.x == 0) {
       for (int kb = kb0; kb < kb1; ++kb) {
-        mbar_wait(empty0 + 8 * stage, phase ^ 1);
-        mbar_expect(full0 + 8 * stage, tx);
-        const unsigned dst = smem_u32(smem + stage * stage_bytes);
-        const GsTensorMap* mb = reinterpret_cast<const GsTensorMap*>(&map_b);
-        const GsTensorMap* ma = reinterpret_cast<const GsTensorMap*>(&map_a);
+        gs_mbar_wait(empty0 + 8 * stage, phase ^ 1);
+        gs_mbar_arrive_expect_tx(full0 + 8 * stage, tx);
+        const unsigned dst = gs_smem_addr(smem + stage * stage_bytes);
+        const GsTensorMap* mb = gs_map(&map_b);
+        const GsTensorMap* ma = gs_map(&map_a);
         if (policy_b) gs_tma_load_2d_hint(dst + a_bytes, mb, full0 + 8 * stage, kb * BOX_K, expert * n + n0, policy_b);
-        else tma2d(dst + a_bytes, &map_b, full0 + 8 * stage, kb * BOX_K, expert * n + n0);
+        else gs_tma_load_2d(dst + a_bytes, mb, full0 + 8 * stage, kb * BOX_K, expert * n + n0);
         if (policy_a) gs_tma_load_2d_hint(dst, ma, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS, policy_a);
-        else tma2d(dst, &map_a, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS);
+        else gs_tma_load_2d(dst, ma, full0 + 8 * stage, kb * BOX_K, expert * A_ROWS);
         if (++stage == stages) { stage = 0; phase ^= 1; }
       }
     } else if (threadIdx.x == 32) {
       for (int kb = kb0; kb < kb1; ++kb) {
-        mbar_wait(full0 + 8 * stage, phase);
+        gs_mbar_wait(full0 + 8 * stage, phase);
         acc += *reinterpret_cast<volatile unsigned*>(smem + stage * stage_bytes + a_bytes);
         if (spin) { const long long t0 = clock64(); while (clock64() - t0 < spin) {} }
-        mbar_arrive(empty0 + 8 * stage);
+        gs_mbar_arrive(empty0 + 8 * stage);
         if (++stage == stages) { stage = 0; phase ^= 1; }
       }
     }

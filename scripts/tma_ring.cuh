@@ -1,8 +1,8 @@
 // What the TMA streaming microbenchmarks (tma_stream_floor.cu, decode_stream_floor.cu)
-// share: a CUDA error check, mbarrier and 2-D TMA load wrappers, the driver's tensor map
-// encoder fetched through the runtime (no link against libcuda), and the back-to-back
-// timing of a launch. Loads with an L2 eviction policy are the kernels' own
-// (gs_tma_load_2d_hint, gs_policy_* in gemmspec's device header).
+// share: a CUDA error check, the driver's tensor map encoder fetched through the runtime
+// (no link against libcuda), and the back-to-back timing of a launch. Their mbarrier and
+// TMA code is the kernels' own (gs_mbar_*, gs_tma_load_2d*, gs_policy_* in gemmspec's
+// device header), so they stream through the same PTX.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -12,19 +12,9 @@
 
 #define CK(x) do { auto e = (x); if (e != 0) { printf("err %d line %d\n", (int)e, __LINE__); exit(1); } } while (0)
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned b, unsigned n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(b), "r"(n)); }
-__device__ __forceinline__ void mbar_expect(unsigned b, unsigned bytes) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory"); }
-__device__ __forceinline__ void mbar_arrive(unsigned b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(b) : "memory"); }
-__device__ __forceinline__ void mbar_wait(unsigned b, unsigned ph) {
-  unsigned done;
-  do {
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0,1,0,p;\n}\n" : "=r"(done) : "r"(b), "r"(ph) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void tma2d(unsigned dst, const CUtensorMap* m, unsigned bar, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-               ::"r"(dst), "l"((unsigned long long)m), "r"(c0), "r"(c1), "r"(bar) : "memory");
+// A tensor map the driver encoded, as the kernels' TMA wrappers take it (the same 128 bytes).
+__device__ __forceinline__ const GsTensorMap* gs_map(const CUtensorMap* m) {
+  return reinterpret_cast<const GsTensorMap*>(m);
 }
 
 typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,

@@ -16,10 +16,10 @@
 // A ring of `stages` full/empty mbarrier pairs after the stages' bytes; returns full0
 // (empty0 is full0 + 8 * stages). The whole block waits until they are initialised.
 __device__ __forceinline__ unsigned init_ring(unsigned char* smem, int stages, int stage_bytes) {
-  const unsigned full0 = smem_u32(smem + stages * stage_bytes);
+  const unsigned full0 = gs_smem_addr(smem + stages * stage_bytes);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) { mbar_init(full0 + 8 * s, 1); mbar_init(full0 + 8 * (stages + s), 1); }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int s = 0; s < stages; ++s) { gs_mbar_init(full0 + 8 * s, 1); gs_mbar_init(full0 + 8 * (stages + s), 1); }
+    gs_fence_mbar_init();
   }
   __syncthreads();
   return full0;
@@ -37,19 +37,19 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
   if (threadIdx.x == 0) {
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       for (int kb = 0; kb < nk; ++kb) {
-        mbar_wait(empty0 + 8 * stage, phase ^ 1);
-        mbar_expect(full0 + 8 * stage, stage_bytes);
+        gs_mbar_wait(empty0 + 8 * stage, phase ^ 1);
+        gs_mbar_arrive_expect_tx(full0 + 8 * stage, stage_bytes);
         for (int b = 0; b < boxes; ++b)
-          tma2d(smem_u32(smem + stage * stage_bytes + b * box_bytes), &map, full0 + 8 * stage, (kb * boxes + b) * box_k, t * tile_m);
+          gs_tma_load_2d(gs_smem_addr(smem + stage * stage_bytes + b * box_bytes), gs_map(&map), full0 + 8 * stage, (kb * boxes + b) * box_k, t * tile_m);
         if (++stage == stages) { stage = 0; phase ^= 1; }
       }
     }
   } else if (threadIdx.x == 32) {
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       for (int kb = 0; kb < nk; ++kb) {
-        mbar_wait(full0 + 8 * stage, phase);
+        gs_mbar_wait(full0 + 8 * stage, phase);
         acc += *reinterpret_cast<volatile unsigned*>(smem + stage * stage_bytes);
-        mbar_arrive(empty0 + 8 * stage);
+        gs_mbar_arrive(empty0 + 8 * stage);
         if (++stage == stages) { stage = 0; phase ^= 1; }
       }
     }
@@ -73,14 +73,14 @@ __device__ __forceinline__ void lora_ring(const CUtensorMap* mapa, const CUtenso
   if (!prod && !cons) return;
   auto body = [&](int t, int kb) {
     if (prod) {
-      mbar_wait(empty0 + 8 * stage, phase ^ 1);
-      mbar_expect(full0 + 8 * stage, with_b ? stage_bytes : a_bytes);
-      tma2d(smem_u32(smem + stage * stage_bytes), mapa, full0 + 8 * stage, kb * 64, t * 64);
-      if (with_b) tma2d(smem_u32(smem + stage * stage_bytes + a_bytes), mapb, full0 + 8 * stage, kb * 64, (t * 32 / tiles) * 16);
+      gs_mbar_wait(empty0 + 8 * stage, phase ^ 1);
+      gs_mbar_arrive_expect_tx(full0 + 8 * stage, with_b ? stage_bytes : a_bytes);
+      gs_tma_load_2d(gs_smem_addr(smem + stage * stage_bytes), gs_map(mapa), full0 + 8 * stage, kb * 64, t * 64);
+      if (with_b) gs_tma_load_2d(gs_smem_addr(smem + stage * stage_bytes + a_bytes), gs_map(mapb), full0 + 8 * stage, kb * 64, (t * 32 / tiles) * 16);
     } else {
-      mbar_wait(full0 + 8 * stage, phase);
+      gs_mbar_wait(full0 + 8 * stage, phase);
       acc += *reinterpret_cast<volatile unsigned*>(smem + stage * stage_bytes);
-      mbar_arrive(empty0 + 8 * stage);
+      gs_mbar_arrive(empty0 + 8 * stage);
     }
     if (++stage == stages) { stage = 0; phase ^= 1; }
   };
