@@ -3,11 +3,15 @@
     python scripts/emit_hashes.py > before.txt            # examples and their backward
     python scripts/emit_hashes.py --corpus specs.jsonl    # also every spec of a corpus
     python scripts/emit_hashes.py --collect specs.jsonl -- tests/front tests/codegen
+    python scripts/emit_hashes.py --dump before/ > before.txt   # the files too, for sass_diff.py
 
 Each example (and each spec of the corpus) is carried through the whole compiler: every
 file `gemmspec compile` would write (kernels, host launcher, header, manifest,
 schedule), the `explain` text and JSON, and the same for its derived backward spec.
 One line per file: `<sha256>  <spec source>:<file>`. Compare two runs with `diff`.
+`--dump DIR` also writes each file under DIR (a folder per spec source, the device
+header at its top), so that `scripts/sass_diff.py` can compile the kernels two runs
+disagree on and compare their SASS.
 
 `--collect` runs pytest over the given paths with every `.gspec` text the tests parse
 recorded (one JSON string per line, deduplicated), and every jinja2 render's output
@@ -32,7 +36,15 @@ def _sha(data: bytes | str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _spec_lines(label: str, text: str) -> list[str]:
+def _dump(dump: Path | None, label: str, name: str, data: bytes | str) -> None:
+    if dump is None:
+        return
+    folder = dump.joinpath(*label.split(":"))  # a backward spec's files under its forward's
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def _spec_lines(label: str, text: str, dump: Path | None = None) -> list[str]:
     from gemmspec.backward import derive_backward
     from gemmspec.codegen.emit import emit
     from gemmspec.errors import GemmspecError
@@ -51,6 +63,7 @@ def _spec_lines(label: str, text: str) -> list[str]:
     for sf in planned:
         for name, data in sorted(sf.files.items()):
             out.append(f"{_sha(data)}  {label}:{name}")
+            _dump(dump, label, name, data)
     for x, (_, _, program) in zip(lowered, programs):
         out.append(f"{_sha(explain_text(x.spec, x.schedule))}  {label}:{x.spec.name}.explain")
         doc = json.dumps(schedule_json(x.spec, x.schedule, program), indent=2)
@@ -62,7 +75,7 @@ def _spec_lines(label: str, text: str) -> list[str]:
             continue
         out.append(f"{_sha(repr(bw))}  {label}:{x.spec.name}.backward")
         if bw.statements:
-            out.extend(_spec_lines(f"{label}:{x.spec.name}.backward", bw.source))
+            out.extend(_spec_lines(f"{label}:{x.spec.name}.backward", bw.source, dump))
     return out
 
 
@@ -126,16 +139,23 @@ def main() -> int:
     ap.add_argument("--corpus", type=Path, help="a file of spec texts, one JSON string per line")
     ap.add_argument("--collect", type=Path, help="run pytest over PATHS and record spec texts here")
     ap.add_argument("--fast", action="store_true", help="with --collect: stub out NVRTC and nvcc")
+    ap.add_argument("--dump", type=Path, help="also write every emitted file under this folder")
     ap.add_argument("paths", nargs="*")
     args = ap.parse_args()
     if args.collect is not None:
         return _collect(args.collect, args.paths or ["tests"], args.fast)
     lines: list[str] = []
+    if args.dump is not None:  # the device header the kernels include, as this tree has it
+        from gemmspec.codegen.kernels import include_dir
+
+        args.dump.mkdir(parents=True, exist_ok=True)
+        for header in Path(include_dir()).glob("*.cuh"):
+            (args.dump / header.name).write_bytes(header.read_bytes())
     for path in sorted((ROOT / "examples").glob("*.gspec")):
-        lines.extend(_spec_lines(f"examples/{path.name}", path.read_text()))
+        lines.extend(_spec_lines(f"examples/{path.name}", path.read_text(), args.dump))
     if args.corpus is not None:
         for i, line in enumerate(args.corpus.read_text().splitlines()):
-            lines.extend(_spec_lines(f"corpus#{i}", json.loads(line)))
+            lines.extend(_spec_lines(f"corpus#{i}", json.loads(line), args.dump))
     print("\n".join(lines))
     return 0
 
