@@ -26,9 +26,20 @@ def declare_group(ctx: Context, g: ast.GroupDecl) -> None:
     # The count dim: declared here (`[E = 8]`) or earlier (`[E]`).
     if g.count is None:
         if g.count_dim.text not in ctx.dims:
+            later = _later_group(ctx, g, lambda o: o.count is not None and o.count_dim.text == g.count_dim.text)
+            if later is not None:
+                raise ctx.error(
+                    f"group '{g.name.text}' takes its count from '{g.count_dim.text}', which group "
+                    f"'{later.name.text}' declares later (at {later.count_dim.pos.line}:"
+                    f"{later.count_dim.pos.column}); a count dim comes from `dim` or from an "
+                    "earlier group's [NAME = N]",
+                    g.count_dim.pos,
+                    f"write [{g.count_dim.text} = {later.count}] here, or declare group "
+                    f"'{later.name.text}' before '{g.name.text}'",
+                )
             raise ctx.error(
                 f"group '{g.name.text}' needs a group count: write [{g.count_dim.text} = N] "
-                f"or declare `dim {g.count_dim.text} = N` first",
+                f"or declare `dim {g.count_dim.text} = N`",
                 g.count_dim.pos,
             )
         count = ctx.dims[g.count_dim.text].size
@@ -75,6 +86,15 @@ def declare_group(ctx: Context, g: ast.GroupDecl) -> None:
     sizes: tuple[int, ...] = ()
     if k.within is not None:
         if k.within.text not in ctx.groups:
+            later = _later_group(ctx, g, lambda o: o.name.text == k.within.text)
+            if later is not None:
+                raise ctx.error(
+                    f"group '{g.name.text}' is declared within '{k.within.text}', which is "
+                    f"declared after it (at {later.name.pos.line}:{later.name.pos.column}); "
+                    "a group written `within OUTER` must come after OUTER",
+                    k.within.pos,
+                    f"move the declaration of '{k.within.text}' above '{g.name.text}'",
+                )
             raise ctx.error(
                 f"unknown group '{k.within.text}'", k.within.pos,
                 *did_you_mean(k.within, list(ctx.groups), "groups"),
@@ -161,6 +181,13 @@ def declare_group(ctx: Context, g: ast.GroupDecl) -> None:
         ctx.masked_by_count_dim.setdefault(g.count_dim.text, g.name.text)
 
 
+def _later_group(ctx: Context, g: ast.GroupDecl, match) -> ast.GroupDecl | None:
+    """The first group declared after `g` in the spec for which `match` holds."""
+    groups = list(ctx.ast.groups)
+    after = groups[next(i for i, o in enumerate(groups) if o is g) + 1:]
+    return next((o for o in after if match(o)), None)
+
+
 def check_group_ref(ctx: Context, idx: ast.Index, dim: str, t: Tensor, binding: Binding) -> None:
     assert idx.group is not None
     gname = idx.group.text
@@ -208,6 +235,14 @@ def check_sum_restriction(
         )
     g = ctx.groups[gname]
     kdim = binding[sm.var.text][0]
+    if g.kind == "masked":
+        raise ctx.error(
+            f"'{sm.var.text} in {gname}(...)': group '{gname}' is masked; a sum restricted to "
+            "a group's segments takes a ragged, split or uniform group",
+            sm.group.pos,
+            f"write `sum[{sm.var.text}]` and index the output and both factors by a batch "
+            f"index over {g.count_dim}, which makes '{gname}' the leaf axis",
+        )
     if g.kind not in GROUP_KINDS_THAT_PARTITION or g.dim != kdim:
         raise ctx.error(
             f"'{sm.var.text} in {gname}(...)': group '{gname}' does not split {kdim}",

@@ -63,6 +63,15 @@ def check_layout(
             raise ctx.error(f"unknown group '{gname}'", decl.group.pos)
         group = ctx.groups[gname]
         names = [n.text for n in shape]
+        if group.kind == "masked":
+            raise ctx.error(
+                f"segment_major({gname}): group '{gname}' does not split any dim of '{owner}' "
+                "into segments: it is masked; segment_major stores the segments of a ragged, "
+                "split or uniform group",
+                decl.group.pos,
+                f"a masked group's data is already one padded block per entry: declare '{owner}' "
+                f"with its count dim {group.count_dim} as a dim and index it by a batch index",
+            )
         if group.kind not in GROUP_KINDS_THAT_PARTITION or group.dim not in names:
             raise ctx.error(
                 f"segment_major({gname}): group '{gname}' does not split any dim of "

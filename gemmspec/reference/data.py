@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ArgumentError
-from ..spec import FP8_TYPES, INDEX_TYPE, MAX_EXTENT, Spec, Tensor
+from ..spec import FP8_TYPES, INDEX_TYPE, MAX_EXTENT, Group, Spec, Tensor
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NUMPY_TYPES = {
@@ -60,6 +60,75 @@ def segments(spec: Spec, rt: Runtime, group: str) -> list[Segment]:
         for i in range(g.count):
             out.append(Segment((*outer, i), int(row[i]), int(row[i + 1] - row[i])))
     return out
+
+
+def check_group_values(spec: Spec, rt: Runtime) -> None:
+    """ValueError unless every offsets or counts tensor in `rt` holds what its group's
+    definition asks: a ragged group's offsets shaped [outer counts..., G + 1], each row
+    non-decreasing; the outermost row from 0 to the dim's size (at or below it for a
+    capacity group), a nested row from its outer segment's start to its end; a masked
+    group's counts shaped [G] and non-negative. Other values have no meaning: the
+    executors would read them as some other segments, or fail inside numpy. As at run
+    time, only the groups the spec reads are checked (a statement's, a layout's or a
+    scale's, with the groups they nest in)."""
+    for g in _read_groups(spec):
+        if g.tensor not in rt.tensors:
+            continue
+        values = np.asarray(rt.tensors[g.tensor])
+        if g.kind == "masked":
+            if values.shape != (g.count,):
+                raise ValueError(f"counts '{g.tensor}' of '{g.name}' must have shape [{g.count}], got {list(values.shape)}")
+            if (values < 0).any():
+                at = int(np.flatnonzero(values < 0)[0])
+                raise ValueError(f"counts '{g.tensor}' of '{g.name}' holds {values[at]} at {at}; counts are non-negative")
+            continue
+        outer = [spec.group(n).count for n in _ancestors(spec, g.name)]
+        shape = (*outer, g.count + 1)
+        if values.shape != shape:
+            raise ValueError(f"offsets '{g.tensor}' of '{g.name}' must have shape {list(shape)}, got {list(values.shape)}")
+        rows = values.astype(np.int64).reshape(-1, g.count + 1)
+        steps = np.diff(rows, axis=1)
+        if (steps < 0).any():
+            r, i = (int(x[0]) for x in np.nonzero(steps < 0))
+            where = f" in row {r}" if g.within is not None else ""
+            raise ValueError(
+                f"offsets '{g.tensor}' of '{g.name}' decrease{where}: entry {i} is {rows[r, i]}, entry "
+                f"{i + 1} is {rows[r, i + 1]}; offsets are non-decreasing positions along {g.dim}"
+            )
+        if g.within is None:
+            if spec.dim(g.dim).size is None and g.dim not in rt.dims:
+                continue  # no size to end at: the executors need one anyway
+            size = dim_size(spec, rt, g.dim)
+            end = int(rows[0, -1])
+            if rows[0, 0] != 0 or end > size or (end != size and not g.capacity):
+                at = "at or below" if g.capacity else "at"
+                raise ValueError(
+                    f"offsets '{g.tensor}' of '{g.name}' must start at 0 and end {at} "
+                    f"{g.dim} = {size}, got {rows[0, 0]}..{end}"
+                )
+            continue
+        for r, seg in enumerate(segments(spec, rt, g.within)):
+            if rows[r, 0] != seg.start or rows[r, -1] != seg.start + seg.length:
+                raise ValueError(
+                    f"offsets '{g.tensor}' of '{g.name}': row {r} runs {rows[r, 0]}..{rows[r, -1]}, "
+                    f"but its '{g.within}' segment is {seg.start}..{seg.start + seg.length}; each row "
+                    "spans its outer segment exactly"
+                )
+
+
+def _read_groups(spec: Spec) -> list[Group]:
+    """The groups with an offsets or counts tensor that a statement, a layout or a scale
+    of the spec uses, with the groups they nest in."""
+    named: set[str] = set()
+    for gm in spec.gemms:
+        for role in (gm.m, gm.n, gm.k):
+            named.update(x for x in (role.group, role.masked_by) if x)
+        named.update(ax.group for ax in gm.leaf_axes if ax.group)
+    for t in spec.tensors:
+        named.update(x for x in (t.layout.group, t.scale and t.scale.anchor, t.scale and t.scale.layout.group) if x)
+    for name in list(named):
+        named.update(_ancestors(spec, name))
+    return [g for g in spec.groups if g.tensor and g.name in named]
 
 
 def membership(spec: Spec, rt: Runtime, group: str) -> np.ndarray:

@@ -4,7 +4,8 @@ No schedule, no layouts, no offsets formulas: each statement is evaluated as its
 index notation says, with group membership taken from the definitions of
 ragged, split, uniform and masked groups, and rows read or written through an
 index tensor (`x[idx[t], k]`, `y[idx[t], n] = ...`) taken from its values (an index
-outside the tensor's rows, or two rows written to one element, is a ValueError). Derived tensors are computed from
+outside the tensor's rows, or two rows written to one element, is a ValueError; so are
+offsets or counts that break their group's definition, data.check_group_values). Derived tensors are computed from
 their sources first (requantize: dequantize, then quantize with the target's
 blocks, in float32 as the kernel does, with `rows` and `weight` as
 data.requantize_rows_values says; quantize: the same rounding from unscaled values; transpose: same values;
@@ -29,6 +30,7 @@ from .data import (
     Runtime,
     TensorData,
     block_index,
+    check_group_values,
     dim_size,
     fp8_output_values,
     quantize,
@@ -301,6 +303,7 @@ def run_direct(
     FP8 value; a row pass that sums rows (`scatter_add`) would otherwise inherit the sum of
     its source rows' errors."""
     given = given or {}
+    check_group_values(spec, rt)
     data = derive(spec, rt, inputs)
     results = {k: v.copy() for k, v in init.items()}
     for t in fp8_outputs(spec):

@@ -31,6 +31,7 @@ from ..spec import Spec
 from .data import (
     Runtime,
     TensorData,
+    check_group_values,
     element_offsets,
     gathered_rows,
     pack,
@@ -298,6 +299,7 @@ def run_postpass(spec: Spec, rt: Runtime, p: PostPass, flat: dict[str, np.ndarra
 
 def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run pre-passes and launches on flat buffers; return each output's logical values."""
+    check_group_values(spec, rt)
     flat: dict[str, np.ndarray] = {}
     for name, d in inputs.items():
         t = spec.tensor(name)
