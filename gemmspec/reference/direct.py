@@ -110,9 +110,14 @@ def chain_names(spec: Spec, group: str) -> tuple[str, ...]:
     return tuple(reversed(names))
 
 
-def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], out: np.ndarray) -> np.ndarray:
-    """Return the new value of the output tensor (float64, logical shape)."""
+def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], out: np.ndarray,
+                  covered: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Return the new value of the output tensor (float64, logical shape); `covered`, where
+    given, gathers the elements the statement writes under the output's name."""
     total, written = statement_result(spec, rt, gemm, data, out.shape)
+    if covered is not None:
+        name = gemm.out.tensor
+        covered[name] = written | covered[name] if name in covered else written
     if gemm.accumulate:
         return out + total
     return np.where(written, total, out)
@@ -293,10 +298,14 @@ def run_direct(
     inputs: dict[str, TensorData],
     init: dict[str, np.ndarray],
     given: dict[str, TensorData] | None = None,
+    covered: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Evaluate every statement in order; `init` holds each output's starting values (an
     FP8 output's scale grid may start from `init[<scale name>]`, else NaN). An FP8
-    output's scale grid is returned under its scale's name. `given` names outputs to take
+    output's scale grid is returned under its scale's name. `covered`, where given,
+    receives for each bf16, f16 or f32 output of a statement the elements the statements
+    write (boolean, its logical shape): an `+=` output keeps its starting values where no
+    leaf adds, so NaN cannot tell those elements apart. `given` names outputs to take
     as they are (values, and an FP8 output's scales) instead of computing them, so that
     what reads them can be checked against what a device wrote: FP8 rounding is
     discontinuous, and a result a hair away from the reference's may round to the next
@@ -353,7 +362,7 @@ def run_direct(
             continue
         # Rounded to the output's type as the kernel stores it: a statement that reads the
         # output (or adds into it) sees the stored values, not the exact ones.
-        results[name] = quantize(run_statement(spec, rt, gemm, data, results[name]), out_t.dtype)
+        results[name] = quantize(run_statement(spec, rt, gemm, data, results[name], covered), out_t.dtype)
         data[name] = TensorData(results[name])
     return results
 
