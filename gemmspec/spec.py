@@ -571,6 +571,30 @@ class Spec:
         names = [w for g in self.gemms for w in g.writes] + [t.name for t in self.row_passes]
         return tuple(dict.fromkeys(names))
 
+    @property
+    def read_groups(self) -> tuple[Group, ...]:
+        """The groups known at run time (offsets or counts) whose tensor the spec reads: a
+        statement's rows, columns, K or leaves split or masked by it, a layout cut into its
+        segments, a scale anchored on it, and the enclosing groups of each (a nested
+        group's offsets are checked against its outer's). The tensor of any other group is
+        still an argument of a call, but nothing reads it: neither the device check nor a
+        launch takes it (with hundreds of such groups, every one a parameter of launch 0's
+        kernel made CUDA that does not compile in reasonable time), and the reference does
+        not check its values."""
+        named: set[str] = set()
+        for g in self.gemms:
+            for role in (g.m, g.n, g.k):
+                named.update(x for x in (role.group, role.masked_by) if x)
+            named.update(ax.group for ax in g.leaf_axes if ax.group)
+        for t in self.tensors:
+            named.update(x for x in (t.layout.group, t.scale and t.scale.anchor, t.scale and t.scale.layout.group) if x)
+        for name in list(named):
+            group = self.group(name)
+            while group.within and group.within not in named:
+                named.add(group.within)
+                group = self.group(group.within)
+        return tuple(g for g in self.groups if g.tensor and g.name in named)
+
     def per_channel(self, g: Gemm) -> bool:
         """Whether statement `g`'s FP8 scales span its whole (compile-time) K: one scale
         per row of A and per column of B, applied once in the epilogue instead of per

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..lower.schedule import PrePass, Schedule
-from ..spec import Group, Spec, Tensor
+from ..spec import Spec, Tensor
 from .names import check_symbol
 
 THREADS = 256  # one block; a leaf-table builder that runs the check has as many threads
@@ -221,33 +221,10 @@ def index_rows(spec: Spec) -> tuple[IndexRows, ...]:
     return tuple(found.values())
 
 
-def read_groups(spec: Spec) -> tuple[Group, ...]:
-    """The groups known at run time (offsets or counts) whose tensor the spec reads: a
-    statement's rows, columns, K or leaves split or masked by it, a layout cut into its
-    segments, a scale anchored on it, and the enclosing groups of each. The tensor of any
-    other group is still an argument of the call (checked on the host like any argument),
-    but no kernel reads it, so neither the device check nor any launch takes it: with
-    hundreds of such groups, every one a parameter of launch 0's kernel made CUDA that
-    does not compile in reasonable time."""
-    named: set[str] = set()
-    for g in spec.gemms:
-        for role in (g.m, g.n, g.k):
-            named.update(x for x in (role.group, role.masked_by) if x)
-        named.update(ax.group for ax in g.leaf_axes if ax.group)
-    for t in spec.tensors:
-        named.update(x for x in (t.layout.group, t.scale and t.scale.anchor, t.scale and t.scale.layout.group) if x)
-    for name in list(named):  # a nested group's offsets are checked against its outer's
-        g = spec.group(name)
-        while g.within and g.within not in named:
-            named.add(g.within)
-            g = spec.group(g.within)
-    return tuple(g for g in spec.groups if g.tensor and g.name in named)
-
-
 def validation_kernel(spec: Spec) -> ValidationKernel | None:
     """The check kernel of a spec, or None when it reads no group known only at run time
     and no index tensor picks rows."""
-    groups = list(read_groups(spec))
+    groups = list(spec.read_groups)
     indexed = index_rows(spec)
     if not groups and not indexed:
         return None
@@ -425,7 +402,7 @@ def prepass_offsets(spec: Spec, p: PrePass) -> str | None:
 
 def needs_check(spec: Spec) -> bool:
     """Whether the spec reads a group known only at run time or any index tensor picks rows."""
-    return bool(read_groups(spec)) or bool(index_rows(spec))
+    return bool(spec.read_groups) or bool(index_rows(spec))
 
 
 def check_placement(spec: Spec, schedule: Schedule) -> CheckPlacement | None:

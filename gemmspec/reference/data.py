@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ArgumentError
-from ..spec import FP8_TYPES, INDEX_TYPE, MAX_EXTENT, Group, Spec, Tensor
+from ..spec import FP8_TYPES, INDEX_TYPE, MAX_EXTENT, Spec, Tensor
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 NUMPY_TYPES = {
@@ -71,7 +71,7 @@ def check_group_values(spec: Spec, rt: Runtime) -> None:
     executors would read them as some other segments, or fail inside numpy. As at run
     time, only the groups the spec reads are checked (a statement's, a layout's or a
     scale's, with the groups they nest in)."""
-    for g in _read_groups(spec):
+    for g in spec.read_groups:
         if g.tensor not in rt.tensors:
             continue
         values = np.asarray(rt.tensors[g.tensor])
@@ -114,21 +114,6 @@ def check_group_values(spec: Spec, rt: Runtime) -> None:
                     f"but its '{g.within}' segment is {seg.start}..{seg.start + seg.length}; each row "
                     "spans its outer segment exactly"
                 )
-
-
-def _read_groups(spec: Spec) -> list[Group]:
-    """The groups with an offsets or counts tensor that a statement, a layout or a scale
-    of the spec uses, with the groups they nest in."""
-    named: set[str] = set()
-    for gm in spec.gemms:
-        for role in (gm.m, gm.n, gm.k):
-            named.update(x for x in (role.group, role.masked_by) if x)
-        named.update(ax.group for ax in gm.leaf_axes if ax.group)
-    for t in spec.tensors:
-        named.update(x for x in (t.layout.group, t.scale and t.scale.anchor, t.scale and t.scale.layout.group) if x)
-    for name in list(named):
-        named.update(_ancestors(spec, name))
-    return [g for g in spec.groups if g.tensor and g.name in named]
 
 
 def membership(spec: Spec, rt: Runtime, group: str) -> np.ndarray:

@@ -40,7 +40,7 @@ import numpy as np
 from ..codegen.emit import EmittedProgram
 from ..codegen.kernels import include_dir
 from ..codegen.manifest import CHECK_FLAGS, Manifest, launch_manifest
-from ..codegen.validate import group_chain_count, index_rows, read_groups
+from ..codegen.validate import group_chain_count, index_rows
 from ..codegen.variants import DecodeVariant, decode_variant
 from ..errors import ArgumentError, GemmspecError
 from ..lower.schedule import Schedule
@@ -430,7 +430,7 @@ class Executable:
 
     def _check_group_values(self, arrays, dims) -> dict[str, np.ndarray]:
         host: dict[str, np.ndarray] = {}
-        for g in read_groups(self.spec):  # the values no kernel reads are not checked
+        for g in self.spec.read_groups:  # the values no kernel reads are not checked
             values = copy_to_host(arrays[g.tensor], self._group_tensor_shape(g)).astype(np.int64)
             host[g.tensor] = values
             size = dims.get(g.dim, self.spec.dim(g.dim).size)

@@ -11,7 +11,7 @@ from pathlib import Path
 from gemmspec.codegen.emit import emit
 from gemmspec.codegen.kernels import include_dir
 from gemmspec.codegen.manifest import launch_manifest
-from gemmspec.codegen.validate import read_groups, validation_kernel
+from gemmspec.codegen.validate import validation_kernel
 from gemmspec.pipeline import lower_file
 from gemmspec.runtime.executor import Executable
 
@@ -39,7 +39,7 @@ def lowered(unused: int):
 
 def test_only_the_read_group_is_checked_and_passed() -> None:
     x = lowered(1000)
-    assert [g.name for g in read_groups(x.spec)] == ["expert"]
+    assert [g.name for g in x.spec.read_groups] == ["expert"]
     v = validation_kernel(x.spec)
     assert v is not None and v.tensors == ("expert_offsets",)
     program = emit(x.spec, x.schedule)
@@ -64,7 +64,7 @@ def test_a_group_read_only_through_a_nested_one_is_checked() -> None:
         "  group expert[E = 20] = ragged(T within outer, offsets = expert_offsets)",
     )
     (x,) = lower_file(text)
-    assert [g.name for g in read_groups(x.spec)] == ["outer", "expert"]
+    assert [g.name for g in x.spec.read_groups] == ["outer", "expert"]
 
 
 def test_the_builder_compiles(tmp_path: Path) -> None:
