@@ -5,6 +5,7 @@ their own modules."""
 from __future__ import annotations
 
 from .. import ast
+from ..errors import Edit, Fix
 from ..spec import FP8_TYPES, INDEX_TYPE, KERNEL_K_BLOCK, ROW_PASS_OPS, VIEW_OP, Tensor
 from .context import (
     COPY_OP,
@@ -16,7 +17,7 @@ from .context import (
     Context,
 )
 from .copies import check_copy_declaration
-from .fixes import did_you_mean
+from .fixes import did_you_mean, end_of_scale, fix, insert_at, rename
 from .row_passes import check_row_pass
 from .swiglu_grad import check_swiglu_grad
 from .views import check_view
@@ -40,7 +41,7 @@ def check_derivation(ctx: Context, t: ast.TensorDecl) -> None:
     if op.text == VIEW_OP:
         check_view(ctx, t)
         return
-    check_derivation_options(ctx, op, t.derived.options)
+    check_derivation_options(ctx, t)
     check_derivation_keywords(ctx, t)
     if op.text == COPY_OP:
         check_copy_declaration(ctx, t)
@@ -71,7 +72,7 @@ def check_derivation(ctx: Context, t: ast.TensorDecl) -> None:
             src.pos,
         )
     if op.text == "quantize":
-        _check_quantize(ctx, source, target, op.pos)
+        _check_quantize(ctx, source, target, op)
         return
     if source.dtype not in FP8_TYPES or target.dtype not in FP8_TYPES:
         raise ctx.error(
@@ -177,25 +178,50 @@ def _check_requantize_rows_source(ctx: Context, t: ast.TensorDecl, source: Tenso
         )
 
 
-def check_derivation_options(ctx: Context, op: ast.Name, options: tuple[ast.Name, ...]) -> None:
-    """quantize takes one option, pow2; the other derivations take none."""
+def check_derivation_options(ctx: Context, t: ast.TensorDecl) -> None:
+    """quantize takes one option, pow2; requantize only its keywords `rows = IDX` and
+    `weight = W`; the other derivations take none."""
+    op, options = t.derived.op, t.derived.options
+    pow2_home = (
+        "power-of-two scales are written by `quantize(SOURCE, pow2)` (from a bf16, f16 or "
+        "f32 source) and by an FP8 output whose scale says `pow2`"
+    )
     for i, o in enumerate(options):
         if op.text == COPY_OP:
+            # pow2 belongs after the copy's scale block (unless it is there already).
+            drop, scale_end = _drop_option(ctx, o), end_of_scale(ctx, t.name.text)
+            note, found = None, None
+            if o.text == QUANTIZE_POW2 and drop is not None and scale_end is not None:
+                if t.scale.pow2:
+                    note, found = f"drop `, {o.text}`: the scale of '{t.name.text}' says pow2 already", drop
+                else:
+                    note = f"drop `, {o.text}` and end the scale of '{t.name.text}' with ` pow2`"
+                    found = fix(insert_at(scale_end, " pow2"), *drop.edits)
             raise ctx.error(
                 f"copy(...) takes no options, but '{o.text}' is given"
                 + ("; write `pow2` after the scale block of the copy" if o.text == QUANTIZE_POW2 else ""),
                 o.pos,
+                note,
+                found,
+            )
+        if op.text == "requantize":
+            raise ctx.error(
+                f"'{o.text}' is not an option of requantize: its options are the keywords "
+                f"`{REQUANTIZE_ROWS} = IDX` (row t read from row IDX[t] of the source) and "
+                f"`{REQUANTIZE_WEIGHT} = W` (row t multiplied by W[t])"
+                + (f"; {pow2_home}, not by requantize" if o.text == QUANTIZE_POW2 else ""),
+                o.pos,
+                ("requantize computes its scales as amax / FP8 max: " if o.text == QUANTIZE_POW2 else "")
+                + f"drop `{o.text}`",
+                _drop_option(ctx, o),
             )
         if op.text != "quantize":
             raise ctx.error(
                 f"{op.text}(...) takes no options, but '{o.text}' is given"
-                + (
-                    "; power-of-two scales (pow2) are an option of quantize only"
-                    if o.text == QUANTIZE_POW2 else ""
-                ),
+                + (f"; {pow2_home}" if o.text == QUANTIZE_POW2 else ""),
                 o.pos,
-                "transpose keeps the source's scales" if op.text == "transpose"
-                else "requantize computes its scales as amax / FP8 max",
+                f"transpose keeps the source's scales: drop `{o.text}`",
+                _drop_option(ctx, o),
             )
         if o.text != QUANTIZE_POW2:
             raise ctx.error(
@@ -207,22 +233,38 @@ def check_derivation_options(ctx: Context, op: ast.Name, options: tuple[ast.Name
             raise ctx.error(f"option '{o.text}' of quantize is given twice", o.pos)
 
 
-def _check_quantize(ctx: Context, source: Tensor, target: Tensor, pos: ast.Pos) -> None:
+def _drop_option(ctx: Context, o: ast.Name) -> Fix | None:
+    """Remove the option `o` and the comma before it (both on one line)."""
+    line = ctx.lines[o.pos.line - 1]
+    col = o.pos.column - 1
+    while col > 0 and line[col - 1] in " \t":
+        col -= 1
+    if col == 0 or line[col - 1] != ",":
+        return None
+    return fix(Edit(o.pos.line, col, o.pos.line, o.pos.column + len(o.text), ""))
+
+
+def _check_quantize(ctx: Context, source: Tensor, target: Tensor, op: ast.Name) -> None:
     """quantize turns an unscaled high-precision tensor into FP8 with fresh scales."""
     if source.dtype not in QUANTIZE_SOURCE_TYPES or source.scale is not None:
         what = f"{source.dtype} with a scale" if source.scale is not None else source.dtype
         raise ctx.error(
             f"quantize reads an unscaled bf16, f16 or f32 tensor, but '{source.name}' is {what}",
-            pos,
-            "use requantize(...) to change the scale blocks of an FP8 tensor"
-            if source.dtype in FP8_TYPES else None,
+            op.pos,
+            f"'{source.name}' is FP8 already: read it as it is, or derive `= requantize({source.name})` "
+            f"where the new blocks are the [{KERNEL_K_BLOCK}, 1] blocks the requantize pass writes"
+            if source.scale is not None else None,
+            # Into [128, 1] blocks the requantize pass does what was asked.
+            fix(rename(op, "requantize"))
+            if source.scale is not None and source.scale.block == (1, KERNEL_K_BLOCK)
+            and target.scale is not None and target.scale.block == (KERNEL_K_BLOCK, 1) else None,
         )
     if target.dtype not in FP8_TYPES or target.scale is None:
         what = f"{target.dtype} with no scale" if target.dtype in FP8_TYPES else target.dtype
         raise ctx.error(
             f"quantize writes an FP8 (e4m3, e5m2) tensor with a scale, but '{target.name}' "
             f"is {what}",
-            pos,
+            op.pos,
         )
 
 

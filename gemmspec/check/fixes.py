@@ -98,12 +98,23 @@ def set_layout(ctx: Context, tensor: str, layout: str) -> Edit:
     return _insert(_end(_child(decl, "shape")), f" layout {layout}")
 
 
+def end_of_scale(ctx: Context, tensor: str) -> tuple[int, int] | None:
+    """Just after `tensor`'s scale clause, if it has one."""
+    clause = _child(_decl_tree(ctx, "tensor_decl", tensor), "scale_clause")
+    return None if clause is None else _end(clause)
+
+
 def add_declaration(ctx: Context, after_tensor: str, text: str) -> Edit:
     """A new line holding `text` after the declaration of `after_tensor`, indented like it."""
     decl = _decl_tree(ctx, "tensor_decl", after_tensor)
     line = ctx.lines[decl.meta.line - 1]
     indent = line[: len(line) - len(line.lstrip())]
     return _insert(_end(decl), f"\n{indent}{text}")
+
+
+def replace_declaration(ctx: Context, tensor: str, text: str) -> Edit:
+    """Replace the whole declaration of `tensor` (clauses and derivation included) with `text`."""
+    return _span(_decl_tree(ctx, "tensor_decl", tensor), text)
 
 
 def group_kind_end_of_dim(ctx: Context, group: str) -> tuple[int, int]:

@@ -5,19 +5,26 @@ from __future__ import annotations
 
 from .. import ast
 from ..errors import Edit, Fix
-from ..spec import INDEX_TYPE, Access, Gemm, Tensor
-from .context import Context
-from .fixes import add_declaration, add_declaration_last, fix, rename
+from ..spec import INDEX_TYPE, KERNEL_K_BLOCK, Access, Gemm, Tensor
+from .context import REQUANTIZE_ROWS, Context
+from .fixes import (
+    add_declaration,
+    add_declaration_last,
+    fix,
+    rename,
+    replace_declaration,
+    set_scale,
+)
 
 
-def index_tensor(ctx: Context, idx: ast.Index) -> Tensor:
-    """The tensor of `idx[t]`: a declared i32 tensor of one dim."""
+def index_tensor(ctx: Context, idx: ast.Index, s: ast.Statement) -> Tensor:
+    """The tensor of `idx[t]` in statement `s`: a declared i32 tensor of one dim."""
     assert idx.via is not None
     name = idx.via.text
     if name not in ctx.tensors:
         raise ctx.error(
             f"unknown index tensor '{name}'", idx.via.pos,
-            *_declare_index(ctx, idx),
+            *_declare_index(ctx, idx, s),
         )
     t = ctx.tensors[name]
     if t.dtype != INDEX_TYPE:
@@ -25,10 +32,110 @@ def index_tensor(ctx: Context, idx: ast.Index) -> Tensor:
             f"'{name}' is {t.dtype}, but {name}[{idx.var.text}] reads it as an index tensor; "
             f"index tensors are {INDEX_TYPE} (int32 row numbers)",
             idx.via.pos,
-            f"declare `tensor {name} : {INDEX_TYPE} [{', '.join(t.dims)}]`",
-            fix(rename(ctx.tensor_ast[name].dtype, INDEX_TYPE)),
+            *_retype_index(ctx, idx, s, t),
         )
     return t  # one dim: checked at its declaration
+
+
+def _refs(s: ast.Statement) -> list[ast.Ref]:
+    refs = [s.out, s.lhs, s.rhs, *s.factors, *((s.bias,) if s.bias is not None else ())]
+    return refs + ([s.up.lhs, s.up.rhs] if s.up is not None else [])
+
+
+def _var_dims(ctx: Context, s: ast.Statement, var: str, skip: str) -> set[str]:
+    """The dims statement `s` says the index `var` ranges over: a tensor's dim where `var`
+    stands alone, the split dim of a group reference `G(var)`, the dim of an i32 tensor
+    of one dim other than `skip` in `IDX[var]` (what binding the statement will require).
+    Read from the declarations as written, so that it serves before all are checked."""
+    shapes = {d.name.text: (d.dtype.text, [n.text for n in d.shape]) for d in ctx.ast.tensors}
+    splits = {g.name.text: g.kind.dim.text for g in ctx.ast.groups}
+    dims: set[str] = set()
+    for r in _refs(s):
+        dtype, shape = shapes.get(r.tensor.text, ("", []))
+        for i, x in enumerate(r.indices):
+            if not isinstance(x, ast.Index) or x.var.text != var:
+                continue
+            if x.group is not None:
+                if x.group.text in splits:
+                    dims.add(splits[x.group.text])
+            elif x.via is not None:
+                via_type, via_shape = shapes.get(x.via.text, ("", []))
+                if x.via.text != skip and via_type == INDEX_TYPE and len(via_shape) == 1:
+                    dims.add(via_shape[0])
+            elif len(r.indices) == len(shape) and dtype != INDEX_TYPE:
+                dims.add(shape[i])
+    return dims
+
+
+def _reads_through(s: ast.Statement, name: str) -> list[str]:
+    """The index variables of `name[v]` in statement `s`."""
+    return [
+        x.var.text
+        for r in _refs(s)
+        for x in r.indices
+        if isinstance(x, ast.Index) and x.via is not None and x.via.text == name
+    ]
+
+
+def index_decl(ctx: Context, name: str, at: tuple[ast.Index, ast.Statement] | None = None) -> tuple[str, bool]:
+    """`tensor NAME : i32 [D]`, D the dim the row index ranges over: in the statement `at`
+    names (the index and the statement reading through NAME), or where it does not tell,
+    in every statement that reads through NAME; and whether D is known (else `T`)."""
+    dims: set[str] = set()
+    if at is not None:
+        dims = _var_dims(ctx, at[1], at[0].var.text, name)
+    if not dims:
+        dims = {
+            d
+            for s in ctx.ast.statements
+            for var in _reads_through(s, name)
+            for d in _var_dims(ctx, s, var, name)
+        }
+    dim = dims.pop() if len(dims) == 1 else None
+    return f"tensor {name} : {INDEX_TYPE} [{dim or 'T'}]", dim is not None
+
+
+def _read_as_data(ctx: Context, name: str) -> ast.Pos | None:
+    """Where a statement or a derivation reads `name` as data (not as an index), if it does."""
+    for s in ctx.ast.statements:
+        for r in _refs(s):
+            if r.tensor.text == name:
+                return r.tensor.pos
+    for d in ctx.ast.tensors:
+        if d.derived is None:
+            continue
+        if d.derived.source.text == name:
+            return d.derived.source.pos
+        for key, value in d.derived.keywords:
+            if value.text == name and key.text != REQUANTIZE_ROWS:
+                return value.pos
+    return None
+
+
+def _retype_index(ctx: Context, idx: ast.Index, s: ast.Statement, t: Tensor) -> tuple[str, Fix | None]:
+    """A tensor of another type read as an index tensor: declare it as one, over the dim
+    the row index ranges over (replacing its declaration), or, where it is also read as
+    data, declare an index tensor of its own."""
+    name = t.name
+    decl, known = index_decl(ctx, name, (idx, s))
+    if not known and t.rank == 1:
+        decl, known = f"tensor {name} : {INDEX_TYPE} [{t.dims[0]}]", True
+    used = _read_as_data(ctx, name)
+    if used is None:
+        note = f"declare `{decl}` (one int32 row number per row {idx.var.text})"
+        return note, fix(replace_declaration(ctx, name, decl)) if known else None
+    new = f"{name}_idx"
+    if new in ctx.names:
+        new = f"{name}_rows"
+    own = decl.replace(f"tensor {name} :", f"tensor {new} :", 1)
+    note = (
+        f"'{name}' is also read as data at {used.line}:{used.column}; declare an index tensor "
+        f"of its own, `{own}` (one int32 row number per row {idx.var.text}), and read "
+        f"through {new}[{idx.var.text}]"
+    )
+    if not known or new in ctx.names:
+        return note, None
+    return note, fix(add_declaration_last(ctx, own), rename(idx.via, new))
 
 
 def _combine_hint(ctx: Context, s: ast.Statement, idx: ast.Index) -> tuple[str, Fix | None]:
@@ -78,22 +185,12 @@ def _row_dim(ctx: Context, lhs: ast.Ref, var: str) -> str | None:
     return None
 
 
-def _declare_index(ctx: Context, idx: ast.Index) -> tuple[str, Fix | None]:
+def _declare_index(ctx: Context, idx: ast.Index, s: ast.Statement) -> tuple[str, Fix | None]:
     """An undeclared index tensor: one row number per row of the statement, so its dim is
-    the dim of the row index where that is already known from a tensor it indexes."""
-    name = idx.via.text
-    dims = {
-        ctx.tensors[r.tensor.text].dims[i]
-        for s in ctx.ast.statements
-        for r in (s.out, s.lhs, s.rhs)
-        if r.tensor.text in ctx.tensors and len(r.indices) == ctx.tensors[r.tensor.text].rank
-        for i, x in enumerate(r.indices)
-        if isinstance(x, ast.Index) and x.via is None and x.group is None and x.var.text == idx.var.text
-    }
-    dim = dims.pop() if len(dims) == 1 else None
-    decl = f"tensor {name} : {INDEX_TYPE} [{dim or 'T'}]"
+    the dim the row index ranges over where the statement already tells it."""
+    decl, known = index_decl(ctx, idx.via.text, (idx, s))
     note = f"declare it, e.g. `{decl}` (one row number per row {idx.var.text})"
-    return note, fix(add_declaration_last(ctx, decl)) if dim else None
+    return note, fix(add_declaration_last(ctx, decl)) if known else None
 
 
 def check_gather_positions(ctx: Context, s: ast.Statement, refs: tuple[ast.Ref, ...]) -> None:
@@ -180,10 +277,24 @@ def check_gathered(ctx: Context, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tenso
             f"{sc.name}[{shown} / {sc.block[axis]}, k / 128]",
         )
     if ctx.per_channel(gemm):
+        # Blockwise instead: [1, 128] on the gathered rows, and 128 along K on the second
+        # factor where it is per-channel too (both operands scale alike along K).
+        k_axis = acc.axis_of_role("k")
+        want = [str(b) for b in sc.block]
+        want[axis], want[k_axis] = "1", str(KERNEL_K_BLOCK)
+        edits = [set_scale(ctx, t.name, want)]
+        shown_b = ""
+        b_t, b_axis = ctx.tensors[gemm.b.tensor], gemm.b.axis_of_role("k")
+        if b_t.scale is not None and b_axis is not None and b_t.scale.block[b_axis] != KERNEL_K_BLOCK:
+            want_b = [str(b) for b in b_t.scale.block]
+            want_b[b_axis] = str(KERNEL_K_BLOCK)
+            edits.append(set_scale(ctx, b_t.name, want_b))
+            shown_b = f" and [{', '.join(want_b)}] blocks on '{b_t.name}' (both operands blockwise)"
         raise ctx.error(
             f"'{t.name}' has per-channel scales (one along the whole of K), which a {what} "
             "operand does not support yet",
             idx.via.pos,
-            f"use [1, 128] blocks on '{t.name}': the scale of row {shown} is then read through "
-            "the same index",
+            f"use [{', '.join(want)}] blocks on '{t.name}'{shown_b}: the scale of row {shown} "
+            "is then read through the same index",
+            fix(*edits),
         )

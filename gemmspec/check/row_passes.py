@@ -6,6 +6,7 @@ from __future__ import annotations
 from .. import ast
 from ..spec import FP8_TYPES, INDEX_TYPE, KERNEL_K_BLOCK, Gemm, Tensor
 from .context import QUANTIZE_SOURCE_TYPES, REQUANTIZE_ROWS, REQUANTIZE_WEIGHT, Context
+from .fixes import fix, insert_at, replace_declaration
 
 
 def check_row_pass(ctx: Context, t: ast.TensorDecl) -> None:
@@ -20,10 +21,6 @@ def check_row_pass(ctx: Context, t: ast.TensorDecl) -> None:
         check_scatter_add(ctx, t)
         return
     target = ctx.tensors[name]
-    usage = (
-        f"rowdot({d.source.text}, B) takes the second factor as its second argument"
-        if op == "rowdot" else f"rowscale({d.source.text}, weight = W)"
-    )
     if op == "rowdot":
         if len(d.options) != 1 or d.keywords:
             pos = d.keywords[0][0].pos if d.keywords else d.options[1].pos if d.options else d.op.pos
@@ -34,7 +31,15 @@ def check_row_pass(ctx: Context, t: ast.TensorDecl) -> None:
             )
     else:
         if d.options:
-            raise ctx.error(f"rowscale(...) takes no options, but '{d.options[0].text}' is given", d.options[0].pos, usage)
+            o = d.options[0]
+            shown = f"rowscale({d.source.text}, {REQUANTIZE_WEIGHT} = {o.text})"
+            raise ctx.error(
+                f"'{o.text}' is not an option of rowscale: its one option is the keyword "
+                f"`{REQUANTIZE_WEIGHT} = W` (row r multiplied by W[r])", o.pos,
+                f"write `{shown}`",
+                fix(insert_at((o.pos.line, o.pos.column), f"{REQUANTIZE_WEIGHT} = "))
+                if len(d.options) == 1 and not d.keywords else None,
+            )
         keys = [k for k, _ in d.keywords]
         bad = next((k for k in keys if k.text != REQUANTIZE_WEIGHT), None)
         if bad is not None or len(keys) != 1:
@@ -87,11 +92,13 @@ def check_row_pass(ctx: Context, t: ast.TensorDecl) -> None:
             target.dtype != "f32" or target.scale is not None or target.dims != source.dims[:1]
             or target.layout.contiguous_axis() != 0
         ):
+            decl = f"tensor {name} : f32 [{source.dims[0]}] = rowdot({d.source.text}, {d.options[0].text})"
             raise ctx.error(
                 f"rowdot writes one f32 per row: '{name}' must be an unscaled, contiguous f32 "
                 f"[{source.dims[0]}], but it is {target.dtype} [{', '.join(target.dims)}] layout {target.layout}",
                 t.name.pos,
-                f"declare `tensor {name} : f32 [{source.dims[0]}] = rowdot(...)`",
+                f"declare `{decl}`",
+                fix(replace_declaration(ctx, name, decl)),
             )
         return
     key, value = d.keywords[0]
@@ -180,6 +187,7 @@ def check_scatter_add(ctx: Context, t: ast.TensorDecl) -> None:
         raise ctx.error(f"unknown tensor '{value.text}'", value.pos)
     idx = ctx.tensors[value.text]
     rows = source.dims[0]
+    derive = f"scatter_add({d.source.text}, rows = {value.text})"
     if idx.dtype != INDEX_TYPE or idx.dims != (rows,):
         raise ctx.error(
             f"'{value.text}' gives the target row of each row of '{source.name}': an {INDEX_TYPE} "
@@ -191,19 +199,24 @@ def check_scatter_add(ctx: Context, t: ast.TensorDecl) -> None:
         target.dtype not in QUANTIZE_SOURCE_TYPES or target.scale is not None or target.rank != 2
         or target.layout.kind != "strided" or target.layout.contiguous_axis() != 1
     ):
+        dtype = target.dtype if target.dtype in QUANTIZE_SOURCE_TYPES else source.dtype
+        decl = f"tensor {name} : {dtype} [{target.dims[0]}, {source.dims[1]}] = {derive}"
         raise ctx.error(
             f"scatter_add writes rows of '{source.name}': '{name}' must be an unscaled bf16, f16 or "
             f"f32 2-D tensor with contiguous rows, but it is {target.dtype} [{', '.join(target.dims)}] "
             f"layout {target.layout}" + (" with a scale" if target.scale is not None else ""),
             t.name.pos,
-            f"declare `tensor {name} : bf16 [S, {source.dims[1]}] = scatter_add(...)`",
+            f"declare `{decl}`",
+            fix(replace_declaration(ctx, name, decl)),
         )
     if target.dims[1] != source.dims[1]:
+        decl = f"tensor {name} : {target.dtype} [{target.dims[0]}, {source.dims[1]}] = {derive}"
         raise ctx.error(
             f"scatter_add adds whole rows: the columns of '{name}' [{', '.join(target.dims)}] must be "
             f"those of '{source.name}' [{', '.join(source.dims)}]",
             t.name.pos,
-            f"declare `tensor {name} : {target.dtype} [{target.dims[0]}, {source.dims[1]}]`",
+            f"declare `{decl}`",
+            fix(replace_declaration(ctx, name, decl)),
         )
 
 

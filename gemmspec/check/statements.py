@@ -95,7 +95,7 @@ def check_statement(ctx: Context, index: int, s: ast.Statement) -> Gemm:
                     continue  # 2*j and 2*j + 1 range over the weight's rows, j over the output's
                 if idx.via is not None:
                     # `idx[t]`: t ranges over the index tensor's dim, the position over t's own.
-                    bind(idx.var, index_tensor(ctx, idx).dims[0], f"{idx.via.text}[...]")
+                    bind(idx.var, index_tensor(ctx, idx, s).dims[0], f"{idx.via.text}[...]")
                     continue
                 bind(idx.var, dim, f"{t.name}[...]")
     for sm in s.sums:

@@ -27,6 +27,8 @@ from .context import (
     SWIGLU_GRAD_OP,
     Context,
 )
+from .fixes import fix, replace_declaration
+from .gather import index_decl
 from .groups import GROUP_KINDS_THAT_PARTITION
 from .layouts import check_layout
 from .names import claim, need_dim
@@ -90,12 +92,13 @@ def check_index_tensor(ctx: Context, t: ast.TensorDecl, layout: Layout) -> None:
     through `x[idx[t], k]` or written through `y[idx[t], n] = ...`; contiguous."""
     usage = f"read rows through it as `x[{t.name.text}[t], k]`"
     if len(t.shape) != 1:
+        decl, known = index_decl(ctx, t.name.text)
         raise ctx.error(
             f"'{t.name.text}' is {INDEX_TYPE}, an index tensor, but has {len(t.shape)} dims "
             f"[{', '.join(n.text for n in t.shape)}]; an index tensor has one: an entry per row",
             t.shape[min(1, len(t.shape) - 1)].pos,
-            f"declare it `tensor {t.name.text} : {INDEX_TYPE} [T]` over the rows it indexes, "
-            f"and {usage}",
+            f"declare it `{decl}` over the rows it indexes, and {usage}",
+            fix(replace_declaration(ctx, t.name.text, decl)) if known else None,
         )
     if layout.kind != "strided" or layout.strides != (ONE,):
         assert t.layout is not None

@@ -390,3 +390,167 @@ CASES += [
         "9:36", "'a2' is itself a view of 'a'", steps=2,
     ),
 ]
+
+# DeepSeek-V3's up-projection writing h twice, for the down-projection and its WGRAD
+# (language.md, copies of an FP8 output), with the copy's scales asked as powers of two.
+DSV3_UP_COPY = """\
+gemm dsv3_up_train {{
+  dim T
+  dim F = 2048, K = 7168
+  group expert[E = 256] = ragged(T, offsets = expert_offsets)
+  tensor x   : e4m3 [T, K] scale f32 [1, 128]
+  tensor w   : e4m3 [E, F, K] scale f32 [1, 128, 128]
+  tensor h   : e4m3 [T, F] scale f32 [1, 128]
+  tensor h_t : e4m3 [T, F] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert{pow2} = copy(h, pow2)
+  h[t, f] = sum[k] x[t, k] * w[expert(t), f, k]
+}}
+"""
+
+# DeepSeek-V3 WGRAD of the up-projection from dy as the forward's DGRAD left it (1x128
+# scales), requantized to 128x1 blocks per expert.
+DSV3_WGRAD_REQUANTIZED = """\
+gemm dsv3_up_wgrad {{
+  dim T
+  dim N = 2048, K = 7168
+  group expert[E = 256] = ragged(T, offsets = expert_offsets)
+  tensor dy   : e4m3 [T, N] scale f32 [1, 128]
+  tensor dy_t : e4m3 [T, N] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = requantize(dy, {options})
+  tensor x_t  : e4m3 [T, K] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert
+  tensor dw   : f32 [E, N, K]
+  dw[e, n, k] = sum[t in expert(e)] dy_t[t, n] * x_t[t, k]
+}}
+"""
+
+# Qwen3-30B-A3B's down-projection DGRAD: the router-weighted rows and the router weight's
+# gradient as row passes (language.md, row passes).
+QWEN3_DOWN_DGRAD = """\
+gemm qwen3_down_dgrad {{
+  dim T
+  dim H = 2048, F = 768
+  group expert[E = 128] = ragged(T, offsets = expert_offsets)
+  tensor dy      : bf16 [T, H]
+  tensor w_down  : bf16 [E, H, F]
+  tensor h       : bf16 [T, F]
+  tensor route_w : f32 [T]
+  tensor g       : bf16 [T, F]
+  tensor dh      : bf16 [T, F] = rowscale(g, {weight})
+  tensor drw     : {drw} = rowdot(g, h)
+  g[t, f] = sum[n] dy[t, n] * w_down[expert(t), n, f]
+}}
+"""
+
+CASES += [
+    # The note declares the index tensor over the dim its index ranges over (T, the rows
+    # the expert group splits), not over the dim it was declared with.
+    Case(
+        "qwen3_index_tensor_wrong_type_and_dim",
+        QWEN3_DOWN.format(decls="""\
+  tensor x      : bf16 [S, H]
+  tensor idx    : bf16 [F]
+  tensor w_gate : bf16 [E, F, H]
+  tensor g      : bf16 [T, F]
+  g[t, f] = sum[k] x[idx[t], k] * w_gate[expert(t), f, k]"""),
+        "9:22", "'idx' is bf16, but idx[t] reads it as an index tensor",
+    ),
+    Case(
+        "qwen3_index_tensor_of_token_rows",
+        QWEN3_DOWN.format(decls="""\
+  tensor x      : bf16 [S, H]
+  tensor idx    : i32 [S, H]
+  tensor w_gate : bf16 [E, F, H]
+  tensor g      : bf16 [T, F]
+  g[t, f] = sum[k] x[idx[t], k] * w_gate[expert(t), f, k]"""),
+        "6:27", "'idx' is i32, an index tensor, but has 2 dims [S, H]",
+    ),
+    Case(
+        "qwen3_router_weight_read_as_an_index",
+        QWEN3_DOWN.format(decls="""\
+  tensor x       : bf16 [S, H]
+  tensor route_w : f32 [T]
+  tensor w_gate  : bf16 [E, F, H]
+  tensor g       : bf16 [T, F]
+  g[t, f] = route_w[t] * sum[k] x[route_w[t], k] * w_gate[expert(t), f, k]"""),
+        "9:35", "'route_w' is f32, but route_w[t] reads it as an index tensor",
+    ),
+    Case(
+        "qwen3_gather_and_scatter_indices_undeclared",
+        QWEN3_DOWN.format(decls="""\
+  tensor x      : bf16 [S, H]
+  tensor w_gate : bf16 [E, F, H]
+  tensor g      : bf16 [S, F]
+  g[src[t], f] = sum[k] x[idx[t], k] * w_gate[expert(t), f, k]"""),
+        "8:5", "unknown index tensor 'src'", steps=2,
+    ),
+    Case(
+        "dsv3_gathered_per_channel_scales",
+        DSV3_FP8.format(x=" scale f32 [1, K]", w=" scale f32 [1, 1, K]").replace(
+            "dim T\n", "dim T, S\n"
+        ).replace("tensor x : e4m3 [T, K]", "tensor idx : i32 [T]\n  tensor x : e4m3 [S, K]").replace(
+            "x[t, k]", "x[idx[t], k]"
+        ),
+        "9:22", "'x' has per-channel scales (one along the whole of K), which a gathered operand",
+    ),
+    Case(
+        "dsv3_wgrad_requantize_pow2",
+        DSV3_WGRAD_REQUANTIZED.format(options="pow2"),
+        "6:112", "'pow2' is not an option of requantize: its options are the keywords `rows = IDX`",
+    ),
+    Case(
+        "dsv3_wgrad_requantize_pow2_after_rows",
+        DSV3_WGRAD_REQUANTIZED.format(options="rows = dst, pow2").replace(
+            "  tensor dy   :", "  tensor dst  : i32 [T]\n  tensor dy   :"
+        ),
+        "7:124", "power-of-two scales are written by `quantize(SOURCE, pow2)`",
+    ),
+    Case(
+        "dsv3_copy_pow2_as_an_option",
+        DSV3_UP_COPY.format(pow2=""), "8:104", "copy(...) takes no options, but 'pow2' is given",
+    ),
+    Case(
+        "dsv3_copy_pow2_twice",
+        DSV3_UP_COPY.format(pow2=" pow2"), "8:109", "write `pow2` after the scale block of the copy",
+    ),
+    Case(
+        "qwen3_topk_combine_fp8_target",
+        QWEN3_DOWN.format(decls="""\
+  tensor h       : bf16 [T, F]
+  tensor w_down  : bf16 [E, H, F]
+  tensor src     : i32 [T]
+  tensor route_w : f32 [T]
+  tensor y_rows  : bf16 [T, H]
+  tensor y       : e4m3 [S, H] scale f32 [1, 128] = scatter_add(y_rows, rows = src)
+  y_rows[t, n] = route_w[t] * sum[f] h[t, f] * w_down[expert(t), n, f]"""),
+        "10:10", "scatter_add writes rows of 'y_rows': 'y' must be an unscaled bf16, f16 or f32",
+    ),
+    Case(
+        "qwen3_topk_combine_other_columns",
+        QWEN3_DOWN.format(decls="""\
+  tensor h       : bf16 [T, F]
+  tensor w_down  : bf16 [E, H, F]
+  tensor src     : i32 [T]
+  tensor route_w : f32 [T]
+  tensor y_rows  : bf16 [T, H]
+  tensor y       : bf16 [S, F] = scatter_add(y_rows, rows = src)
+  y_rows[t, n] = route_w[t] * sum[f] h[t, f] * w_down[expert(t), n, f]"""),
+        "10:10", "scatter_add adds whole rows: the columns of 'y' [S, F]",
+    ),
+    Case(
+        "qwen3_rowscale_weight_without_keyword",
+        QWEN3_DOWN_DGRAD.format(weight="route_w", drw="f32 [T]"),
+        "10:46", "'route_w' is not an option of rowscale",
+    ),
+    Case(
+        "qwen3_rowdot_target_bf16",
+        QWEN3_DOWN_DGRAD.format(weight="weight = route_w", drw="bf16 [T]"),
+        "11:10", "rowdot writes one f32 per row: 'drw' must be an unscaled, contiguous f32 [T]",
+    ),
+]
+
+CASES += [
+    # x arrives in FP8 with 1x128 scales: the WGRAD operand in 128x1 blocks is a requantize.
+    Case(
+        "dsv3_wgrad_quantize_of_fp8",
+        DSV3_WGRAD_REQUANTIZED.format(options="").replace("requantize(dy, )", "quantize(dy)"),
+        "6:97", "quantize reads an unscaled bf16, f16 or f32 tensor, but 'dy' is e4m3 with a scale",
+    ),
+]

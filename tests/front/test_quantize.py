@@ -242,8 +242,8 @@ POW2_ERRORS = [
     ("requantize", "  tensor w   :",
      "  tensor x8  : e4m3 [T, K] scale f32 [1, 128]\n"
      "  tensor x_t : e4m3 [T, K] layout major(T) scale f32 [128, 1] = requantize(x8, pow2)\n  tensor w   :",
-     "pow2", "requantize(...) takes no options, but 'pow2' is given; power-of-two scales (pow2) "
-     "are an option of quantize only", "requantize computes its scales as amax / FP8 max"),
+     "pow2", "'pow2' is not an option of requantize: its options are the keywords `rows = IDX`",
+     "requantize computes its scales as amax / FP8 max"),
     ("transpose", "  tensor w   :",
      "  tensor x8  : e4m3 [T, K] scale f32 [1, 128]\n"
      "  tensor x_t : e4m3 [T, K] layout major(T) scale f32 [1, 128] = transpose(x8, fast)\n  tensor w   :",

@@ -119,7 +119,7 @@ ERRORS = [
      "rowdot reads 2-D tensors whose rows are contiguous (the last dim), but 'g' is [T, F] layout major(T)"),
     ("rowdot-of-a-row-pass", _r("rowscale(g, weight = rw)", "rowscale(g, weight = rw)\n  tensor d2 : f32 [T] = rowdot(dh, g)"),
      "dh, g)", "rowdot reads tensors passed in or written by statements, but 'dh' is derived by another pass"),
-    ("rowscale-option", _r("rowscale(g, weight = rw)", "rowscale(g, rw)"), "rw)", "rowscale(...) takes no options, but 'rw' is given"),
+    ("rowscale-option", _r("rowscale(g, weight = rw)", "rowscale(g, rw)"), "rw)", "'rw' is not an option of rowscale"),
     ("rowscale-no-weight", _r("rowscale(g, weight = rw)", "rowscale(g)"), "rowscale(g)",
      "rowscale(...) takes exactly one option, `weight = W`"),
     ("rowscale-rows", _r("rowscale(g, weight = rw)", "rowscale(g, rows = rw)"), "rows = rw",
