@@ -23,8 +23,17 @@ EXIT_USAGE = 2
 EXPLAIN_WIDTH = 100  # the most columns `explain` wraps its text at on a terminal
 
 
+class _SpecFile(argparse.Action):
+    """FILE as a Path, and as typed in `file_text`: the specs name their file as the user
+    wrote it (a Path would shorten `./m.gspec` to `m.gspec`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.file_text = str(values)
+        setattr(namespace, self.dest, Path(values))
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", type=Path, help="a .gspec file")
+    p.add_argument("file", action=_SpecFile, help="a .gspec file")
     p.add_argument(
         "--dump-ir",
         metavar="DIR",
@@ -86,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_common(p)
-    p.add_argument("--json", action="store_true", help="print the documented JSON form instead")
-    p.add_argument(
+    form = p.add_mutually_exclusive_group()  # the JSON carries the backward under 'backward'
+    form.add_argument("--json", action="store_true", help="print the documented JSON form instead")
+    form.add_argument(
         "--backward",
         action="store_true",
         help="explain the derived backward (DGRAD/WGRAD) spec: its text and its explain",
@@ -140,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_common(p)
-    p.add_argument("--dims", nargs="*", default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=10, help="timed runs (median reported)")
+    p.add_argument("--dims", nargs="*", type=_dim_item, default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--repeats", type=_positive, default=10, metavar="R", help="timed runs, median reported (default 10)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser(
@@ -164,12 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_common(p)
-    p.add_argument("--dims", nargs="*", default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
+    p.add_argument("--dims", nargs="*", type=_dim_item, default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and segment lengths (default 0)")
     p.add_argument(
         "--repeat", type=_positive, default=20, metavar="N", help="timed calls per candidate; the median counts (default 20)"
     )
-    p.add_argument("--json", metavar="OUT", type=_output_path, help="also write the report as JSON to OUT")
+    p.add_argument("--json", metavar="OUT", type=_output_file, help="also write the report as JSON to OUT")
     p.add_argument(
         "--only",
         nargs="+",
@@ -193,7 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
-    return bench_main(args.args)
+    # The benchmark reports its own errors; `--traceback` asks it to raise them instead.
+    return bench_main(["--traceback", *args.args] if args.traceback else args.args)
+
+
+def _lower(args: argparse.Namespace):
+    """Every spec of FILE lowered (and dumped where --dump-ir asks), each naming FILE as typed."""
+    from .output import lower_and_dump
+    from .parse import parse_file
+
+    return lower_and_dump(parse_file(args.file_text), args.dump_ir)
 
 
 def _check_output_dirs(args: argparse.Namespace) -> None:
@@ -208,10 +227,10 @@ def _check_output_dirs(args: argparse.Namespace) -> None:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from .codegen.emit import emit
-    from .output import SHARED_HEADER, lower_and_dump, plan_programs, write_programs
+    from .output import SHARED_HEADER, plan_programs, write_programs
 
     _check_output_dirs(args)
-    lowered = lower_and_dump(args.file, args.dump_ir)
+    lowered = _lower(args)
     sources: dict[str, str] = {}
     if args.backward:
         backwards = [_backward_of(x.spec) for x in lowered]
@@ -258,23 +277,52 @@ def _output_path(text: str) -> Path:
     return Path(text)
 
 
+def _output_file(text: str) -> Path:
+    """An output file's path as given; an empty one is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string (a file name, such as tune.json)")
+    return Path(text)
+
+
+def _digits(text: str) -> bool:
+    # ASCII digits only: str.isdigit() also takes superscripts, which int() refuses.
+    return re.fullmatch(r"[0-9]+", text) is not None
+
+
 def _width(text: str) -> int:
-    if not text.isdigit() or not (int(text) == 0 or int(text) >= 40):
+    if not _digits(text) or not (int(text) == 0 or int(text) >= 40):
         raise argparse.ArgumentTypeError(f"expected 0 (no wrapping) or a width of at least 40, got {text!r}")
     return int(text)
 
 
 def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not _digits(text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
 
 
 def _tile_arg(text: str) -> tuple[int, int]:
     m, sep, n = text.partition(",")
-    if not sep or not m.strip().isdigit() or not n.strip().isdigit():
+    if not sep or not _digits(m.strip()) or not _digits(n.strip()):
         raise argparse.ArgumentTypeError(f"expected M,N (a tile such as 128,160), got {text!r}")
     return int(m), int(n)
+
+
+def _seed_ok(seed: int) -> bool:
+    """Whether --seed can seed numpy's generators, which take no negative seed (else say why)."""
+    if seed < 0:
+        print(f"gemmspec: error: --seed: expected a seed of 0 or more, got {seed}", file=sys.stderr)
+        return False
+    return True
+
+
+def _dim_item(text: str) -> str:
+    """One --dims item as given (`_dims` reads it). `--dims T=4 spec.gspec` takes the
+    spec's path as an item, and argparse would then say only that FILE is missing: such
+    an item is refused here, where argparse can say so."""
+    if "=" not in text and (text.endswith(".gspec") or Path(text).is_file()):
+        raise argparse.ArgumentTypeError(f"expected NAME=SIZE, got {text!r} (FILE goes before --dims)")
+    return text
 
 
 def _dims(items: list[str]) -> dict[str, int] | None:
@@ -312,18 +360,20 @@ def _check_dims(spec, dims: dict[str, int]) -> bool:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .output import check_output_dir, lower_and_dump
+    from .output import check_output_dir
     from .tune import tune
 
     dims = _dims(args.dims)
-    if dims is None:
+    if dims is None or not _seed_ok(args.seed):
         return EXIT_USAGE
     _check_output_dirs(args)
     if args.json is not None:
         if args.json.is_dir():
             raise OutputError(f"cannot write the --json file {args.json}: it is a directory", str(args.json))
+        if args.json.resolve() == args.file.resolve():  # the report would replace the spec
+            raise OutputError(f"cannot write the --json file {args.json}: it is the spec file", str(args.json))
         check_output_dir(args.json.parent, "--json file's directory")
-    lowered = lower_and_dump(args.file, args.dump_ir)
+    lowered = _lower(args)
     if len(lowered) == 1 and not _check_dims(lowered[0].spec, dims):  # several: tune says so
         return EXIT_USAGE
 
@@ -349,8 +399,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runtime.verify import run_random
 
     dims = _dims(args.dims)
-    if dims is None:
+    if dims is None or not _seed_ok(args.seed):
         return EXIT_USAGE
+    _check_output_dirs(args)
+    lowered = _lower(args)
+    if len(lowered) > 1:
+        names = ", ".join(x.spec.name for x in lowered)
+        raise GemmspecError(f"{args.file}: run takes a file with one spec; it defines {len(lowered)} ({names})")
     exe = build(args.file)
     if not _check_dims(exe.spec, dims):
         return EXIT_USAGE
@@ -367,20 +422,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .output import lower_and_dump
-
     _check_output_dirs(args)
-    for x in lower_and_dump(args.file, args.dump_ir):
-        print(f"{args.file}: {x.spec.name}: ok ({len(x.spec.gemms)} statement(s))")
+    for x in _lower(args):
+        print(f"{args.file_text}: {x.spec.name}: ok ({len(x.spec.gemms)} statement(s))")
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from .explain import backward_json, explain_text, schedule_json
-    from .output import lower_and_dump
 
     _check_output_dirs(args)
-    lowered = lower_and_dump(args.file, args.dump_ir)
+    lowered = _lower(args)
     if args.json:
         docs = [{**schedule_json(x.spec, x.schedule), "backward": backward_json(x.spec)} for x in lowered]
         print(json.dumps(docs, indent=2))
@@ -433,8 +485,13 @@ def _report(e: Exception, args: argparse.Namespace) -> tuple[int, str]:
         return EXIT_SPEC_ERROR, str(e)
     if not isinstance(e, OSError):  # a UnicodeDecodeError: only the spec file is read as text
         return EXIT_USAGE, f"gemmspec: error: {spec_file} is not UTF-8 text"
-    path = e.filename if e.filename is not None else spec_file
-    if isinstance(e, FileNotFoundError):
+    if e.filename is None:
+        if e.errno is None:  # not a system call's error (a library that would not load)
+            return EXIT_USAGE, f"gemmspec: error: {e}"
+        # No file named: writing the standard output failed (a full disk, a closed stream).
+        return EXIT_USAGE, f"gemmspec: error: cannot write the output: {e.strerror or e}"
+    path = e.filename
+    if isinstance(e, FileNotFoundError) and spec_file is not None and str(path) == str(spec_file):
         return EXIT_USAGE, f"gemmspec: error: cannot read {path}: no such file"
     if isinstance(e, IsADirectoryError) and spec_file is not None and str(path) == str(spec_file):
         return EXIT_USAGE, f"gemmspec: error: {path} is a directory, not a .gspec file"

@@ -29,11 +29,18 @@ one decode shape over token counts instead of the table (see `sweep.py`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import os
+import re
 import sys
 import time
+from pathlib import Path
 
 from ..clocks import ClockSampler, gpu_id
+from ..errors import OutputError
+from ..output import check_output_dir, make_output_dir
 from . import specs, timing
 from .anchors import deepgemm
 from .cases import CASES, selected_cases
@@ -44,12 +51,39 @@ from .sweep import SWEEPS, run_sweep, sweep_report
 from .timing import Result
 
 
-def main(argv: list[str] | None = None) -> int:
+def _positive(text: str) -> int:
+    if re.fullmatch(r"[0-9]+", text) is None or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _output_file(example: str):
+    """The type of an output file's option: the path as given; an empty one is refused."""
+
+    def output_file(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"expected a path, got an empty string (a file name, such as {example})")
+        return text
+
+    return output_file
+
+
+def _case_prefix(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a case's name or the start of one, got an empty string")
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemmspec bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=None, metavar="CASE", help="run only these cases (prefixes)")
-    ap.add_argument("--repeat", type=int, default=1, help="do_bench runs per implementation (median of medians)")
-    ap.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw gemmspec vs anchors per case (needs matplotlib)")
+    ap.add_argument("--only", nargs="+", type=_case_prefix, default=None, metavar="CASE",
+                    help="run only these cases (a name or the start of one: fp8_fwd, decode, ...; --list names them)")
+    ap.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                    help="do_bench runs per implementation (median of medians; default 1)")
+    ap.add_argument("--json", metavar="FILE", type=_output_file("bench.json"),
+                    help="write every measurement as JSON")
+    ap.add_argument("--plot", metavar="FILE.png", type=_output_file("bench.png"),
+                    help="draw gemmspec vs anchors per case (needs matplotlib)")
     ap.add_argument("--list", action="store_true", help="list the cases and their targets, then exit")
     ap.add_argument(
         "--sweep", choices=sorted(SWEEPS), metavar="NAME",
@@ -67,18 +101,90 @@ def main(argv: list[str] | None = None) -> int:
         "instead of do_bench): sustained FP8 GEMMs throttle the card, so back-to-back rates "
         "depend on what ran before; with a pause every kernel starts from the same state",
     )
+    # `gemmspec --traceback bench ...` passes it on: raise the errors bench reports itself.
+    ap.add_argument("--traceback", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def _tile(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """--tile MxN; the checker's rule for any spec (each spec may refuse more, and its row says so)."""
+    try:
+        m, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        ap.error(f"--tile expects MxN, e.g. 128x128, got {text!r}")
+    if m not in (64, 128) or n % 8 or not 8 <= n <= 256:
+        ap.error(f"--tile {text}: not a supported tile: the kernels take 64 or 128 rows by a multiple of 8 "
+                 "columns from 8 to 256")
+    return m, n
+
+
+def _check_only(ap: argparse.ArgumentParser, only: list[str]) -> None:
+    for prefix in only:
+        if not selected_cases([prefix]):
+            starts = ", ".join(sorted({c.name.split("_")[0] + "_" for c in CASES}))
+            ap.error(f"--only {prefix!r} matches no case: case names start with {starts} "
+                     "(`gemmspec bench --list` lists them)")
+
+
+def _plot_formats() -> set[str] | None:
+    """The file types matplotlib can save (None: matplotlib is not installed)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
+def _check_output_file(text: str, option: str) -> None:
+    """Raise an OutputError now, before any work, if `text` cannot be written as a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise OutputError(f"cannot write the {option} file {text}: it is a directory", text)
+    if text.endswith(("/", os.sep)):
+        raise OutputError(f"cannot write the {option} file {text}: it ends in '/', a directory's name", text)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"cannot write the {option} file {text}: it is not writable", text)
+    check_output_dir(path.parent, f"{option} file's directory")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The --json and --plot files can be written (their folders made), and a plot drawn."""
+    for option, text in (("--json", args.json), ("--plot", args.plot)):
+        if text is not None:
+            _check_output_file(text, option)
+    if args.json is not None and args.plot is not None and Path(args.json).resolve() == Path(args.plot).resolve():
+        raise OutputError(f"--json and --plot name the same file, {args.plot}", args.plot)
+    if args.plot is not None:
+        formats = _plot_formats()
+        if formats is None:
+            raise OutputError("--plot needs matplotlib, which is not installed (pip install matplotlib)", args.plot)
+        suffix = Path(args.plot).suffix.lower().lstrip(".")
+        if suffix and suffix not in formats:
+            raise OutputError(f"cannot write the --plot file {args.plot}: matplotlib saves no '.{suffix}' files "
+                              f"(it saves {', '.join(sorted(formats))})", args.plot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
-    if args.idle < 0:
+    # Every option is checked before anything is set, the device looked for or any work done.
+    if not math.isfinite(args.idle) or args.idle < 0:
         ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
     if args.sweep and (args.only is not None or args.list):
         ap.error("--sweep runs one shape over token counts: it takes no --only or --list")
+    tile = _tile(ap, args.tile) if args.tile else None
+    if args.only is not None:
+        _check_only(ap, args.only)
+    try:
+        _check_outputs(args)
+    except OutputError as e:
+        if args.traceback:
+            raise
+        print(f"gemmspec: error: {e}", file=sys.stderr)
+        return 2
     timing.IDLE_MS = args.idle
-    if args.tile:
-        try:
-            m, n = (int(v) for v in args.tile.lower().split("x"))
-        except ValueError:
-            ap.error(f"--tile expects MxN, e.g. 128x128, got {args.tile!r}")
-        specs.FORCED_TILE = (m, n)
+    if tile is not None:
+        specs.FORCED_TILE = tile
     if args.list:
         for c in CASES:
             print(f"{c.name:36} {c.target.describe():32} {c.what}")
@@ -90,12 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         require_hopper(0)
     except DeviceUnavailableError as e:
+        if args.traceback:
+            raise
         print(f"gemmspec bench: error: {e}", file=sys.stderr)
         return 1
     try:
         torch = load_torch()
         import triton  # noqa: F401
     except ImportError as e:
+        if args.traceback:
+            raise
         print(f"gemmspec bench: needs torch and triton ({e})", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
@@ -130,11 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(r.sm_mhz is not None for r in results):
         print("clock, power: medians of nvidia-smi samples while each row was timed; * at the power cap")
     if args.json:
+        make_output_dir(Path(args.json).parent, "--json file's directory")
         with open(args.json, "w") as f:
             version = deepgemm.version(dg) if dg is not None else None
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": version,
                        "cases": summary}, f, indent=1)
     if args.plot:
+        make_output_dir(Path(args.plot).parent, "--plot file's directory")
         plot(summary, args.plot)
     return 1 if failures else 0
 
@@ -150,10 +262,12 @@ def _sweep(args, torch, props, dg) -> int:
     print(f"GPU: {torch.cuda.get_device_name()} ({props.multi_processor_count} SMs), torch {torch.__version__}")
     print(text)
     if args.json:
+        make_output_dir(Path(args.json).parent, "--json file's directory")
         with open(args.json, "w") as f:
             version = deepgemm.version(dg) if dg is not None else None
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": version}
                       | summary, f, indent=1)
     if args.plot:
+        make_output_dir(Path(args.plot).parent, "--plot file's directory")
         plot_sweep(summary, args.plot)
     return 1 if failures else 0
