@@ -47,6 +47,40 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _bytes(t)[index].view(t.dtype) if t.element_size() == 1 else t[index]
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _count(what: str, value, least: int) -> None:
+    """An int argument's check, before any work: ArgumentError unless an int >= least."""
+    if type(value) is not int or value < least:
+        raise ArgumentError(f"{what} must be an int >= {least}, got {value!r}")
+
+
+def _shape_errors(x, topk_idx, topk_w, hidden: int, tokens: int | None = None, k: int | None = None) -> list[str]:
+    """What is wrong with the token and routing arguments' shapes (nothing: [])."""
+    out = []
+    if x.dim() != 2 or x.shape[1] != hidden or (tokens is not None and x.shape[0] != tokens):
+        out.append(f"x is {list(x.shape)}")
+    rows = tokens if tokens is not None else x.shape[0] if x.dim() else None
+    if topk_idx.dim() != 2 or topk_idx.shape[1] < 1 or (k is not None and topk_idx.shape[1] != k) \
+            or topk_idx.shape[0] != rows:
+        out.append(f"topk_idx is {list(topk_idx.shape)}")
+    elif topk_w.shape != topk_idx.shape:
+        out.append(f"topk_w is {list(topk_w.shape)}")
+    if topk_idx.dtype not in _INDEX_DTYPES:
+        out.append(f"topk_idx is {topk_idx.dtype} (expert ids: an integer type)")
+    return out
+
+
+def _weight_errors(weights: Mapping[str, torch.Tensor], shapes) -> list[str]:
+    """What is wrong with the local expert weights given (nothing: [])."""
+    missing = [w for w, _ in shapes if w not in weights]
+    out = [f"{', '.join(missing)} missing"] if missing else []
+    out += [f"{w} is {list(weights[w].shape)}, not {list(shape)}" for w, shape in shapes
+            if w in weights and tuple(weights[w].shape) != shape]
+    return out
+
+
 def _chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     # Every rank makes the same number of chunks (each is a collective), empty ones included.
     edges = [tokens * i // chunks for i in range(chunks + 1)]
@@ -66,6 +100,7 @@ class ExpertParallel:
 
     def __init__(self, spec, *, group=None, placement: Placement | None = None, chunks: int = 1,
                  name: str | None = None):
+        _count("ExpertParallel: chunks", chunks, 1)
         self.exchange = Exchange(group)
         self.plan = plan(spec, self.exchange.world, placement, name=name)
         self.placement = self.plan.placement
@@ -89,11 +124,13 @@ class ExpertParallel:
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                  weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        missing = [w for w in self.roles.weights if w not in weights]
-        if missing or x.dim() != 2 or topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
+        wrong = _shape_errors(x, topk_idx, topk_w, self.roles.hidden)
+        wrong += _weight_errors(weights, self.rank_plan.weight_shapes)
+        if wrong:
+            shapes = ", ".join(f"{w} {list(s)}" for w, s in self.rank_plan.weight_shapes)
             raise ArgumentError(
-                f"{self.roles.spec.name}: takes x [tokens, {self.roles.hidden}], topk_idx and topk_w "
-                f"[tokens, k] and the local weights {', '.join(self.roles.weights)}; missing {missing or 'none'}"
+                f"{self.roles.spec.name}: takes x [tokens, {self.roles.hidden}], topk_idx (integer) and topk_w "
+                f"[tokens, k >= 1] and this rank's expert weights ({shapes}); {'; '.join(wrong)}"
             )
         if x.device.type == "cpu" and not self._cpu_ready:
             register_reference(self.fn.forward_op, self.fn.backward_op)
@@ -280,7 +317,10 @@ class EPMoE(torch.nn.Module):
     def __init__(self, spec, *, top_k: int, group=None, placement: Placement | None = None, chunks: int = 1,
                  name: str | None = None, full: Mapping[str, torch.Tensor] | None = None, seed: int = 0):
         super().__init__()
+        _count("EPMoE: top_k", top_k, 1)
         self.ep = ExpertParallel(spec, group=group, placement=placement, chunks=chunks, name=name)
+        if top_k > self.ep.placement.experts:
+            raise ArgumentError(f"EPMoE: top_k = {top_k} is more than the spec's {self.ep.placement.experts} experts")
         self.top_k = top_k
         full = full if full is not None else self.full_weights(self.ep.plan.roles, seed)
         self.router = torch.nn.Parameter(full["router"].clone())
@@ -319,6 +359,10 @@ class EPMoEDecode:
 
     def __init__(self, spec, *, tokens: int, top_k: int, group=None, placement: Placement | None = None,
                  capacity: int | None = None, name: str | None = None):
+        _count("EPMoEDecode: tokens", tokens, 0)
+        _count("EPMoEDecode: top_k", top_k, 1)
+        if capacity is not None:
+            _count("EPMoEDecode: capacity", capacity, 0)
         self.exchange = Exchange(group)
         self.plan = plan(spec, self.exchange.world, placement, capacity=True, name=name)
         self.placement = self.plan.placement
@@ -333,6 +377,10 @@ class EPMoEDecode:
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """This rank's expert weights ([local experts, ...]), quantized once as the spec says."""
         spec = self.op.exe.spec
+        wrong = _weight_errors(weights, self.rank_plan.weight_shapes)
+        if wrong:
+            shapes = ", ".join(f"{w} {list(s)}" for w, s in self.rank_plan.weight_shapes)
+            raise ArgumentError(f"EPMoEDecode: load takes this rank's expert weights ({shapes}); {'; '.join(wrong)}")
         out = {}
         for w in self.roles.weights:
             t, value = spec.tensor(w), weights[w].detach()
@@ -352,8 +400,12 @@ class EPMoEDecode:
     def decode(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
             raise ArgumentError("EPMoEDecode: call load(weights) before decode")
-        if tuple(topk_idx.shape) != (self.tokens, self.top_k) or x.shape[0] != self.tokens:
-            raise ArgumentError(f"EPMoEDecode: made for {self.tokens} tokens and k = {self.top_k}")
+        wrong = _shape_errors(x, topk_idx, topk_w, self.roles.hidden, self.tokens, self.top_k)
+        if wrong:
+            raise ArgumentError(
+                f"EPMoEDecode: made for {self.tokens} tokens and k = {self.top_k}: x [{self.tokens}, "
+                f"{self.roles.hidden}], topk_idx (integer) and topk_w [{self.tokens}, {self.top_k}]; {'; '.join(wrong)}"
+            )
         ex, roles, placement, cap = self.exchange, self.roles, self.placement, self.capacity
         spec, world, device = self.op.exe.spec, ex.world, x.device
         r = route(topk_idx, placement.experts)

@@ -35,12 +35,18 @@ class Placement:
     sizes: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        if isinstance(self.sizes, list):  # a list of sizes is taken as the tuple
+            object.__setattr__(self, "sizes", tuple(self.sizes))
+        if not isinstance(self.sizes, tuple):
+            raise GemmspecError(f"placement: sizes is one expert count per rank (a tuple of ints), got {self.sizes!r}")
         if not self.sizes or any(type(s) is not int or s < 1 for s in self.sizes):
             raise GemmspecError(f"placement: every rank must own at least one expert, got sizes {list(self.sizes)}")
 
     @classmethod
     def contiguous(cls, experts: int, world: int) -> Placement:
         """E/world experts per rank, in rank order (the default)."""
+        if type(world) is not int:
+            raise GemmspecError(f"placement: the number of ranks must be an int, got {world!r}")
         if world < 1 or experts % world:
             raise GemmspecError(
                 f"placement: {experts} experts do not split evenly over {world} ranks; "
@@ -261,6 +267,12 @@ def plan(spec, world_size: int, placement: Placement | None = None, *, capacity:
     from ..parse import parse
     from ..pipeline import load
 
+    if type(world_size) is not int or world_size < 1:
+        raise GemmspecError(f"plan: world_size must be an int >= 1, got {world_size!r}")
+    if placement is not None and not isinstance(placement, Placement):
+        raise GemmspecError(
+            f"plan: placement must be a Placement (Placement(sizes), one expert count per rank), got {placement!r}"
+        )
     file = load(Path(spec) if isinstance(spec, Path) else spec)
     specs = check(file)
     if name is not None:
