@@ -831,6 +831,9 @@ class _Builder:
             *((Param("U", "const void*", self.where[pg.u.tensor]),) if pg.u is not None else ()),
             *self.table_operands(x),
         ]
+        # Split K's counters are zeroed before the builder runs, not between it and the GEMM:
+        # nothing comes between a programmatic GEMM and the builder it depends on.
+        split = self.split_params(x)
         one = Formula.const(1)
         self.steps.append(
             KernelLaunch(
@@ -843,7 +846,7 @@ class _Builder:
             Param("maps", "const GsTensorMap*", maps_ws),
             Param("num_leaves", "int", self.value(x.leaf_count)),
             *self.gemm_operands(x),
-            *self.split_params(x),
+            *split,
         )
         grid = _persistent_grid(cfg)
         # A programmatic dependent of its builder (the step just before): its prologue
