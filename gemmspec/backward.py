@@ -241,6 +241,30 @@ def _row_dot_reads(a: Tensor) -> bool:
     return a.scale is None and a.dtype in ("bf16", "f16", "f32")
 
 
+def _capacity_rows(spec: Spec, g: Gemm) -> str | None:
+    """The capacity group among the groups splitting `g`'s rows, if any: rows past its
+    offsets' end are written by no statement, while a row pass reads every row."""
+    name = g.m.group
+    while name is not None:
+        group = spec.group(name)
+        if group.capacity:
+            return name
+        name = group.within
+    return None
+
+
+def _gather_capacity(spec: Spec, g: Gemm) -> str | None:
+    """Why gathered rows of `g` cannot come back through scatter_add, or None."""
+    cap = _capacity_rows(spec, g) if g.gather else None
+    if cap is None:
+        return None
+    return (
+        f"it reads the rows of '{g.a.tensor}' through '{g.gather}' and its rows are split by "
+        f"the capacity group '{cap}': scatter_add would add every row of the DGRAD's output into "
+        f"the gradient, the rows past the offsets' end too, which no statement writes"
+    )
+
+
 def _eligible(spec: Spec, g: Gemm) -> str | None:
     """Why statement `g` gets no derived backward, or None when it does. (A `+=`
     statement derives as a `=` one: its output's gradient flows into both factors, and
@@ -262,6 +286,8 @@ def _eligible(spec: Spec, g: Gemm) -> str | None:
             "into the gradient by scatter_add, the WGRAD reading requantize(A, rows = IDX)) takes "
             "FP8 A of two dims, rows first, and no row weight"
         )
+    if _gather_capacity(spec, g) is not None:
+        return _gather_capacity(spec, g)
     if spec.tensor(g.out.tensor).dtype in FP8_TYPES:
         return (
             f"its output '{g.out.tensor}' is FP8, quantized in the epilogue; the gradient of a "
@@ -357,6 +383,8 @@ def _swiglu_eligible(spec: Spec, g: Gemm) -> str | None:
         return "its A is not a 2-D tensor passed in, or its B is derived"
     if g.k.group is not None or g.m.masked_by is not None:
         return "it is K-grouped or its rows are masked"
+    if _gather_capacity(spec, g) is not None:
+        return _gather_capacity(spec, g)
     b_ref = next(inner for name, inner in _ref_list(g.text) if name == g.b.tensor)
     if len([i for i in _split_indices(b_ref) if i.endswith(f"({g.m.var})")]) > 1:
         return "its B operand is indexed by nested groups of its rows"
@@ -535,7 +563,9 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
         weight = row.access.tensor if row else None
         # The row weight's gradient needs the DGRAD before the weight, G (rowdot(G, A));
         # dA is then rowscale(G, weight = w), a row pass.
-        w_rows = weight is not None and _row_dot_reads(ta)
+        # Not over a capacity group: the row passes read every row of G and of A, and the
+        # rows past the offsets' end hold what no statement wrote.
+        w_rows = weight is not None and _row_dot_reads(ta) and _capacity_rows(spec, g) is None
         if reason is None:
             reason = add_conflict(g, ta.name, bool(g.gather) or w_rows) or add_conflict(g, tb.name, False)
         if reason is None and dd_chain is None and td.name in out_grads:
@@ -677,6 +707,13 @@ def derive_backward(spec: Spec, copies: bool = True) -> Backward:
             pre, dw = w_grad
             text = f"{dw} = rowdot({pre}, {ta.name}): {dw}[{g.m.var}] = sum[{g.k.var}] {pre}[{', '.join(a_idx)}] * {ta.name}[{', '.join(a_idx)}]"
             derived.append(Derived(g.index, "rowdot", weight, dw, text))
+        elif weight is not None and _row_dot_reads(ta):
+            not_derived.setdefault(weight, (
+                f"the row weight of statement #{g.index}, whose rows are split by the capacity "
+                f"group '{_capacity_rows(spec, g)}'; its gradient, rowdot of the DGRAD before the "
+                f"weight with '{ta.name}', would read the rows past the offsets' end, which no "
+                "statement writes"
+            ))
         elif weight is not None:
             not_derived.setdefault(weight, (
                 f"the row weight of statement #{g.index}; its gradient, row by row the dot "
