@@ -42,6 +42,7 @@ import torch
 from . import ast
 from .codegen.validate import group_chain_count
 from .errors import ArgumentError, GemmspecError
+from .runtime.arrays import DeviceArray, as_device_array
 from .runtime.executor import take
 from .runtime.quantize import QuantizeLaunch, plan_quantize
 from .runtime.streams import keep_context, torch_stream
@@ -55,6 +56,15 @@ _DTYPES = {
     "f16": torch.float16,
     "f32": torch.float32,
     "i32": torch.int32,
+}
+# The element types of host tensors as the executables name them (uint8 and uint16: FP8
+# and 16-bit data stored untyped, which the spec's declared type gives meaning to).
+_HOST_ELEMENTS = {
+    **{v: k for k, v in _DTYPES.items()},
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.uint16: "raw16",
 }
 _LIB = torch.library.Library("gemmspec", "FRAGMENT")  # kept alive: it owns the registrations
 _OPS: dict[str, GemmOp] = {}
@@ -99,8 +109,8 @@ _requires_grad = operator.attrgetter("requires_grad")
 
 
 def _need_grad(tensors) -> bool:
-    """Whether autograd would record a call on `tensors` (its fallback for an op with no
-    derivative then marks the outputs, or refuses)."""
+    """Whether autograd would record a call on `tensors` (the functional op's autograd
+    kernel, whose backward refuses: the op has no derivative)."""
     return torch.is_grad_enabled() and any(map(_requires_grad, tensors))
 
 
@@ -114,6 +124,38 @@ def _refuse_host(op: object, named) -> None:
             if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
                 raise ArgumentError(f"tensor {name!r} is on the host; pass a CUDA tensor")
             return
+
+
+def _refuse_mixed(spec: str, named) -> None:
+    """An ArgumentError for an argument that is not a tensor, or tensors on more than one
+    device (the dispatcher would pick one tensor's kernel, the meta one for any meta
+    tensor, and so compute nothing). `named`: (name, value) pairs."""
+    first = None
+    for name, value in named:
+        if not isinstance(value, torch.Tensor):
+            raise ArgumentError(f"{spec}: {name!r} is a {type(value).__qualname__}, not a torch tensor")
+        if first is None:
+            first = (name, value.device)
+        elif value.device != first[1]:
+            raise ArgumentError(
+                f"{spec}: tensors are on different devices ({first[0]!r} on {first[1]}, "
+                f"{name!r} on {value.device}); pass every tensor on one device"
+            )
+
+
+def _past_capacity(spec, g) -> bool:
+    """Whether statement `g` writes no element of its output past a capacity group's end:
+    a group splitting its rows or columns, or its leaves, is one (or lies in one) over a
+    dim its output has (a WGRAD's capacity dim is its K: every element is written)."""
+    out_dims = spec.tensor(g.out.tensor).dims
+    names = [role.group for role in (g.m, g.n) if role.group] + [ax.group for ax in g.leaf_axes if ax.group]
+    while names:
+        group = spec.group(names.pop())
+        if group.capacity and group.dim in out_dims:
+            return True
+        if group.within:
+            names.append(group.within)
+    return False
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -142,9 +184,10 @@ class GemmOp:
 
     direct = True
 
-    def __init__(self, exe, opname: str):
+    def __init__(self, exe, opname: str, gradients: bool = False):
         self.exe = exe
         self.name = opname
+        self.gradients = gradients  # a derived backward's op: its outputs are gradients
         spec = exe.spec
         written = []
         for w in spec.written:  # outputs, an FP8 output's copy, row passes' targets
@@ -218,8 +261,13 @@ class GemmOp:
             rows = extra(t, axis)
             dims.append(size + rows if size is not None else (*where[d][:2], where[d][2] + rows))
         # A statement adds into it, or writes only the rows an index tensor names: a fresh
-        # one starts from zeros.
-        zero = any((g.accumulate or g.scatter) and g.out.tensor == name for g in spec.gemms)
+        # one starts from zeros. So does a gradient (a derived backward's output) with rows
+        # past a capacity group's end, which no statement writes: they reach no forward
+        # output, and their gradient is zero, not whatever the memory held.
+        zero = any(
+            g.out.tensor == name and (g.accumulate or g.scatter or (self.gradients and _past_capacity(spec, g)))
+            for g in spec.gemms
+        )
         return OutputShape(name, t.dtype, tuple(dims), zero)
 
     def _logical_dim(self, d: str, name: str) -> int | tuple[str, int, int]:
@@ -247,11 +295,21 @@ class GemmOp:
 
     def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
         """The size of each output, from the inputs in the op's order."""
-        return [
-            # (input, axis, rows added[, per]): a copy's anchored scale rows divide by `per`.
-            [d if isinstance(d, int) else (inputs[d[0]].shape[d[1]] + d[2]) // (d[3] if len(d) > 3 else 1) for d in dims]
-            for dims in self._output_dims
-        ]
+        try:
+            return [
+                # (input, axis, rows added[, per]): a copy's anchored scale rows divide by `per`.
+                [d if isinstance(d, int) else (inputs[d[0]].shape[d[1]] + d[2]) // (d[3] if len(d) > 3 else 1) for d in dims]
+                for dims in self._output_dims
+            ]
+        except IndexError:  # an input with fewer dims than the spec declares
+            for name, value in zip(self.inputs, inputs):
+                t = self.exe._tensor_named(name)  # None: offsets, counts
+                if t is not None and t.derived is None and value.dim() != t.rank:
+                    raise ArgumentError(
+                        f"tensor {name!r} must have {t.rank} dims {self.exe._declared_shape(t)}, "
+                        f"got shape {list(value.shape)}"
+                    ) from None
+            raise
 
     def _allocate(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Fresh outputs for `inputs` (in the op's order), on their device."""
@@ -261,6 +319,29 @@ class GemmOp:
             make = torch.zeros if s.zero else torch.empty
             out.append(make(size, dtype=_DTYPES[s.dtype], device=device))
         return tuple(out)
+
+    def checked_on_host(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checks the executable makes of a call before it launches (dtypes, shapes,
+        strides, the offsets' type and shape, sizes), made of host tensors beside outputs
+        as the op allocates them, so a CPU implementation (gemmspec.torch_reference)
+        raises what the GPU would. Returns the inputs detached, untyped storage read as
+        the type the spec declares."""
+        arrays = {}
+        for name, value in inputs.items():
+            element = _HOST_ELEMENTS.get(value.dtype)
+            if element is None:
+                raise ArgumentError(f"tensor {name!r} has unsupported element type {value.dtype}")
+            raw = DeviceArray(value.data_ptr(), tuple(value.shape), tuple(value.stride()), element, -1)
+            arrays[name] = as_device_array(raw, name=name, dtype_hint=self.exe._hints.get(name))
+        for s, size in zip(self.shapes, self.output_sizes(inputs)):
+            strides = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
+            arrays[s.name] = DeviceArray(0, tuple(size), strides, s.dtype, -1)
+        self.exe._check_metadata(arrays)
+        return {
+            name: value.detach() if arrays[name].dtype == _HOST_ELEMENTS[value.dtype]
+            else value.detach().view(_DTYPES[arrays[name].dtype])
+            for name, value in inputs.items()
+        }
 
     # ---- registration --------------------------------------------------------------------
     def _define(self) -> None:
@@ -273,6 +354,9 @@ class GemmOp:
         _LIB.impl(f"{self.name}_out", self._run_out, "CUDA")
         torch.library.register_fake(f"gemmspec::{self.name}", lib=_LIB)(self._fake)
         torch.library.register_fake(f"gemmspec::{self.name}_out", lib=_LIB)(self._fake_out)
+        # No derivative: a backward through a fresh output says so (torch's fallback would
+        # leave the inputs' gradients None with a warning).
+        torch.library.register_autograd(f"gemmspec::{self.name}", self._no_backward, lib=_LIB)
         self.functional = getattr(torch.ops.gemmspec, self.name).default
         self.in_place = getattr(torch.ops.gemmspec, f"{self.name}_out").default
 
@@ -294,6 +378,12 @@ class GemmOp:
     def _fake_out(self, *args: torch.Tensor) -> None:
         return None
 
+    def _no_backward(self, ctx, *grads: torch.Tensor):
+        raise GemmspecError(
+            f"{self.exe.spec.name}: gemmspec.torch.op has no derivative; for gradients call "
+            "gemmspec.torch.function(spec), or call the op on detached tensors"
+        )
+
     # ---- calling -------------------------------------------------------------------------
     def __call__(self, **tensors: torch.Tensor):
         """Without the outputs: returns them (one tensor, or a tuple in statement order).
@@ -312,20 +402,22 @@ class GemmOp:
         if len(tensors) == n_inputs + len(self.outputs):
             try:
                 args = self._take_every(tensors)
-            except KeyError:
+                if _need_grad(args):
+                    return None
+            except (KeyError, AttributeError):  # a name missing, or not a tensor: the dispatcher says
                 return None
-            if _need_grad(args) or not self._launch_planned(args):
+            if not self._launch_planned(args):
                 return None
             return args[n_inputs] if len(args) == n_inputs + 1 else args[n_inputs:]
         if len(tensors) == n_inputs:
             try:
                 inputs = self._take_inputs(tensors)
-            except KeyError:
+                # Outputs are allocated for CUDA inputs only (a plan never fits others).
+                if _need_grad(inputs) or inputs[0].device.type != "cuda":
+                    return None
+                outs = self._allocate(inputs)
+            except (KeyError, AttributeError):  # a name missing, or not a tensor: the dispatcher says
                 return None
-            # Outputs are allocated for CUDA inputs only (a plan never fits others).
-            if _need_grad(inputs) or inputs[0].device.type != "cuda":
-                return None
-            outs = self._allocate(inputs)
             if not self._launch_planned(inputs + outs):
                 self.in_place(*inputs, *outs)  # the outputs are made: the in-place op fills them
             return outs[0] if len(outs) == 1 else outs
@@ -357,6 +449,7 @@ class GemmOp:
         args = [tensors[n] for n in self.inputs]
         if not given:
             _refuse_host(self.functional, zip(self.inputs, args))
+            _refuse_mixed(self.exe.spec.name, zip(self.inputs, args))
             return self.functional(*args)
         if len(given) != len(self.outputs):
             raise ArgumentError(
@@ -364,6 +457,7 @@ class GemmOp:
             )
         outs = [tensors[n] for n in self.outputs]
         _refuse_host(self.in_place, ((n, tensors[n]) for n in self.inputs + self.outputs))
+        _refuse_mixed(self.exe.spec.name, ((n, tensors[n]) for n in self.inputs + self.outputs))
         self.in_place(*args, *outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -383,11 +477,17 @@ def op(spec, name: str | None = None) -> GemmOp:
     """Register `spec` (a path, .gspec text, parsed file or `gemmspec.build` result) as
     the custom ops `gemmspec::<spec>_<hash>` and `..._out`; the same spec gives the
     same operator."""
-    exe = _load(spec, name)
+    return _op(_load(spec, name))
+
+
+def _op(exe, gradients: bool = False) -> GemmOp:
+    """The operator of a built spec; `gradients`: a derived backward's, whose fresh
+    outputs start from zeros where rows past a capacity group's end go unwritten (a
+    separate operator from the same spec's plain one)."""
     digest = hashlib.sha256(str(exe.spec).encode()).hexdigest()[:10]
-    opname = f"{exe.spec.name}_{digest}"
+    opname = f"{exe.spec.name}_{digest}{'_grad' if gradients else ''}"
     if opname not in _OPS:
-        _OPS[opname] = GemmOp(exe, opname)
+        _OPS[opname] = GemmOp(exe, opname, gradients)
     return _OPS[opname]
 
 
@@ -419,10 +519,14 @@ def quantize(
     torch.compile and CUDA graphs take it whole. Any other tensor, and `kernel=False`,
     get torch operations that compute the same rule bit for bit (a dozen small kernels).
     """
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        what = value.dtype if isinstance(value, torch.Tensor) else type(value).__qualname__
+        raise ArgumentError(f"quantize: value must be a floating-point torch tensor, got {what}")
     if dtype not in _FP8_MAX:
         raise ArgumentError(f"quantize: dtype must be 'e4m3' or 'e5m2', got {dtype!r}")
     block = tuple(block)
-    if len(block) != value.dim() or any(not isinstance(b, str) and b < 1 for b in block):
+    sizes = (b for b in block if not isinstance(b, str))
+    if len(block) != value.dim() or any(type(b) is not int or b < 1 for b in sizes):
         raise ArgumentError(
             f"quantize: blocks {list(block)} for shape {list(value.shape)}: give one positive "
             "size (or a dim's name, one block over all of it) per dim"
@@ -628,7 +732,7 @@ class GemmFunction:
         if self.backward.skipped:
             why = "; ".join(f"#{s.forward}: {s.reason}" for s in self.backward.skipped)
             raise GemmspecError(f"{spec.name}: no derived backward for every statement ({why})")
-        self.backward_op = op(backward_exe)
+        self.backward_op = _op(backward_exe, gradients=True)
         scales = {t.scale.name for t in spec.tensors if t.scale}
         self.args = tuple(n for n in self.forward_op.inputs if n not in scales)
         self._tensors = {t.name: t for t in spec.tensors}
@@ -682,6 +786,21 @@ class GemmFunction:
                 f"missing {missing or 'none'}, unknown {unknown or 'none'}"
             )
         given = [n for n in outputs if n in tensors]
+        _refuse_mixed(self.spec.name, ((n, tensors[n]) for n in (*self.args, *given)))
+        for name in self.args:
+            t, value = self._tensors.get(name), tensors[name]
+            if t is None or t.dtype == "i32":  # offsets, counts, index tensors: the op checks them
+                continue
+            if not value.is_floating_point():
+                raise ArgumentError(
+                    f"{self.spec.name}: '{name}' must be a floating-point tensor ({t.dtype} in the "
+                    f"spec{', passed in high precision' if t.scale else ''}), got {value.dtype}"
+                )
+            if value.dim() != t.rank:
+                raise ArgumentError(
+                    f"{self.spec.name}: '{name}' must have {t.rank} dims "
+                    f"{self.forward_op.exe._declared_shape(t)}, got shape {list(value.shape)}"
+                )
         if given and len(given) != len(outputs):
             absent = [n for n in outputs if n not in tensors]
             raise ArgumentError(
@@ -715,8 +834,9 @@ class GemmFunction:
         dims = self._dims(values)
         inputs: dict[str, torch.Tensor] = {}
         for name, value in values.items():
-            t = self._tensors.get(name)  # None: offsets, counts, index tensors
-            inputs.update(self._quantized(t, value, dims) if t is not None else {name: value})
+            t = self._tensors.get(name)  # None: offsets, counts
+            passed = t is None or t.dtype == "i32"  # offsets, counts, index tensors: as they are
+            inputs.update({name: value} if passed else self._quantized(t, value, dims))
         outs = self.forward_op(**inputs, **(outputs or {}))
         return (outs,) if isinstance(outs, torch.Tensor) else tuple(outs), inputs, dims
 

@@ -2,7 +2,9 @@
 semantics (gemmspec.reference, float64 on numpy) in place of the kernels, so code built
 on the ops (the expert-parallel layer over gloo, the tests of the derived backward) runs
 on CPU tensors exactly as it does on the GPU, with the same quantization and derived
-backward, only slower."""
+backward, only slower. A call's tensors are checked first as the op's executable checks
+them on the GPU (dtypes, shapes, strides, the offsets' type, shape and values), so a bad
+argument raises the same `ArgumentError`."""
 
 from __future__ import annotations
 
@@ -17,8 +19,6 @@ __all__ = ["reference_kernel", "register_reference"]
 
 _LIB: torch.library.Library | None = None  # kept alive: it owns the CPU registrations
 _REGISTERED: set[str] = set()
-
-
 def reference_kernel(gemm_op: gt.GemmOp):
     """The op's functional form by the reference, on CPU tensors (fresh outputs). A
     segment_major tensor is its storage buffer (padding rows included) and anchored
@@ -45,7 +45,7 @@ def reference_kernel(gemm_op: gt.GemmOp):
         return out.reshape(size)
 
     def run(*args):
-        given = dict(zip(gemm_op.inputs, args))
+        given = gemm_op.checked_on_host(dict(zip(gemm_op.inputs, args)))
         dims = {}
         for t in spec.tensors:
             if t.name in given:
@@ -67,7 +67,12 @@ def reference_kernel(gemm_op: gt.GemmOp):
                 init[t.name] = np.zeros(tuple(dim_size(spec, rt, d) for d in t.dims))
                 if t.scale is not None:
                     init[t.scale.name] = np.zeros(scale_grid_shape(spec, rt, t))
-        outs = run_direct(spec, rt, data, init)
+        try:
+            outs = run_direct(spec, rt, data, init)
+        except gt.ArgumentError:
+            raise
+        except ValueError as e:  # offsets, counts or row numbers the spec's groups cannot take
+            raise gt.ArgumentError(f"{spec.name}: {e}") from e
         result = [
             torch.from_numpy(stored(rt, s.name, outs[s.name], size)).to(gt.torch_dtype(s.dtype))
             for s, size in zip(gemm_op.shapes, gemm_op.output_sizes(given))
