@@ -204,7 +204,8 @@ def _resolve_dtype(source: str, hint: str | None, name: str) -> str:
     if size == _NUMPY_DTYPES[hint].itemsize:
         return hint
     raise ArgumentError(
-        f"dtype_hint {hint!r} cannot reinterpret tensor {name!r}, which holds {source} data"
+        f"tensor {name!r} holds {source} data, which cannot be read as {hint} (the type the "
+        "spec declares, or the dtype_hint given)"
     )
 
 
