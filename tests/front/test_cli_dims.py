@@ -34,18 +34,6 @@ def spec_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def no_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any look for a GPU fails the test: the dims must be refused before it."""
-    import gemmspec.runtime.arrays as arrays
-
-    def fail(*_args, **_kwargs):
-        raise AssertionError("a device was looked for")
-
-    monkeypatch.setattr(arrays, "Device", fail)
-    monkeypatch.setattr(arrays, "get_device", fail)
-
-
 @pytest.mark.parametrize("command", ["run", "tune"])
 @pytest.mark.parametrize(
     ("item", "message"),

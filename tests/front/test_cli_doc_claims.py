@@ -44,18 +44,6 @@ def spec_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def no_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any look for a GPU fails the test: what is checked here comes before it."""
-
-    def fail(*_args, **_kwargs):
-        raise AssertionError("a device was looked for")
-
-    monkeypatch.setattr(arrays, "Device", fail)
-    monkeypatch.setattr(arrays, "get_device", fail)
-    monkeypatch.setattr(arrays, "require_hopper", fail)
-
-
-@pytest.fixture
 def fake_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """`gemmspec run` on a passing report, without a GPU."""
     monkeypatch.setattr(arrays, "require_hopper", lambda _ordinal=0: None)
