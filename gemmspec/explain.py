@@ -44,6 +44,9 @@ def _launch_json(launch: Launch) -> dict:
             "swiglu": sig.swiglu,
             "d_scale_pow2": sig.d_scale_pow2,
             "fast_accum": sig.fast_accum,
+            "swiglu_halves": sig.swiglu_halves,
+            "gather": sig.gather,
+            "scatter": sig.scatter,
         },
         "extents": {e.role: str(e) for e in pg.extents},
         "operands": {
@@ -56,9 +59,15 @@ def _launch_json(launch: Launch) -> dict:
             "B": _map_json(pg.sb) if pg.sb else None,
             "D": _map_json(pg.sd) if pg.sd else None,
         },
+        "epilogue": [_epilogue_json(e) for e in pg.epilogue],
         "runtime_tensors": list(pg.runtime_tensors),
         "runtime_dims": list(pg.runtime_dims),
     }
+    if pg.u is not None:
+        # A SwiGLU over separate gate and up rows: B's map addresses the gate rows, U's the
+        # up rows (only such launches have these keys).
+        doc["operands"]["U"] = _map_json(pg.u)
+        doc["scales"]["U"] = _map_json(pg.su) if pg.su else None
     if pg.c is not None and pg.sc is not None:
         # `T = copy(D)`: the second FP8 output the epilogue writes (only such launches
         # have these keys).
@@ -69,6 +78,19 @@ def _launch_json(launch: Launch) -> dict:
     if launch.note:
         doc["note"] = launch.note
     return doc
+
+
+def _epilogue_json(e) -> dict:
+    """A fused epilogue operand: the leaf's scalar at `offset` (`alpha`), or one value per
+    row (`row`, role m) or column (`bias`, role n) at `offset + i * stride`."""
+    return {
+        "kind": e.kind,
+        "tensor": e.tensor,
+        "dtype": e.dtype,
+        "role": e.role,
+        "offset": str(e.offset),
+        "stride": str(e.stride) if e.role is not None else None,
+    }
 
 
 def _map_json(m) -> dict:

@@ -255,9 +255,18 @@ LAUNCH_RULES = {
     "extents": ((OBJ,), True),
     "operands": ((OBJ,), True),
     "scales": ((OBJ,), True),
+    "epilogue": ((LIST,), True),
     "runtime_tensors": ((LIST,), True),
     "runtime_dims": ((LIST,), True),
     "note": ((STR,), lambda o, c: "note" in o),  # "only when the launch carries a note"
+}
+EPILOGUE_RULES = {
+    "kind": ((STR,), True),
+    "tensor": ((STR,), True),
+    "dtype": ((STR,), True),
+    "role": ((STR, NULL), True),
+    "offset": ((STR,), True),
+    "stride": ((STR, NULL), True),
 }
 SIGNATURE_RULES = {
     "a_type": ((STR,), True),
@@ -275,6 +284,9 @@ SIGNATURE_RULES = {
     "swiglu": ((BOOL,), True),
     "d_scale_pow2": ((BOOL,), True),
     "fast_accum": ((BOOL,), True),
+    "swiglu_halves": ((BOOL,), True),
+    "gather": ((BOOL,), True),
+    "scatter": ((BOOL,), True),
     "copy": ((BOOL,), lambda o, c: c["copy"]),
     "copy_scale_pow2": ((BOOL,), lambda o, c: c["copy"]),
 }
@@ -337,7 +349,7 @@ RUN_TIME_CHOICE_RULES = {
 }
 RTC_LAUNCH_RULES = {"launch": ((INT,), True), "compiled": ((STR,), True), "decode": ((STR,), True)}
 
-ROLES = {"A": ("m", "k"), "B": ("n", "k"), "D": ("m", "n"), "C": ("m", "n")}
+ROLES = {"A": ("m", "k"), "B": ("n", "k"), "D": ("m", "n"), "C": ("m", "n"), "U": ("n", "k")}
 TYPES_IN = {"e4m3", "e5m2", "bf16", "f16"}
 TYPES_OUT = {"bf16", "f16", "f32", "e4m3", "e5m2"}
 KERNEL = re.compile(
@@ -424,6 +436,18 @@ def check_launch(launch: dict, i: int, spec: dict, compiled: bool, where: str) -
     assert (k["mode"] == "acc") == sig["accumulate"], where
     assert bool(k["swiglu"]) == sig["swiglu"] and bool(k["pow2"]) == sig["d_scale_pow2"], where
     assert bool(k["copy"]) == copy_ and bool(k["fast"]) == sig["fast_accum"], where
+    assert bool(k["halves"]) == sig["swiglu_halves"] == ("U" in launch["operands"]), where
+    assert bool(k["gather"]) == sig["gather"] and bool(k["scatter"]) == sig["scatter"], where
+    # The fused epilogue operands, in the kernel name's `_e` order (a letter and a type each).
+    spelled = re.findall(r"([arb])(f32|bf16|f16)", k["epilogue"] or "")
+    assert [(e["kind"][0], e["dtype"]) for e in launch["epilogue"]] == spelled, where
+    for j, e in enumerate(launch["epilogue"]):
+        check_keys(e, EPILOGUE_RULES, f"{where}.epilogue[{j}]")
+        assert e["role"] == {"alpha": None, "row": "m", "bias": "n"}[e["kind"]], where
+        assert (e["stride"] is None) == (e["role"] is None), where
+        check_formula(e["offset"], launch["runtime_dims"], f"{where}.epilogue[{j}].offset")
+        if e["stride"] is not None:
+            check_formula(e["stride"], launch["runtime_dims"], f"{where}.epilogue[{j}].stride")
     if copy_:
         assert k["copy"].endswith("pow2") == sig["copy_scale_pow2"], where
     # Leaves: the product of the free axes' counts, the pinned ones apart.
@@ -441,14 +465,15 @@ def check_launch(launch: dict, i: int, spec: dict, compiled: bool, where: str) -
         assert any(f.match(text) and f.match(text)["r"] == role for f in EXTENT_FORMS), f"{where}: extent {text!r}"
     assert _lists_of(launch["runtime_tensors"], STR) and _lists_of(launch["runtime_dims"], STR), where
     # Operand and scale maps.
-    assert tuple(launch["operands"]) == ("A", "B", "D") + (("C",) if copy_ else ()), where
-    assert tuple(launch["scales"]) == ("A", "B", "D") + (("C",) if copy_ else ()), where
+    up = ("U",) if sig["swiglu_halves"] else ()
+    assert tuple(launch["operands"]) == ("A", "B", "D") + up + (("C",) if copy_ else ()), where
+    assert tuple(launch["scales"]) == ("A", "B", "D") + up + (("C",) if copy_ else ()), where
     for role, m in launch["operands"].items():
         # Rows through an index tensor: the statement writes `x[idx[t], k]` (A) or `y[src[t], n]` (D).
         rows = role in ("A", "D") and re.search(rf"\b{m['tensor']}\[\w+\[", launch["statement_text"]) is not None
         check_map(m, ROLES[role], launch, f"{where}.operands.{role}", False, rows)
     for role, m in launch["scales"].items():
-        if role in ("A", "B"):
+        if role in ("A", "B", "U"):
             assert (m is None) == (not sig["scaled"]), where
         if role == "D":
             assert (m is None) == (sig["d_type"] not in ("e4m3", "e5m2")), where
