@@ -240,7 +240,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         lowered = [*lowered, *(x for _, x in backwards)]
     programs = [(x.spec, x.schedule, emit(x.spec, x.schedule)) for x in lowered]
     if args.list:
-        names = [SHARED_HEADER, *(n for sf in plan_programs(programs, args.cubin, sources) for n in sf.files)]
+        # The names only: no cubin is compiled to be listed (a build system's query).
+        planned = plan_programs(programs, args.cubin, sources, names_only=True)
+        names = [SHARED_HEADER, *(n for sf in planned for n in sf.files)]
         for name in names:
             print(args.output / name)
         return 0

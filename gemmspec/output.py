@@ -164,11 +164,13 @@ class SpecFiles:
 
 
 def spec_files(
-    spec: Spec, schedule: Schedule, program: EmittedProgram, cubins: bool = False, source: str | None = None
+    spec: Spec, schedule: Schedule, program: EmittedProgram, cubins: bool = False, source: str | None = None,
+    names_only: bool = False,
 ) -> SpecFiles:
     """Every file of one spec: per kernel a .cu (and a .cubin), the host launcher, the
     .h, the launch manifest and the schedule, all from the manifest's data; with
-    `source`, the spec's .gspec text too (a derived backward's, `<stem>.gspec`). Where
+    `source`, the spec's .gspec text too (a derived backward's, `<stem>.gspec`);
+    `names_only`: the cubins named but not compiled (empty: `compile --list`). Where
     launches have a decode variant (codegen/variants.py), its changed launches' files
     too, as `<stem>_launch<i>_decode.cu`, and the launcher picks per call."""
     stem = file_stem(spec.name)
@@ -190,7 +192,9 @@ def spec_files(
         sources += [(out, decode_sources[fname]) for out, fname in sorted(manifest.decode.files.items())]
     for fname, text in sources:
         files[fname] = text.encode("utf-8")
-        if cubins:
+        if cubins and names_only:
+            files[f"{Path(fname).stem}.cubin"] = b""
+        elif cubins:
             from .runtime.nvrtc import compile_cubin
 
             kernel = Path(fname).stem
@@ -253,14 +257,15 @@ def _clash(spec: Spec, name: str, other: Spec | None, other_name: str) -> str:
 
 def plan_programs(
     programs: Sequence[tuple[Spec, Schedule, EmittedProgram]], cubins: bool = False,
-    sources: Mapping[str, str] | None = None,
+    sources: Mapping[str, str] | None = None, names_only: bool = False,
 ) -> list[SpecFiles]:
     """Every spec's files in memory, their names and symbols checked; nothing written.
     `sources` (spec name -> .gspec text) adds a spec's text to its files: the derived
-    backward specs of `compile --backward`, which exist nowhere else."""
+    backward specs of `compile --backward`, which exist nowhere else. `names_only`: the
+    cubins are named, not compiled (their contents empty), for a listing."""
     sources = sources or {}
     planned = [
-        spec_files(spec, schedule, program, cubins, sources.get(spec.name))
+        spec_files(spec, schedule, program, cubins, sources.get(spec.name), names_only)
         for spec, schedule, program in programs
     ]
     check_file_names(planned)

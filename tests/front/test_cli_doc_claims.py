@@ -238,3 +238,36 @@ def test_a_missing_spec_is_still_called_unreadable(tmp_path, capsys) -> None:
     missing = tmp_path / "nope.gspec"
     assert main(["check", str(missing)]) == 2
     assert capsys.readouterr().err == f"gemmspec: error: cannot read {missing}: no such file\n"
+
+
+def _listed(argv: list[str], capsys) -> list[str]:
+    assert main(argv) == 0
+    return [Path(p).name for p in capsys.readouterr().out.split()]
+
+
+def test_compile_list_names_the_cubins_without_compiling_them(tmp_path, capsys, monkeypatch):
+    # A build system's query: the names come from the plan, and no kernel goes to NVRTC.
+    import gemmspec.runtime.nvrtc as nvrtc
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a kernel was compiled to be listed")
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", refuse)
+    out = tmp_path / "gen"
+    spec = str(ROOT / "examples" / "moe_fp8_forward.gspec")
+    plain = _listed(["compile", spec, "-o", str(out), "--list"], capsys)
+    listed = _listed(["compile", spec, "-o", str(out), "--list", "--cubin"], capsys)
+    kernels = [n for n in plain if n.endswith(".cu") and not n.endswith("_host.cu")]
+    assert kernels and "moe_fp8_forward_launch0_decode.cu" in kernels
+    assert sorted(listed) == sorted(plain + [n[: -len(".cu")] + ".cubin" for n in kernels])
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_compile_list_with_cubins_names_what_compile_writes(tmp_path, capsys):
+    out = tmp_path / "gen"
+    spec = str(ROOT / "examples" / "moe_bf16_forward.gspec")
+    listed = _listed(["compile", spec, "-o", str(out), "--list", "--cubin"], capsys)
+    written = _listed(["compile", spec, "-o", str(out), "--cubin"], capsys)
+    assert listed == written
+    assert all((out / n).stat().st_size > 0 for n in written if n.endswith(".cubin"))
