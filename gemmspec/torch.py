@@ -183,11 +183,12 @@ class GemmOp:
     """
 
     direct = True
+    gradients = False  # a derived backward's op: its outputs are gradients (see _op)
 
     def __init__(self, exe, opname: str, gradients: bool = False):
         self.exe = exe
         self.name = opname
-        self.gradients = gradients  # a derived backward's op: its outputs are gradients
+        self.gradients = gradients
         spec = exe.spec
         written = []
         for w in spec.written:  # outputs, an FP8 output's copy, row passes' targets

@@ -98,7 +98,7 @@ def test_pointer_checks_still_run_on_a_planned_signature(exe, offline):
 def test_changed_metadata_is_checked_again_or_planned_anew(exe, offline):
     exe(**forward_args())
     bad = [
-        (forward_args(y=DeviceArray(5 * GIB, (T, N), (N, 1), "f32", 0)), "'y', which holds f32 data"),
+        (forward_args(y=DeviceArray(5 * GIB, (T, N), (N, 1), "f32", 0)), "tensor 'y' holds f32 data"),
         (forward_args(x=DeviceArray(GIB, (T, K), (1, T), "e4m3", 0)), "element strides"),
         (forward_args(y=DeviceArray(5 * GIB, (T + 1, N), (N, 1), "bf16", 0)), "dim T is 300"),
         (forward_args(y=DeviceArray(5 * GIB, (T, N), (N, 1), "bf16", 0, readonly=True)), "read-only"),
@@ -237,7 +237,7 @@ def test_torch_tensors_reuse_the_plan_and_are_checked_each_call(exe, offline, to
     with pytest.raises(ArgumentError, match="'y' must be 16-byte aligned"):
         exe(**args)
     args["y"] = torch.empty(64, N, dtype=torch.float32)
-    with pytest.raises(ArgumentError, match="'y', which holds f32 data"):
+    with pytest.raises(ArgumentError, match="tensor 'y' holds f32 data"):
         exe(**args)
     args["y"] = torch.empty(64, N, dtype=torch.bfloat16)
     args["y"].resize_(65, N)
@@ -423,7 +423,7 @@ def test_op_calls_the_plan_does_not_fit_take_the_dispatcher(torch_op, torch_cuda
     op(**torch_args(torch, t=72))  # other shapes: planned through the dispatcher
     assert op.dispatched == ["in place"] * 2 and len(op.exe._plans) == 2
     bad = dict(args, y=torch.empty(64, N, dtype=torch.float32))
-    with pytest.raises(ArgumentError, match="'y', which holds f32 data"):
+    with pytest.raises(ArgumentError, match="tensor 'y' holds f32 data"):
         op(**bad)
     storage = torch.empty(64 * N + 8, dtype=torch.bfloat16)
     with pytest.raises(ArgumentError, match="'y' must be 16-byte aligned"):
