@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .arguments import digits, positive_int
 from .errors import DeviceUnavailableError, GemmspecError, OutputError
 
 EXIT_SPEC_ERROR = 1
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--dims", nargs="*", type=_dim_item, default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    p.add_argument("--repeats", type=_positive, default=10, metavar="R", help="timed runs, median reported (default 10)")
+    p.add_argument("--repeats", type=positive_int, default=10, metavar="R", help="timed runs, median reported (default 10)")
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser(
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dims", nargs="*", type=_dim_item, default=[], metavar="NAME=SIZE", help="run-time dim sizes, e.g. T=32768")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and segment lengths (default 0)")
     p.add_argument(
-        "--repeat", type=_positive, default=20, metavar="N", help="timed calls per candidate; the median counts (default 20)"
+        "--repeat", type=positive_int, default=20, metavar="N", help="timed calls per candidate; the median counts (default 20)"
     )
     p.add_argument("--json", metavar="OUT", type=_output_file, help="also write the report as JSON to OUT")
     p.add_argument(
@@ -286,26 +287,15 @@ def _output_file(text: str) -> Path:
     return Path(text)
 
 
-def _digits(text: str) -> bool:
-    # ASCII digits only: str.isdigit() also takes superscripts, which int() refuses.
-    return re.fullmatch(r"[0-9]+", text) is not None
-
-
 def _width(text: str) -> int:
-    if not _digits(text) or not (int(text) == 0 or int(text) >= 40):
+    if not digits(text) or not (int(text) == 0 or int(text) >= 40):
         raise argparse.ArgumentTypeError(f"expected 0 (no wrapping) or a width of at least 40, got {text!r}")
-    return int(text)
-
-
-def _positive(text: str) -> int:
-    if not _digits(text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
 
 
 def _tile_arg(text: str) -> tuple[int, int]:
     m, sep, n = text.partition(",")
-    if not sep or not _digits(m.strip()) or not _digits(n.strip()):
+    if not sep or not digits(m.strip()) or not digits(n.strip()):
         raise argparse.ArgumentTypeError(f"expected M,N (a tile such as 128,160), got {text!r}")
     return int(m), int(n)
 

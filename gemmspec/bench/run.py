@@ -33,11 +33,11 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
+from ..arguments import positive_int
 from ..clocks import ClockSampler, gpu_id
 from ..errors import OutputError
 from ..output import check_output_dir, make_output_dir
@@ -49,12 +49,6 @@ from .plot import plot, plot_sweep
 from .report import report
 from .sweep import SWEEPS, run_sweep, sweep_report
 from .timing import Result
-
-
-def _positive(text: str) -> int:
-    if re.fullmatch(r"[0-9]+", text) is None or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 def _output_file(example: str):
@@ -78,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemmspec bench", description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", type=_case_prefix, default=None, metavar="CASE",
                     help="run only these cases (a name or the start of one: fp8_fwd, decode, ...; --list names them)")
-    ap.add_argument("--repeat", type=_positive, default=1, metavar="N",
+    ap.add_argument("--repeat", type=positive_int, default=1, metavar="N",
                     help="do_bench runs per implementation (median of medians; default 1)")
     ap.add_argument("--json", metavar="FILE", type=_output_file("bench.json"),
                     help="write every measurement as JSON")

@@ -412,7 +412,7 @@ IMPORT_CLAIMS = {
     "ep": "`ep` imports `torch`, `torch_reference`, `check`, `parse`, `pipeline`, `backward`, `build`, `ast`, "
           "`spec`, `errors`;",
     "tune": "Imports `build`, `pipeline`, `parse`, `runtime`, `codegen`, `analyse`, `tiling`, `errors`.",
-    "bench": "Imports `build`, `clocks`, `output` (the output paths' checks), `runtime` (the result's judge, "
+    "bench": "Imports `arguments`, `build`, `clocks`, `output` (the output paths' checks), `runtime` (the result's judge, "
              "the GPU check) and `errors`;",
 }
 
