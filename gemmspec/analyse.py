@@ -10,6 +10,7 @@ launches to make, in dependency order, and every reason in words.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from .errors import SourceLocation, SpecError
@@ -332,13 +333,7 @@ def tile_bound(
     rows = leaves_each * -(-m // plan.tile_m)
     if g.m.group is not None and spec.group(g.m.group).kind == "ragged":
         # Ragged leaves share their dim: their rows add up to it once per other leaf axis.
-        chain = 1
-        grp = spec.group(g.m.group)
-        while True:
-            chain *= grp.count
-            if grp.within is None:
-                break
-            grp = spec.group(grp.within)
+        chain = math.prod(grp.count for grp in spec.enclosing(g.m.group))
         rows = min(rows, -(-m * max(g.leaf_count // chain, 1) // plan.tile_m) + leaves_each)
     return rows * -(-n // plan.tile_n)
 

@@ -244,13 +244,9 @@ def _row_dot_reads(a: Tensor) -> bool:
 def _capacity_rows(spec: Spec, g: Gemm) -> str | None:
     """The capacity group among the groups splitting `g`'s rows, if any: rows past its
     offsets' end are written by no statement, while a row pass reads every row."""
-    name = g.m.group
-    while name is not None:
-        group = spec.group(name)
-        if group.capacity:
-            return name
-        name = group.within
-    return None
+    if g.m.group is None:
+        return None
+    return next((group.name for group in spec.enclosing(g.m.group) if group.capacity), None)
 
 
 def _gather_capacity(spec: Spec, g: Gemm) -> str | None:

@@ -545,6 +545,15 @@ class Spec:
     def group(self, name: str) -> Group:
         return self._by_name[1][name]
 
+    def enclosing(self, name: str) -> tuple[Group, ...]:
+        """The group `name` and each group enclosing it (its `within` chain), innermost
+        first: the outermost is the last. A tuple, built at once, so an unknown name
+        raises here as `group` does, and callers may slice or reverse it."""
+        chain = [self.group(name)]
+        while chain[-1].within is not None:
+            chain.append(self.group(chain[-1].within))
+        return tuple(chain)
+
     def tensor(self, name: str) -> Tensor:
         return self._by_name[2][name]
 
@@ -588,11 +597,7 @@ class Spec:
             named.update(ax.group for ax in g.leaf_axes if ax.group)
         for t in self.tensors:
             named.update(x for x in (t.layout.group, t.scale and t.scale.anchor, t.scale and t.scale.layout.group) if x)
-        for name in list(named):
-            group = self.group(name)
-            while group.within and group.within not in named:
-                named.add(group.within)
-                group = self.group(group.within)
+        named = {outer.name for name in named for outer in self.enclosing(name)}
         return tuple(g for g in self.groups if g.tensor and g.name in named)
 
     def per_channel(self, g: Gemm) -> bool:

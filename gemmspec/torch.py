@@ -149,13 +149,9 @@ def _past_capacity(spec, g) -> bool:
     dim its output has (a WGRAD's capacity dim is its K: every element is written)."""
     out_dims = spec.tensor(g.out.tensor).dims
     names = [role.group for role in (g.m, g.n) if role.group] + [ax.group for ax in g.leaf_axes if ax.group]
-    while names:
-        group = spec.group(names.pop())
-        if group.capacity and group.dim in out_dims:
-            return True
-        if group.within:
-            names.append(group.within)
-    return False
+    return any(
+        group.capacity and group.dim in out_dims for name in names for group in spec.enclosing(name)
+    )
 
 
 def torch_dtype(dtype: str) -> torch.dtype:

@@ -46,7 +46,7 @@ from .kernels import (
 )
 from .names import file_stem, host_prefix
 from .validate import THREADS as CHECK_THREADS
-from .validate import Check, CheckParam, prepass_offsets
+from .validate import Check, CheckParam, group_chain_count, prepass_offsets
 from .variants import DecodeRule, DecodeVariant, decode_json
 
 MANIFEST_VERSION = 2
@@ -678,11 +678,7 @@ class _Builder:
             if g.tensor:
                 # The check's placement knows this pass reads the offsets (so the check runs first).
                 assert prepass_offsets(self.spec, self.program.prepasses[index].prepass) == g.tensor
-                flat = g.count + 1
-                outer = g
-                while outer.within:
-                    outer = self.spec.group(outer.within)
-                    flat *= outer.count
+                flat = (g.count + 1) * group_chain_count(self.spec, g.name)
                 return self.where[g.tensor], Formula.const(flat - 1)
             values = tuple(Formula.const(s) for s in (*g.starts, sum(g.sizes)))
         else:

@@ -27,6 +27,7 @@ it is a kernel of its own that runs first (`check_placement`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..lower.schedule import PrePass, Schedule
@@ -154,11 +155,7 @@ class ValidationKernel:
 
 def group_chain_count(spec: Spec, group: str) -> int:
     """Rows of a group's tensor: the product of the counts of its enclosing groups."""
-    rows, g = 1, spec.group(group)
-    while g.within:
-        g = spec.group(g.within)
-        rows *= g.count
-    return rows
+    return math.prod(g.count for g in spec.enclosing(group)[1:])
 
 
 def anchored_rows(spec: Spec, t: Tensor) -> tuple[AnchoredRows, ...]:
@@ -183,10 +180,8 @@ def _rows_limit(spec: Spec, group: str | None, masked: str | None) -> str | None
         return masked
     if group is None:
         return None
-    g = spec.group(group)
-    while g.within:
-        g = spec.group(g.within)
-    return g.name if g.capacity else None
+    outermost = spec.enclosing(group)[-1]
+    return outermost.name if outermost.capacity else None
 
 
 def index_rows(spec: Spec) -> tuple[IndexRows, ...]:

@@ -39,14 +39,7 @@ def _dim_size(spec: Spec, name: str) -> Poly:
 
 def _group_chain(spec: Spec, group: str) -> tuple[str, ...]:
     """The group and its enclosing groups, outermost first."""
-    chain = []
-    g = spec.group(group)
-    while True:
-        chain.append(g.name)
-        if g.within is None:
-            break
-        g = spec.group(g.within)
-    return tuple(reversed(chain))
+    return tuple(g.name for g in reversed(spec.enclosing(group)))
 
 
 def _extent(spec: Spec, gemm: Gemm, role: str) -> Extent:

@@ -477,12 +477,8 @@ def random_runtime(spec: Spec, rng: np.random.Generator, lengths: dict[str, list
 
 
 def _ancestors(spec: Spec, group: str) -> list[str]:
-    out = []
-    g = spec.group(group)
-    while g.within:
-        out.append(g.within)
-        g = spec.group(g.within)
-    return list(reversed(out))
+    """The groups enclosing `group`, outermost first."""
+    return [g.name for g in reversed(spec.enclosing(group)[1:])]
 
 
 def _random_split(rng: np.random.Generator, total: int, parts: int) -> list[int]:

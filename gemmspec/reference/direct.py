@@ -102,12 +102,7 @@ def _group_mask(spec: Spec, rt: Runtime, group: str, chain: dict[str, int]) -> n
 
 
 def chain_names(spec: Spec, group: str) -> tuple[str, ...]:
-    names = [group]
-    g = spec.group(group)
-    while g.within:
-        names.append(g.within)
-        g = spec.group(g.within)
-    return tuple(reversed(names))
+    return tuple(g.name for g in reversed(spec.enclosing(group)))
 
 
 def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], out: np.ndarray,

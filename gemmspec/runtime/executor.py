@@ -408,12 +408,9 @@ class Executable:
         return dims
 
     def _group_tensor_shape(self, g) -> tuple[int, ...]:
-        chain = []
-        outer = g
-        while outer.within:
-            outer = self.spec.group(outer.within)
-            chain.insert(0, outer.count)
-        return (*chain, g.count + 1) if g.kind == "ragged" else (g.count,)
+        # One axis per enclosing group, outermost first.
+        outer = tuple(o.count for o in reversed(self.spec.enclosing(g.name)[1:]))
+        return (*outer, g.count + 1) if g.kind == "ragged" else (g.count,)
 
     def _check_group_metadata(self, arrays) -> None:
         for g in self.spec.groups:
@@ -650,10 +647,7 @@ class Executable:
 
     def _capacity_of(self, group: str) -> bool:
         """Whether the segments of `group` may end below its dim (its outermost group says)."""
-        g = self.spec.group(group)
-        while g.within:
-            g = self.spec.group(g.within)
-        return g.capacity
+        return self.spec.enclosing(group)[-1].capacity
 
     # ---- launching --------------------------------------------------------------------
     def _kernel(self, source: str, name: str, device: int = 0) -> LoadedKernel:
