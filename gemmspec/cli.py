@@ -280,11 +280,12 @@ def _output_path(text: str) -> Path:
     return Path(text)
 
 
-def _output_file(text: str) -> Path:
-    """An output file's path as given; an empty one is refused."""
+def _output_file(text: str) -> str:
+    """An output file's path as typed (a Path would drop a trailing '/', which names a
+    folder); an empty one is refused."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path, got an empty string (a file name, such as tune.json)")
-    return Path(text)
+    return text
 
 
 def _width(text: str) -> int:
@@ -352,19 +353,19 @@ def _check_dims(spec, dims: dict[str, int]) -> bool:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .output import check_output_dir
+    from .output import check_output_file
     from .tune import tune
 
     dims = _dims(args.dims)
     if dims is None or not _seed_ok(args.seed):
         return EXIT_USAGE
     _check_output_dirs(args)
-    if args.json is not None:
-        if args.json.is_dir():
-            raise OutputError(f"cannot write the --json file {args.json}: it is a directory", str(args.json))
-        if args.json.resolve() == args.file.resolve():  # the report would replace the spec
-            raise OutputError(f"cannot write the --json file {args.json}: it is the spec file", str(args.json))
-        check_output_dir(args.json.parent, "--json file's directory")
+    json_path = None if args.json is None else Path(args.json)
+    if json_path is not None:
+        # The report would replace the spec: said first, even of a spec that is read-only.
+        if not json_path.is_dir() and json_path.resolve() == args.file.resolve():
+            raise OutputError(f"cannot write the --json file {args.json}: it is the spec file", args.json)
+        check_output_file(args.json, "--json")
     lowered = _lower(args)
     if len(lowered) == 1 and not _check_dims(lowered[0].spec, dims):  # several: tune says so
         return EXIT_USAGE
@@ -377,11 +378,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         progress=lambda line: print(line, file=sys.stderr, flush=True), on_candidates=on_candidates,
     )
     print(report.text())
-    if args.json is not None:
+    if json_path is not None:
         from .output import make_output_dir, write_if_changed
 
-        make_output_dir(args.json.parent, "--json file's directory")
-        write_if_changed(args.json, json.dumps(report.to_json(), indent=2) + "\n")
+        make_output_dir(json_path.parent, "--json file's directory")
+        write_if_changed(json_path, json.dumps(report.to_json(), indent=2) + "\n")
     return 0 if report.ok else EXIT_SPEC_ERROR
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "SpecFiles",
     "check_file_names",
     "check_output_dir",
+    "check_output_file",
     "check_symbols",
     "dump_front_half",
     "file_stem",
@@ -109,6 +110,25 @@ def check_output_dir(path: Path, what: str) -> None:
     problem = output_dir_problem(path)
     if problem is not None:
         raise OutputError(f"cannot write the {what} {path}: {problem}", str(path))
+
+
+def check_output_file(path: str | Path, option: str) -> None:
+    """Raise an OutputError now, before any work, if `path` cannot be written as a file.
+
+    `path` as the user typed it (a Path would drop a trailing '/'); `option` names it.
+    """
+    text = str(path)
+    target = Path(text)
+    if target.is_dir():
+        raise OutputError(f"cannot write the {option} file {text}: it is a directory", text)
+    # Not there yet, but named as a folder: writing it would fail only after the work.
+    if text.endswith(("/", os.sep)):
+        raise OutputError(f"cannot write the {option} file {text}: it ends in '/', a directory's name", text)
+    # Its mode says no: open() would fail only after the work, and the rename of
+    # write_if_changed would pass over it.
+    if target.exists() and not os.access(target, os.W_OK):
+        raise OutputError(f"cannot write the {option} file {text}: it is not writable", text)
+    check_output_dir(target.parent, f"{option} file's directory")
 
 
 def make_output_dir(path: Path, what: str) -> None:

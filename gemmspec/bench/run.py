@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 from ..arguments import positive_int
 from ..clocks import ClockSampler, gpu_id
 from ..errors import OutputError
-from ..output import check_output_dir, make_output_dir
+from ..output import check_output_file, make_output_dir
 from . import specs, timing
 from .anchors import deepgemm
 from .cases import CASES, selected_cases
@@ -129,23 +128,11 @@ def _plot_formats() -> set[str] | None:
     return set(FigureCanvasBase.get_supported_filetypes())
 
 
-def _check_output_file(text: str, option: str) -> None:
-    """Raise an OutputError now, before any work, if `text` cannot be written as a file."""
-    path = Path(text)
-    if path.is_dir():
-        raise OutputError(f"cannot write the {option} file {text}: it is a directory", text)
-    if text.endswith(("/", os.sep)):
-        raise OutputError(f"cannot write the {option} file {text}: it ends in '/', a directory's name", text)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise OutputError(f"cannot write the {option} file {text}: it is not writable", text)
-    check_output_dir(path.parent, f"{option} file's directory")
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
     """The --json and --plot files can be written (their folders made), and a plot drawn."""
     for option, text in (("--json", args.json), ("--plot", args.plot)):
         if text is not None:
-            _check_output_file(text, option)
+            check_output_file(text, option)
     if args.json is not None and args.plot is not None and Path(args.json).resolve() == Path(args.plot).resolve():
         raise OutputError(f"--json and --plot name the same file, {args.plot}", args.plot)
     if args.plot is not None:
