@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One FP8 decode call, bracketed for a profiler: the bench's ragged decode cases (E = 8 at
-T = 128 and E = 32 at T = 1024, N = 4096, K = 7168; DeepSeek-V3 gate/up at 64 tokens top-8
-of 256 experts) are built, warmed up, then called `--calls` times between
-cudaProfilerStart and cudaProfilerStop, so that
+T = 128 and E = 32 at T = 1024, N = 4096, K = 7168; E = 32 also at N = 7168, K = 2048;
+DeepSeek-V3 gate/up at 64 tokens top-8 of 256 experts) are built, warmed up, then called
+`--calls` times between cudaProfilerStart and cudaProfilerStop, so that
 
     ncu --profile-from-start off --section SpeedOfLight ... python3 scripts/decode_profile.py
 
@@ -26,6 +26,7 @@ from gemmspec.bench.inputs import routed_counts  # noqa: E402
 CASES = {
     "e8": (DECODE_E8, 4096, 7168),
     "e32": (DECODE_E32, 4096, 7168),
+    "e32_n7168": (DECODE_E32, 7168, 2048),
     "dsv3_t64": (routed_counts(64, 256, 8), 4096, 7168),
 }
 
