@@ -11,7 +11,7 @@ against the default configuration's output. Prints one line per variant, with th
 clock and board power of its kernel kept running for a second after its timing (where
 nvidia-smi is on the PATH; as `gemmspec bench` reads them).
 
-    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[,SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|qwen3_t16|qwen3_t512|dsv3 [--bf16] | --masked] [--idle MS]
+    python3 scripts/pipeline_probe.py [--shape E,M,N,K] [--only SUBSTRING[|SUBSTRING...]] [--bf16 | --lora [--tokens T] | --expand | --wgrad | --gather | --decode e32|e8|qwen3|qwen3_t16|qwen3_t512|dsv3|uniform [--bf16] | --masked] [--idle MS] [--list]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemmspec  # noqa: E402
@@ -215,6 +214,16 @@ MASKED_VARIANTS = {
         "tile_n": 256, "split_k": False, "n_split": 2, "b_evict_first": True, "prefetch_k_blocks": 4},
     "as compiled (again: drift over the run)": {},
 }
+VARIANT_TABLES = {
+    "FP8 headline (default)": VARIANTS,
+    "--bf16": BF16_VARIANTS,
+    "--lora": LORA_VARIANTS,
+    "--expand": EXPAND_VARIANTS,
+    "--wgrad": WGRAD_VARIANTS,
+    "--gather": GATHER_VARIANTS,
+    "--decode (FP8, or BF16 with --bf16)": DECODE_VARIANTS,
+    "--masked": MASKED_VARIANTS,
+}
 # Token counts per expert of the decode cases (contiguous tokens, offsets): E = 32 with
 # T = 1024 (22 experts non-empty, 1-129 tokens each) and E = 8 with T = 128, and the
 # bench's routed rows (Qwen3-30B-A3B: 128 tokens top-8 of 128 experts; DeepSeek-V3: 64
@@ -265,16 +274,19 @@ def variant(exe, fuse_check=True, inline_tables=True, decode=False, inline_leave
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8,4096,4096,7168", help="E,M,N,K (M rows per expert)")
-    ap.add_argument("--only", default="", help="run the variants whose label contains one of these (comma-separated)")
+    ap.add_argument("--only", default="",
+                    help="run the variants whose label contains one of these: separated by '|', or by ',' where "
+                    "no '|' is given (many labels hold commas: 'decode variant' alone selects every decode variant)")
+    ap.add_argument("--list", action="store_true", help="print every variant's label, by table, and exit")
     ap.add_argument("--bf16", action="store_true", help="probe the BF16 kernel instead of the FP8 one")
     ap.add_argument("--lora", action="store_true", help="probe the memory-bound nested LoRA shrink instead")
     ap.add_argument("--tokens", type=int, default=8192, help="the LoRA shrink's tokens (with --lora)")
     ap.add_argument("--expand", action="store_true", help="probe the scaled multi-LoRA expand (BF16 D +=) instead")
     ap.add_argument("--wgrad", action="store_true", help="probe the FP8 WGRAD kernel (E x M tokens, N x K weights)")
     ap.add_argument("--gather", action="store_true", help="probe the FP8 kernel on rows gathered through an index")
-    ap.add_argument("--decode", choices=sorted(DECODE_LENGTHS),
+    ap.add_argument("--decode", choices=[*sorted(DECODE_LENGTHS), "uniform"],
                     help="probe the FP8 kernel (with --bf16 the BF16 one) at a decode case's token counts, as the "
-                    "bench routes them (N and K from --shape)")
+                    "bench routes them (N and K from --shape; uniform: M tokens for each of the E experts)")
     ap.add_argument("--masked", action="store_true",
                     help="probe the FP8 masked decode (32 groups of 64 rows, the bench's counts; N and K from --shape)")
     ap.add_argument(
@@ -283,6 +295,14 @@ def main() -> int:
         "then does not drift with the variants before) instead of do_bench back to back",
     )
     args = ap.parse_args()
+    if args.list:
+        for table, labels in VARIANT_TABLES.items():
+            print(f"{table}:")
+            for label in labels:
+                print(f"  {label}")
+        return 0
+    from triton.testing import do_bench  # imported here: --list needs no GPU stack
+
     e, m, n, k = map(int, args.shape.split(","))
     t = e * m
     y0 = None
@@ -331,14 +351,14 @@ def main() -> int:
         }
         variants, spec = MASKED_VARIANTS, MASKED_SPEC.format(m=m, n=n, k=k, e=e)
     elif args.bf16:
-        lengths = DECODE_LENGTHS[args.decode] if args.decode else [m] * e
+        lengths = DECODE_LENGTHS.get(args.decode, [m] * e) if args.decode else [m] * e
         e, t = len(lengths), sum(lengths)
         x = torch.randn((t, k), device="cuda", dtype=torch.bfloat16)
         w = torch.randn((e, n, k), device="cuda", dtype=torch.bfloat16)
         tensors, variants = {"x": x, "w": w}, DECODE_VARIANTS if args.decode else BF16_VARIANTS
         spec = moe_spec("moe_bf16", n=n, k=k, e=e)
     else:
-        lengths = DECODE_LENGTHS[args.decode] if args.decode else [m] * e
+        lengths = DECODE_LENGTHS.get(args.decode, [m] * e) if args.decode else [m] * e
         e, t = len(lengths), sum(lengths)
         x, w = random_fp8((t, k)), random_fp8((e, n, k))
         xs, ws = random_scales((k // 128, t)).t(), random_scales((e, n // 128, k // 128))
@@ -355,9 +375,14 @@ def main() -> int:
     reference = None
     sampler = ClockSampler(gpu_id(torch.cuda.get_device_properties(torch.cuda.current_device()))).__enter__()  # each variant's clock and power under sustained load
     atexit.register(sampler.__exit__)
-    for label, changes in variants.items():
-        if not any(part in label for part in args.only.split(",")):
-            continue
+    parts = args.only.split("|" if "|" in args.only else ",")
+    selected = {label: changes for label, changes in variants.items() if any(part in label for part in parts)}
+    if not selected:
+        print(f"--only {args.only!r} selects none of the {len(variants)} variants (--list names them)", file=sys.stderr)
+        return 2
+    # Said before any compilation: a part that is in every label selects the whole table.
+    print(f"# {len(selected)} of {len(variants)} variants: {'; '.join(selected)}", flush=True)
+    for label, changes in selected.items():
         changes = dict(changes)
         directive = changes.pop("directive", None)
         exe = gemmspec.build(spec if directive is None else with_directive(spec, directive))

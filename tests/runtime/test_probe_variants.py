@@ -59,3 +59,15 @@ def test_every_label_the_l2_probe_selects_is_a_variant_of_the_table_it_runs():
         labels = list(tables[table])
         missing = [part for part in selection.split(",") if not any(part in label for label in labels)]
         assert not missing, (table, missing)
+
+
+def test_the_tile_rows_sweep_selects_the_two_tiles_it_compares():
+    # tile_rows_sweep.sh separates its parts by '|' (the labels hold commas): exactly the
+    # 128 x 256 variant and the decode variant timed again, and no part in every label.
+    script = (PROBE.parent / "tile_rows_sweep.sh").read_text()
+    only = script.split('only="', 1)[1].split('"', 1)[0]
+    labels = list(_variant_tables()["DECODE_VARIANTS"])
+    parts = only.split("|")
+    assert len(parts) == 2 and not any(all(part in label for label in labels) for part in parts)
+    selected = [label for label in labels if any(part in label for part in parts)]
+    assert selected == ["decode variant, 128 x 256 (two row warpgroups)", "decode variant (again: drift over the run)"]
