@@ -19,7 +19,7 @@ only="128 x 256 (two row warpgroups)|(again"
 probe() {
   echo "== pipeline_probe.py $*"
   PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" timeout 90 python3 "$here/scripts/pipeline_probe.py" --idle 150 \
-    --only "$only" "$@" 2>&1 | grep -E "TB/s|skipped|Error|selects"
+    --only "$only" "$@" 2>&1 | grep --line-buffered -E "TB/s|skipped|Error|selects"
 }
 case "$part" in
   shapes)
