@@ -2,7 +2,8 @@
 # Everything that needs the H200, in one go: a smoke run, kernel-variant probes, the GPU
 # tests, the sanitizer suite and the benchmark table. Run from the repository root on a Hopper
 # machine. Logs go to $OUT (or ./out). STEPS picks a subset, e.g. STEPS=smoke,probe,bench
-# (steps: smoke, probe, tests, sanitizer, racecheck, stress, cpp, bench, decode_profile, ncu).
+# (steps: smoke, probe, tests, sanitizer, racecheck, stress, cpp, bench, decode_profile, ncu,
+# tile_rows).
 # Every step has a time limit, so a hung kernel costs minutes, not the whole session.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -79,6 +80,13 @@ if want decode_profile; then
     python3 scripts/decode_profile.py --calls 1 2>&1 | tail -8 | tee "$OUT/decode_profile.log" || status=1
   ncu -i "$OUT/decode.ncu-rep" --page details > "$OUT/decode_details.txt" 2>&1
   grep -E "^  gs_|Duration|DRAM Throughput|Memory Throughput" "$OUT/decode_details.txt" | tee -a "$OUT/decode_profile.log"
+fi
+if want tile_rows; then
+  # The decode variant's 64-row tiles against 128-row ones over N, K and tokens per expert.
+  for part in shapes counts; do
+    timeout 280 bash scripts/tile_rows_sweep.sh "$part" "$OUT/tile_rows" > /dev/null 2>&1 || status=1
+  done
+  cat "$OUT"/tile_rows/*.log
 fi
 if want ncu; then
   # One profiled launch of the headline GEMM (clocks left as they are): speed of light,
