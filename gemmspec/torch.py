@@ -504,9 +504,10 @@ def quantize(
     one block over the whole dim.
 
     The rule is the language's `quantize` (docs/language.md, section 7), in float32:
-    amax per block with NaN ignored, scale = amax / FP8 max by true division (1 for an
-    all-zero block), each element x / scale rounded to nearest even and saturated to
-    +-FP8 max. The results carry no gradient.
+    amax per block with NaN ignored, scale = amax / FP8 max by true division (1 where
+    that is 0: an all-zero block, or an amax so small the quotient underflows), each
+    element x / scale rounded to nearest even and saturated to +-FP8 max. The results
+    carry no gradient.
 
     On a CUDA tensor the kernel takes (see `gemmspec.runtime.quantize.plan_quantize`:
     bf16, f16 or f32, 2-D or 3-D, blocks [1, 128] or [128, 128], contiguous columns, a
@@ -559,7 +560,8 @@ def _quantize_torch(value: torch.Tensor, dtype: str, block: tuple) -> tuple[torc
     magnitude = padded.reshape(shape).abs().nan_to_num(nan=0.0, posinf=math.inf)
     amax = magnitude.amax(dim=tuple(range(1, 2 * len(grid), 2)))
     fp8_max = torch.full_like(amax, _FP8_MAX[dtype])
-    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+    quotient = amax / fp8_max  # 0 for an all-zero block or an amax that underflows it: scale 1
+    scale = torch.where(quotient > 0, quotient, torch.ones_like(amax))
     expanded = scale
     for axis, b in enumerate(block):
         expanded = expanded.repeat_interleave(b, dim=axis)

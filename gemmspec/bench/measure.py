@@ -704,7 +704,8 @@ def _torch_ffn_decode(name, repeat, moved, stream, x, wg, wu, wd, route_w, rows,
         gate, up = gu.split(f, dim=1)
         hb = (torch.nn.functional.silu(gate) * up).float()
         amax = hb.abs().amax(dim=1)
-        hs = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        hs = amax / 448.0
+        hs = torch.where(hs > 0, hs, torch.ones_like(hs))
         hq = (hb / hs[:, None]).clamp(-448, 448).to(fp8)
         yr = torch._scaled_grouped_mm(hq, wd.transpose(-2, -1), hs, sbd, offs=ends, out_dtype=torch.bfloat16)
         acc.zero_()

@@ -182,7 +182,8 @@ def quantize_real_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tens
     amax = np.zeros(shape)
     idx = np.ix_(*[block_index(spec, rt, target, a) for a in range(target.rank)])
     np.maximum.at(amax, idx, np.abs(real))
-    grid = np.where(amax > 0, amax / FP8_MAX[target.dtype], 1.0).astype(np.float32)
+    grid = (amax / FP8_MAX[target.dtype]).astype(np.float32)
+    grid = np.where(grid > 0, grid, np.float32(1))  # all zeros, or a quotient under float32's range
     q = quantize(real / expand_scales(spec, rt, target, grid), target.dtype)
     return q, grid
 
@@ -200,8 +201,8 @@ def requantize_rows_values(
     target is W[t] times row IDX[t] of the dequantized source (a zero row for an entry
     outside the source's rows), quantized with the target's blocks: (fp8 values, scale
     grid). Float32 throughout, as the kernel computes it: the row's scale times W[t], the
-    FP8 value times that, amax per block (NaN ignored), scale = amax / FP8 max (1 for an
-    all-zero block), value / scale rounded to nearest even and saturated to the finite
+    FP8 value times that, amax per block (NaN ignored), scale = amax / FP8 max (1 where
+    that is 0: `divided_scales`), value / scale rounded to nearest even and saturated to the finite
     range. Either keyword may be missing (the rows in order, a weight of 1)."""
     assert source.scale is not None and data.scale_grid is not None and target.scale is not None
     rows = dim_size(spec, rt, target.dims[0])
@@ -219,7 +220,7 @@ def requantize_rows_values(
     amax = np.zeros(scale_grid_shape(spec, rt, target), dtype=np.float32)
     np.fmax.at(amax, np.ix_(*blocks), np.abs(real))
     with np.errstate(invalid="ignore", divide="ignore"):
-        grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
+        grid = divided_scales(amax, target.dtype)
         ratio = np.clip(real / grid[np.ix_(*blocks)], -fp8_max, fp8_max)
     return ratio.astype(NUMPY_TYPES[target.dtype]).astype(np.float64), grid
 
@@ -229,9 +230,17 @@ def requantize_values(
 ) -> tuple[np.ndarray, np.ndarray]:
     """requantize(SOURCE) (docs/language.md, section 7), as the requantize kernel computes
     it in float32: each FP8 value times its scale, amax per target block, scale = amax /
-    FP8 max (1 for an all-zero block), (value x scale) / scale rounded to nearest even and
+    FP8 max (1 where that is 0), (value x scale) / scale rounded to nearest even and
     saturated to the finite range: requantize with its rows in order and no weight."""
     return requantize_rows_values(spec, rt, source, data, target, None, None)
+
+
+def divided_scales(amax: np.ndarray, dtype: str) -> np.ndarray:
+    """quantize(SOURCE)'s scale of each block (float32): amax / FP8 max by true division,
+    or 1 where that is 0: an all-zero block, or one whose amax is so small (a float32
+    subnormal) that the quotient underflows, whose zeros would otherwise become 0 / 0."""
+    quotient = np.asarray(amax, dtype=np.float32) / np.float32(FP8_MAX[dtype])
+    return np.where(quotient > 0, quotient, np.float32(1)).astype(np.float32)
 
 
 def pow2_scales(amax: np.ndarray, dtype: str) -> np.ndarray:
@@ -251,7 +260,7 @@ def pow2_scales(amax: np.ndarray, dtype: str) -> np.ndarray:
 def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -> tuple[np.ndarray, np.ndarray]:
     """quantize(SOURCE) of unscaled values (docs/language.md, section 7): (fp8 values,
     scale grid). Float32 throughout, as the kernel computes it: amax per block
-    (NaN ignored), scale = amax / FP8 max by true division (1 for an all-zero block) or,
+    (NaN ignored), scale = amax / FP8 max by true division (`divided_scales`) or,
     with pow2, the power of two of `pow2_scales`, then x / scale rounded to nearest even,
     saturated to the finite range."""
     sc = target.scale
@@ -265,7 +274,7 @@ def quantize_values(spec: Spec, rt: Runtime, real: np.ndarray, target: Tensor) -
         if _pow2(target):
             grid = pow2_scales(amax, target.dtype)
         else:
-            grid = np.where(amax > 0, amax / fp8_max, np.float32(1)).astype(np.float32)
+            grid = divided_scales(amax, target.dtype)
         scale = grid[np.ix_(*blocks)]
         with np.errstate(divide="ignore"):
             ratio = np.clip(x / scale, -fp8_max, fp8_max)  # NaN stays NaN
@@ -306,9 +315,9 @@ def fp8_output_values(spec: Spec, rt: Runtime, result: np.ndarray, target: Tenso
 def quantize_rows(values: np.ndarray, dtype: str, pow2: bool = False, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
     """`values` [rows, cols] as an FP8 output's leaf stores it: rounded to bf16, then per
     row and `block` columns amax (NaN ignored), the scale (amax / FP8 max, or a power of
-    two; 1 for an all-zero block) and fp8(value / scale), all in float32. The last block
-    may be short (a copy's [128, 1] blocks along a segment). Returns (fp8 values as
-    float64, scales [rows, ceil(cols / block)])."""
+    two; 1 for an all-zero block or a quotient of 0) and fp8(value / scale), all in
+    float32. The last block may be short (a copy's [128, 1] blocks along a segment).
+    Returns (fp8 values as float64, scales [rows, ceil(cols / block)])."""
     rows, cols = values.shape
     whole = -(-cols // block) * block
     x = quantize(values, "bf16").astype(np.float32)
@@ -318,7 +327,7 @@ def quantize_rows(values: np.ndarray, dtype: str, pow2: bool = False, block: int
     fp8_max = np.float32(FP8_MAX[dtype])
     amax = np.fmax.reduce(np.abs(x), axis=2, initial=np.float32(0))  # fmax: NaN ignored
     with np.errstate(invalid="ignore", divide="ignore"):
-        scales = pow2_scales(amax, dtype) if pow2 else np.where(amax > 0, amax / fp8_max, np.float32(1))
+        scales = pow2_scales(amax, dtype) if pow2 else divided_scales(amax, dtype)
         scales = scales.astype(np.float32)
         ratio = np.clip(x / scales[:, :, None], -fp8_max, fp8_max)
     q = ratio.astype(NUMPY_TYPES[dtype]).astype(np.float64).reshape(rows, whole)[:, :cols]

@@ -36,7 +36,7 @@ def with_corners(value: torch.Tensor) -> torch.Tensor:
         flat[5, :] = -0.0
         if v.dtype == torch.float32:
             flat[6, :128] = 0.0
-            flat[6, 7] = 2.0**-149  # amax / 448 underflows to 0
+            flat[6, 7] = 2.0**-149  # amax / 448 underflows to 0: scale 1
     return v
 
 

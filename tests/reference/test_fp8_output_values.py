@@ -187,7 +187,8 @@ def _quantize_pass(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         for b in range(x.shape[1] // 128):
             block = x[r, 128 * b : 128 * (b + 1)].astype(np.float32)
             amax = np.float32(np.nanmax(np.abs(block), initial=0))
-            scale = amax / top if amax > 0 else np.float32(1)
+            scale = amax / top
+            scale = scale if scale > 0 else np.float32(1)
             with np.errstate(invalid="ignore", divide="ignore"):
                 q[r, 128 * b : 128 * (b + 1)] = np.clip(block / scale, -top, top).astype(fp8).astype(np.float64)
             scales[r, b] = scale

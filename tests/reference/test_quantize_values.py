@@ -64,7 +64,8 @@ def by_blocks(x: np.ndarray, dst: str, br: int, bc: int) -> tuple[np.ndarray, np
             t = torch.from_numpy(block)
             finite = t.abs()[~torch.isnan(t)]
             amax = finite.max() if finite.numel() else torch.tensor(0.0)
-            scale = amax / torch.tensor(fp8_max, dtype=torch.float32) if amax > 0 else torch.tensor(1.0)
+            scale = amax / torch.tensor(fp8_max, dtype=torch.float32)
+            scale = scale if scale > 0 else torch.tensor(1.0)
             ratio = (t / scale).clamp(-fp8_max, fp8_max)
             q_torch = ratio.to(torch.float8_e4m3fn if dst == "e4m3" else torch.float8_e5m2)
             q[sl] = q_torch.view(torch.uint8).numpy().view(dtype)

@@ -73,7 +73,8 @@ def formula(q, sx, index, weight, counts, fp8_max, out_type):
         for b0 in range(start, start + n, 128):
             b1 = min(b0 + 128, start + n)
             amax = np.abs(vals[b0:b1]).max(axis=0)
-            sy = np.where(amax > 0, amax / np.float32(fp8_max), np.float32(1)).astype(np.float32)
+            sy = (amax / np.float32(fp8_max)).astype(np.float32)
+            sy = np.where(sy > 0, sy, np.float32(1))
             r = np.clip(vals[b0:b1] / sy, -fp8_max, fp8_max)
             out[b0:b1] = r.astype(out_type).astype(np.float64)
             grids.append(sy)

@@ -53,7 +53,8 @@ def _emulated_requant(p, arrays, grid, params):
                         scale = scale * w[t]
                     vals[r] = x[src] * scale
             amax = np.abs(vals).max(axis=0)
-            block_sy = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+            block_sy = (amax / np.float32(448)).astype(np.float32)
+            block_sy = np.where(block_sy > 0, block_sy, np.float32(1))
             sy[(rowbase + (b0 - s0) // 128) * c : (rowbase + (b0 - s0) // 128 + 1) * c] = block_sy
             q = np.clip(vals / block_sy, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
             base = (padbase if pad > 1 else s0) * c

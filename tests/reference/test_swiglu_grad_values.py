@@ -56,7 +56,7 @@ def test_the_flat_executor_equals_the_direct_semantics_and_numpy(rows):
     # dgu in FP8 with [1, 128] scales: within half an e4m3 step (2^-4 relative) of the
     # bf16 values, the scale amax / 448 per block.
     amax = np.abs(want).reshape(rows, 4, 128).max(axis=2, initial=0.0)
-    step = np.repeat(np.where(amax > 0, amax / 448, 1.0), 128, axis=1) * 448 * 2.0**-4
+    step = np.repeat(np.where(amax / 448 > 0, amax / 448, 1.0), 128, axis=1) * 448 * 2.0**-4
     for got in (direct, flat):
         assert not np.isnan(got["dx"]).any() and got["dx"].shape == (rows, 256)
     dx_want = want @ real("w_t").T

@@ -1,8 +1,8 @@
 """gemmspec.torch.quantize without a GPU: its torch operations (the CPU's path, and the
 fallback for tensors the kernel refuses) reproduce the numpy reference of the language's
 quantize rule bit for bit, corners included (all-zero blocks, NaN, infinities, an amax
-whose scale underflows to zero, short edge blocks, non-contiguous inputs); the custom op
-`gemmspec::quantize` has a schema and a fake implementation that give the kernel's
+whose quotient underflows to zero, scale 1; short edge blocks, non-contiguous inputs); the
+custom op `gemmspec::quantize` has a schema and a fake implementation that give the kernel's
 shapes and dtypes on meta and fake CUDA tensors; bad arguments raise ArgumentError."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def numpy_rule(x: np.ndarray, dst: str, block: tuple) -> tuple[np.ndarray, np.nd
     where = np.ix_(*[np.arange(n) // b for n, b in zip(x.shape, block)])
     amax = np.zeros([-(-n // b) for n, b in zip(x.shape, block)], dtype=np.float32)
     np.fmax.at(amax, where, np.abs(x))  # NaN ignored
-    grid = np.where(amax > 0, amax / np.float32(fp8_max), np.float32(1)).astype(np.float32)
+    grid = amax / np.float32(fp8_max)
+    grid = np.where(grid > 0, grid, np.float32(1)).astype(np.float32)  # all zeros, or underflowed
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.clip(x / grid[where], -fp8_max, fp8_max)
     return ratio.astype(dtype).astype(np.float64), grid
@@ -101,7 +102,7 @@ def corners(x: np.ndarray, source: str) -> np.ndarray:
         flat[5, :] = -0.0  # negative zeros stay negative
         if source in ("f32", "f64"):
             flat[6, :128] = 0.0
-            flat[6, 7] = 2.0**-149  # amax / 448 underflows to 0: 0/0 is NaN, the amax saturates
+            flat[6, 7] = 2.0**-149  # amax / 448 underflows to 0: scale 1, every value a zero
     return x
 
 

@@ -146,11 +146,12 @@ def lora_epilogue_ops(y, y2, scaling, route_w, bias, lora_idx, expert_idx) -> No
 
 def quantize_1x128(value):
     """`value` (2-D) in e4m3 with one f32 scale per row and 128 columns, by torch operations:
-    amax / 448 (1 for an all-zero block), as the quantize pass computes it."""
+    amax / 448 (1 where that is 0), as the quantize pass computes it."""
     torch = load_torch()
     rows, cols = value.shape
     blocks = value.float().view(rows, cols // 128, 128)
     amax = blocks.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    quotient = amax / 448.0
+    scale = torch.where(quotient > 0, quotient, torch.ones_like(amax))
     q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return q.view(rows, cols), scale
