@@ -317,27 +317,36 @@ class GemmOp:
             out.append(make(size, dtype=_DTYPES[s.dtype], device=device))
         return tuple(out)
 
-    def checked_on_host(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def checked_on_host(
+        self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The checks the executable makes of a call before it launches (dtypes, shapes,
-        strides, the offsets' type and shape, sizes), made of host tensors beside outputs
-        as the op allocates them, so a CPU implementation (gemmspec.torch_reference)
-        raises what the GPU would. Returns the inputs detached, untyped storage read as
-        the type the spec declares."""
+        strides, the offsets' type and shape, sizes), made of host tensors, so a CPU
+        implementation (gemmspec.torch_reference) raises what the GPU would. Without
+        `outputs` (the functional form), beside outputs as the op allocates them; with
+        them (the in-place form), of the outputs given, and of the addresses too, as for
+        any call on the GPU (alignment; no output sharing memory with another argument).
+        Returns the inputs (and the outputs) detached, untyped storage read as the type
+        the spec declares."""
+        tensors = {**inputs, **(outputs or {})}
         arrays = {}
-        for name, value in inputs.items():
+        for name, value in tensors.items():
             element = _HOST_ELEMENTS.get(value.dtype)
             if element is None:
                 raise ArgumentError(f"tensor {name!r} has unsupported element type {value.dtype}")
             raw = DeviceArray(value.data_ptr(), tuple(value.shape), tuple(value.stride()), element, -1)
             arrays[name] = as_device_array(raw, name=name, dtype_hint=self.exe._hints.get(name))
-        for s, size in zip(self.shapes, self.output_sizes(inputs)):
-            strides = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
-            arrays[s.name] = DeviceArray(0, tuple(size), strides, s.dtype, -1)
+        if outputs is None:
+            for s, size in zip(self.shapes, self.output_sizes(inputs)):
+                strides = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
+                arrays[s.name] = DeviceArray(0, tuple(size), strides, s.dtype, -1)
         self.exe._check_metadata(arrays)
+        if outputs is not None:
+            self.exe._check_pointers(arrays)
         return {
             name: value.detach() if arrays[name].dtype == _HOST_ELEMENTS[value.dtype]
             else value.detach().view(_DTYPES[arrays[name].dtype])
-            for name, value in inputs.items()
+            for name, value in tensors.items()
         }
 
     # ---- registration --------------------------------------------------------------------

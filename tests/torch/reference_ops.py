@@ -6,24 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from gemmspec.torch_reference import reference_kernel
-
-
-def reference_kernel_out(gemm_op):
-    """The in-place op (`<name>_out`) by the reference: the outputs come after the inputs
-    and are overwritten (`=` statements only: the reference starts every output from
-    zeros, so a `+=` would not add to what the caller passed)."""
-    assert not any(g.accumulate for g in gemm_op.exe.spec.gemms), "only '=' outputs are modelled"
-    run = reference_kernel(gemm_op)
-    n_inputs = len(gemm_op.inputs)
-
-    def run_out(*args):
-        results = run(*args[:n_inputs])
-        results = (results,) if isinstance(results, torch.Tensor) else results
-        for target, value in zip(args[n_inputs:], results):
-            target.copy_(value)
-
-    return run_out
+from gemmspec.torch_reference import reference_kernel, reference_kernel_out
 
 
 class CpuKernels:
