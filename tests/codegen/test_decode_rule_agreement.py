@@ -254,17 +254,20 @@ def _header_rule(p: Program) -> Rule | None:
     return Rule(dim, "<=", int(largest))
 
 
-def _manifest_rule(p: Program) -> Rule | None:
-    rc = p.manifest.get("run_time_choice")
-    if rc is None:
-        return None
-    # `rule` in words says what the fields say: its total is `max_rows`.
+def _choice_rule(rc: dict) -> Rule:
+    """A `run_time_choice` object's rule: `rule` in words says what the fields say, and its
+    total is `max_rows` ("a call with `dim` at most `max_rows` takes the variant"; the
+    words' comparison as written)."""
     stated = _rule_in_words(rc["rule"])
     assert (stated.dim, stated.rows_per_segment, stated.segments, stated.group) == (
         rc["dim"], rc["rows_per_segment"], rc["segments"], rc["group"])
     assert rc["max_rows"] == rc["rows_per_segment"] * rc["segments"]
-    # "a call with `dim` at most `max_rows` takes the variant"; the words' comparison as written.
     return Rule(rc["dim"], stated.op, rc["max_rows"], rc["rows_per_segment"], rc["segments"], rc["group"])
+
+
+def _manifest_rule(p: Program) -> Rule | None:
+    rc = p.manifest.get("run_time_choice")
+    return None if rc is None else _choice_rule(rc)
 
 
 def _explain_text_rule(p: Program) -> Rule | None:
@@ -280,13 +283,9 @@ def _explain_json_rule(p: Program) -> Rule | None:
     rc = p.explain_json.get("run_time_choice")
     if rc is None:
         return None
-    stated = _rule_in_words(rc["rule"])
-    assert (stated.dim, stated.rows_per_segment, stated.segments, stated.group) == (
-        rc["dim"], rc["rows_per_segment"], rc["segments"], rc["group"])
-    assert rc["max_rows"] == rc["rows_per_segment"] * rc["segments"]
     # The manifest's choice is explain's, with the variant's files, workspaces and steps.
     assert {k: v for k, v in p.manifest.get("run_time_choice", {}).items() if k in rc} == rc
-    return Rule(rc["dim"], stated.op, rc["max_rows"], rc["rows_per_segment"], rc["segments"], rc["group"])
+    return _choice_rule(rc)
 
 
 SOURCES = {
