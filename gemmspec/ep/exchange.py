@@ -88,13 +88,14 @@ def wait(*works) -> None:
 @dataclass(frozen=True)
 class Route:
     """Where a rank's routed rows go: the send order (routed row ids, expert-sorted),
-    each routed row's position in it, the token of each sent row, and the rows per
-    expert (all tensors on the tokens' device)."""
+    each routed row's position in it, the token of each sent row, the rows per expert,
+    and the rows whose expert id lies outside [0, E) (all tensors on the tokens' device)."""
 
     order: torch.Tensor  # [R] int64: routed row id at each send position
     pos: torch.Tensor  # [R] int64: send position of routed row i
     token: torch.Tensor  # [R] int64: token of the row at each send position
     expert_counts: torch.Tensor  # [E] int64
+    stray: torch.Tensor  # [] int64: rows with an id outside [0, E), sorted after every other
 
     @property
     def rows(self) -> int:
@@ -103,15 +104,19 @@ class Route:
 
 def route(topk_idx: torch.Tensor, experts: int) -> Route:
     """The send order of `topk_idx`'s routed rows ([tokens, k] expert ids): sorted by
-    expert, stably (ties in token, then slot order)."""
+    expert, stably (ties in token, then slot order). Rows of an id outside [0, experts)
+    are counted, not routed: they sort last, under the key `experts`, so nothing indexes
+    by their id (an index out of range on a GPU is a device-side assert, which takes the
+    process down with no message the caller can catch)."""
     flat = topk_idx.reshape(-1).long()
     k = topk_idx.shape[1] if topk_idx.dim() == 2 else 1
-    order = torch.argsort(flat, stable=True)
+    key = torch.where((flat >= 0) & (flat < experts), flat, experts)
+    order = torch.argsort(key, stable=True)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=order.device)
     # scatter_add rather than bincount: no host synchronization (bincount sizes its output on the host).
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return Route(order, pos, torch.div(order, k, rounding_mode="floor"), counts)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    return Route(order, pos, torch.div(order, k, rounding_mode="floor"), counts[:experts], counts[experts])
 
 
 def rank_counts(expert_counts: torch.Tensor, placement: Placement) -> torch.Tensor:
@@ -119,15 +124,20 @@ def rank_counts(expert_counts: torch.Tensor, placement: Placement) -> torch.Tens
     return torch.stack([b.sum(-1) for b in expert_counts.split(list(placement.sizes), dim=-1)], dim=-1)
 
 
-def exchange_counts(ex: Exchange, expert_counts: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Each rank's rows per local expert from every rank: [chunks, E] counts in,
-    [world, chunks, local experts] out (from rank s, chunk i, local expert j). One
-    exchange for all chunks, so the row exchanges after it need no further wait."""
+def exchange_counts(ex: Exchange, expert_counts: torch.Tensor, stray: torch.Tensor,
+                    placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's rows per local expert from every rank: [chunks, E] counts and [chunks]
+    stray rows (ids outside [0, E)) in; [world, chunks, local experts] (from rank s, chunk
+    i, local expert j) and the stray rows of every rank, [world], out. One exchange for
+    all chunks, so the row exchanges after it need no further wait; every rank learns
+    every rank's stray rows in it, so all can refuse a step together."""
     chunks = expert_counts.shape[0]
     mine = placement.sizes[ex.rank]
-    send = torch.cat([b.reshape(-1) for b in expert_counts.split(list(placement.sizes), dim=-1)])
-    got = ex.counts(send, [chunks * e for e in placement.sizes], [chunks * mine] * ex.world)
-    return got.view(ex.world, chunks, mine)
+    blocks = expert_counts.split(list(placement.sizes), dim=-1)
+    send = torch.cat([torch.cat([b, stray[:, None]], 1).reshape(-1) for b in blocks])
+    got = ex.counts(send, [chunks * (e + 1) for e in placement.sizes], [chunks * (mine + 1)] * ex.world)
+    got = got.view(ex.world, chunks, mine + 1)
+    return got[..., :mine], got[..., mine].sum(-1)
 
 
 def local_rows(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

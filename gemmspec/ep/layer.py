@@ -158,9 +158,17 @@ class ExpertParallel:
         ex, placement = self.exchange, self.placement
         routes = [route(topk_idx[a:b], placement.experts) for a, b in bounds]
         counts = torch.stack([r.expert_counts for r in routes])  # [chunks, E]
-        recv = exchange_counts(ex, counts, placement)  # [world, chunks, local]
-        host = torch.cat([rank_counts(counts, placement).reshape(-1), recv.sum(-1).reshape(-1)]).tolist()
+        stray = torch.stack([r.stray for r in routes])  # [chunks]
+        recv, strays = exchange_counts(ex, counts, stray, placement)  # [world, chunks, local], [world]
+        host = torch.cat([rank_counts(counts, placement).reshape(-1), recv.sum(-1).reshape(-1), strays]).tolist()
         n, w = len(bounds), ex.world
+        bad = {s: c for s, c in enumerate(host[2 * n * w:]) if c}
+        if bad:  # every rank saw the same counts: all refuse the step, none waits on another
+            where = ", ".join(f"{c} on rank {s}" for s, c in bad.items())
+            raise ArgumentError(
+                f"{self.roles.spec.name}: topk_idx holds expert ids outside [0, {placement.experts}): {where}; "
+                "no rows were exchanged"
+            )
         send_splits = [host[i * w:(i + 1) * w] for i in range(n)]
         recv_splits = [[host[n * w + s * n + i] for s in range(w)] for i in range(n)]
         return routes, recv, send_splits, recv_splits
@@ -355,7 +363,9 @@ class EPMoEDecode:
     capturable in a CUDA graph. Forward only; call `load(weights)` once (it quantizes
     this rank's expert weights), then `decode(x, topk_idx, topk_w)` per step. With a
     smaller capacity the rows past it in each rank's buffer are dropped (their
-    contribution is zero); `dropped` counts them on the device."""
+    contribution is zero); `dropped` counts them on the device. A routed row whose
+    expert id lies outside [0, E) is not sent either (its contribution is zero; checking
+    on the host would make the call wait for it): `stray` counts those on the device."""
 
     def __init__(self, spec, *, tokens: int, top_k: int, group=None, placement: Placement | None = None,
                  capacity: int | None = None, name: str | None = None):
@@ -373,6 +383,7 @@ class EPMoEDecode:
         self.capacity = capacity if capacity is not None else tokens * top_k
         self.weights: dict[str, torch.Tensor] | None = None
         self.dropped: torch.Tensor | None = None
+        self.stray: torch.Tensor | None = None
 
     def load(self, weights: Mapping[str, torch.Tensor]) -> None:
         """This rank's expert weights ([local experts, ...]), quantized once as the spec says."""
@@ -410,17 +421,20 @@ class EPMoEDecode:
         spec, world, device = self.op.exe.spec, ex.world, x.device
         r = route(topk_idx, placement.experts)
         owner = self._owner
-        dest = owner[topk_idx.reshape(-1).long()[r.order]]
+        ids = topk_idx.reshape(-1).long()[r.order]
+        routed = (ids >= 0) & (ids < placement.experts)  # a stray id's row goes nowhere
+        dest = owner[ids.clamp(0, placement.experts - 1)]
         per_rank = rank_counts(r.expert_counts, placement)
         start = torch.cumsum(per_rank, 0) - per_rank
         slot = torch.arange(r.rows, device=device) - start[dest]
-        kept = slot < cap
-        trash = world * cap  # dropped rows land on a spare row no one reads
+        kept = routed & (slot < cap)
+        trash = world * cap  # dropped and stray rows land on a spare row no one reads
         at = torch.where(kept, dest * cap + slot, torch.full_like(slot, trash))
         # Rows each expert keeps: its rows below the capacity of its destination's block.
         in_block = torch.cumsum(r.expert_counts, 0) - start[owner]
         kept_counts = in_block.clamp(max=cap) - (in_block - r.expert_counts).clamp(max=cap)
-        self.dropped = r.rows - kept_counts.sum()
+        self.stray = r.stray
+        self.dropped = r.rows - r.stray - kept_counts.sum()
 
         tok = spec.tensor(roles.tokens)
         if tok.scale is None:

@@ -41,6 +41,7 @@ class Case:
     seed: int = 0
     capacity: int | None = None  # a decode case (EPMoEDecode): rows per rank pair, None: tokens * k
     decode: bool = False
+    stray: tuple[tuple[int, int, int, int], ...] = ()  # (rank, token, slot, id outside [0, E)) put in the routing
 
     def spec(self, decode: bool = False) -> str:
         return (DECODE_SPEC if decode else SPEC).replace("E = 8", f"E = {self.experts}")
@@ -55,6 +56,9 @@ class Case:
         idx = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[: self.k]] for _ in range(s)]) \
             if s else torch.zeros((0, self.k), dtype=torch.int64)
         w = torch.rand(s, self.k, generator=gen) + 0.25
+        for r, t, c, e in self.stray:
+            if r == rank:
+                idx[t, c] = e
         return x, idx, w
 
     def weights(self):
@@ -78,6 +82,12 @@ CASE_3 = Case("3 ranks, empty experts and ranks", world=3, experts=6, tokens=(10
 DECODE_3 = Case("decode, 3 ranks", world=3, experts=6, tokens=(4, 4, 4), k=2, allowed=(0, 2, 3), decode=True, seed=2)
 DECODE_3_DROP = Case("decode, 3 ranks, capacity 2", world=3, experts=6, tokens=(4, 4, 4), k=2, allowed=(0, 2, 3),
                      decode=True, capacity=2, seed=2)
+# Expert ids outside [0, 6) on ranks 0 and 2 (rank 1 has no tokens): every rank refuses
+# the step. In decode they are sent nowhere and counted.
+STRAY_3 = Case("3 ranks, stray ids", world=3, experts=6, tokens=(5, 0, 4), k=2, allowed=(0, 2, 3),
+               stray=((0, 1, 0, -1), (2, 0, 1, 6), (2, 3, 0, 40)))
+DECODE_3_STRAY = Case("decode, 3 ranks, stray ids", world=3, experts=6, tokens=(4, 4, 4), k=2, allowed=(0, 2, 4),
+                      decode=True, seed=3, stray=((1, 2, 1, -3), (2, 0, 0, 6)))
 
 
 def free_port() -> int:
@@ -128,7 +138,7 @@ def decode_step(case: Case, group, rank: int, device: str, graph: bool = False) 
         again = captured.clone()
     else:
         again = layer.decode(x, idx, w)
-    return {"out": first.cpu(), "again": again.cpu(), "dropped": int(layer.dropped)}
+    return {"out": first.cpu(), "again": again.cpu(), "dropped": int(layer.dropped), "stray": int(layer.stray)}
 
 
 def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, device: str) -> None:
@@ -136,6 +146,7 @@ def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, 
     first step's FFN inputs (the dispatched buffers), saved for the parent to check. A
     case of fewer ranks than the processes runs on a group of the first ranks."""
     from gemmspec.ep import ExpertParallel
+    from gemmspec.errors import ArgumentError
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -154,6 +165,12 @@ def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, 
                 results[case.name] = decode_step(case, group, rank, device, graph=device != "cpu")
                 continue
             layer = ExpertParallel(case.spec(), group=group, chunks=case.chunks)
+            if case.stray:  # every rank must refuse the step, and the next case must still run
+                try:
+                    step(layer, case, rank, device)
+                except ArgumentError as e:
+                    results[case.name] = {"error": str(e)}
+                continue
             layer.record = []
             first = step(layer, case, rank, device)
             recorded = [{n: v.cpu() for n, v in chunk.items()} for chunk in layer.record]
@@ -257,15 +274,18 @@ def dropped_rows(case: Case, rank: int) -> list[tuple[int, int]]:
 
 def one_process_forward(case: Case, dropped: dict[int, list[tuple[int, int]]], device: str = "cpu") -> list[torch.Tensor]:
     """The one-process layer's output per rank, with the router weights of the
-    `dropped` rows (by rank) set to zero: what dropping them must give."""
+    `dropped` rows (by rank) set to zero: what dropping them must give. A row of a stray
+    id gives nothing either: it is routed to expert 0 with a router weight of zero."""
     from gemmspec.ep import ExpertParallel
 
     layer = ExpertParallel(case.spec())
     xs, idxs, ws = zip(*(case.inputs(r) for r in range(case.world)))
-    ws = [w.clone() for w in ws]
+    idxs, ws = [i.clone() for i in idxs], [w.clone() for w in ws]
     for r, pairs in dropped.items():
         for t, c in pairs:
             ws[r][t, c] = 0.0
+    for r, t, c, _ in case.stray:
+        idxs[r][t, c], ws[r][t, c] = 0, 0.0
     full = case.weights()
     out = layer(torch.cat(xs).to(device), torch.cat(idxs).to(device), torch.cat(ws).to(device),
                 {n: full[n].to(device) for n in layer.roles.weights})

@@ -21,6 +21,8 @@ from ep_cases import (  # noqa: E402
     CASE_3,
     DECODE_3,
     DECODE_3_DROP,
+    DECODE_3_STRAY,
+    STRAY_3,
     dropped_rows,
     expected_dispatch,
     one_process,
@@ -100,7 +102,9 @@ OWN_BLOCKS = (2**-3, 1.5)
 def results(tmp_path_factory):
     """One spawn of three processes over gloo runs every case (the two-rank ones on a
     group of ranks 0 and 1), to pay for the processes' start once."""
-    return run_ranks([CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP], tmp_path_factory.mktemp("ep"))
+    # The refused step first: the cases after it show that no rank was left waiting.
+    return run_ranks([STRAY_3, CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP, DECODE_3_STRAY],
+                     tmp_path_factory.mktemp("ep"))
 
 
 @pytest.mark.parametrize("case", [CASE_2, CASE_2_CHUNKS, CASE_3], ids=lambda c: c.name)
@@ -146,3 +150,22 @@ def test_decode_drops_the_rows_past_the_capacity(results):
         got = results[rank][DECODE_3_DROP.name]
         assert got["dropped"] == len(dropped[rank])
         _close(got["out"], want[rank], f"decode capacity 2 rank {rank}", 2**-8, 2**-10)
+
+
+def test_every_rank_refuses_a_step_with_stray_ids(results):
+    # Rank 1 has no tokens and no stray ids of its own: it learns of the others' in the
+    # counts exchange, so it raises too instead of waiting for rows that never come.
+    errors = {results[r][STRAY_3.name].get("error") for r in range(3)}
+    assert len(errors) == 1
+    message = errors.pop()
+    assert message is not None
+    assert message.endswith("topk_idx holds expert ids outside [0, 6): 1 on rank 0, 2 on rank 2; no rows were exchanged")
+
+
+def test_decode_sends_stray_rows_nowhere(results):
+    want = one_process_forward(DECODE_3_STRAY, {})
+    for rank in range(3):
+        got = results[rank][DECODE_3_STRAY.name]
+        assert (got["stray"], got["dropped"]) == ({1: 1, 2: 1}.get(rank, 0), 0)
+        assert torch.equal(_bits(got["out"]), _bits(got["again"]))
+        _close(got["out"], want[rank], f"decode with stray ids, rank {rank}", 2**-8, 2**-10)
