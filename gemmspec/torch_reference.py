@@ -6,9 +6,9 @@ backward, only slower. Both forms of an op are served: the functional one (fresh
 outputs) and the in-place one (`<name>_out`: the outputs given are written in place, an
 `+=` output adding into what it holds, elements no statement writes keeping their
 bytes). A call's tensors are checked first as the op's executable checks them on the GPU
-(dtypes, shapes, strides, the offsets' type, shape and values; for the in-place form the
-outputs too, with their alignment and overlaps), so a bad argument raises the same
-`ArgumentError`."""
+(dtypes, shapes, strides, the offsets' type, shape and values, the inputs' alignment; for
+the in-place form the outputs too, with their alignment and overlaps), so a bad argument
+raises the same `ArgumentError`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch
 
 from . import torch as gt
 from .reference.data import (
-    FP8_MAX,
     Runtime,
     TensorData,
     dim_size,
@@ -80,8 +79,8 @@ class _Reference:
         return out.reshape(size)
 
     def compute(self, inputs: dict[str, torch.Tensor], initial: dict[str, torch.Tensor] | None):
-        """(runtime, every output's logical values, their starting values, the elements
-        statements write of each bf16, f16 or f32 statement output) from checked
+        """(runtime, every output's logical values, the elements statements write of each
+        statement output and each FP8 output's or copy's scale grid) from checked
         `inputs`, each output (and an FP8 output's scales) starting from its values in
         `initial` (as stored) or, without it, from zeros."""
         spec = self.spec
@@ -109,20 +108,18 @@ class _Reference:
             raise
         except ValueError as e:  # offsets, counts or row numbers the spec's groups cannot take
             raise gt.ArgumentError(f"{spec.name}: {e}") from e
-        return rt, outs, init, covered
+        return rt, outs, covered
 
-    def written(self, name: str, values: np.ndarray, old: np.ndarray, covered: dict[str, np.ndarray]) -> np.ndarray:
-        """The logical elements of output `name` a call writes: those its statements write
-        (`covered`); every one of a row pass's target; of an FP8 output and its scales
-        (which the reference does not report), those whose value is not the starting one
-        bit for bit: where no statement writes, the reference hands that value back."""
+    def written(self, name: str, shape: tuple[int, ...], covered: dict[str, np.ndarray]) -> np.ndarray:
+        """The logical elements (of logical `shape`) of output or scale grid `name` a call
+        writes: those its statements write, as the reference reports them (`covered`)."""
         if name in covered:
             return covered[name]
+        # Reported for every statement output and scale grid; what is left is a row pass's
+        # target, every row of which the pass writes (zeros where a scatter_add names none).
         t = self.tensors.get(name)
-        scale_of = next((x for x in self.spec.tensors if x.scale is not None and x.scale.name == name), None)
-        if (t is not None and t.dtype in FP8_MAX) or scale_of is not None:
-            return np.asarray(values, np.float64).view(np.int64) != old.view(np.int64)
-        return np.ones(values.shape, dtype=bool)
+        assert t is not None and t.row_pass is not None, f"no written elements reported for '{name}'"
+        return np.ones(shape, dtype=bool)
 
     def write(self, rt: Runtime, name: str, target: torch.Tensor, values: np.ndarray, mask: np.ndarray) -> None:
         """Logical `values` into `target` (an output as given) where `mask` holds, as the
@@ -151,7 +148,7 @@ def reference_kernel(gemm_op: gt.GemmOp):
 
     def run(*args):
         inputs = gemm_op.checked_on_host(dict(zip(gemm_op.inputs, args)))
-        rt, outs, _, _ = ref.compute(inputs, None)
+        rt, outs, _ = ref.compute(inputs, None)
         result = [
             torch.from_numpy(ref.stored(rt, s.name, outs[s.name], size)).to(gt.torch_dtype(s.dtype))
             for s, size in zip(gemm_op.shapes, gemm_op.output_sizes(inputs))
@@ -175,9 +172,9 @@ def reference_kernel_out(gemm_op: gt.GemmOp):
             dict(zip(gemm_op.inputs, args[:n_inputs])), dict(zip(gemm_op.outputs, args[n_inputs:]))
         )
         inputs = {n: given[n] for n in gemm_op.inputs}
-        rt, outs, init, covered = ref.compute(inputs, given)
+        rt, outs, covered = ref.compute(inputs, given)
         for name in gemm_op.outputs:
-            mask = ref.written(name, outs[name], init[name], covered)
+            mask = ref.written(name, outs[name].shape, covered)
             ref.write(rt, name, given[name], outs[name], mask)
 
     return run_out

@@ -110,9 +110,7 @@ def run_statement(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorDat
     """Return the new value of the output tensor (float64, logical shape); `covered`, where
     given, gathers the elements the statement writes under the output's name."""
     total, written = statement_result(spec, rt, gemm, data, out.shape)
-    if covered is not None:
-        name = gemm.out.tensor
-        covered[name] = written | covered[name] if name in covered else written
+    _cover(covered, gemm.out.tensor, written)
     if gemm.accumulate:
         return out + total
     return np.where(written, total, out)
@@ -185,34 +183,51 @@ def statement_result(spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, Tensor
 
 
 def run_fp8_copy(
-    spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData
+    spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData,
+    covered: dict[str, np.ndarray] | None = None,
 ) -> TensorData:
     """`T = copy(D)` of an `=` statement into the FP8 output D (docs/language.md, section 7
     and FP8 outputs): the statement's result rounded to bf16, then quantized with T's own
     scale blocks ([128, 1] per segment of the row group) exactly as quantize(SOURCE) would
     quantize that bf16 tensor into T. The checker makes the statement write every row
-    (a ragged group without capacity), so every element and scale of T is written."""
+    (a ragged group without capacity), so every element and scale of T is written (and
+    `covered`, where given, says so under T's name and its scale's, in their logical
+    shapes: a padded layout's padding rows and a call's spare scale rows lie outside)."""
     t = spec.tensor(gemm.copy)
     total, written = statement_result(spec, rt, gemm, data, old.values.shape)
     assert written.all(), "a copy's statement writes every row"
     q, grid = fp8_output_values(spec, rt, total, t)
+    _cover(covered, t.name, written)
+    _cover(covered, t.scale.name, _block_counts(spec, rt, t, written) > 0)
     return TensorData(q, grid)
 
 
 def run_fp8_statement(
-    spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData
+    spec: Spec, rt: Runtime, gemm: Gemm, data: dict[str, TensorData], old: TensorData,
+    covered: dict[str, np.ndarray] | None = None,
 ) -> TensorData:
     """An `=` statement into an FP8 output: the written elements' result rounded to bf16
     and quantized per scale block (`fp8_output_values`); elements and scales the statement
     does not write keep `old`'s. A block is written whole or not at all (the checker makes
-    the output's columns whole blocks of one leaf)."""
+    the output's columns whole blocks of one leaf). `covered`, where given, gathers the
+    elements written under the output's name and the scale blocks written under its
+    scale's."""
     t = spec.tensor(gemm.out.tensor)
     total, written = statement_result(spec, rt, gemm, data, old.values.shape)
     q, grid = fp8_output_values(spec, rt, np.where(written, total, 0.0), t)
     per_block = _block_counts(spec, rt, t, written)
     whole = _block_counts(spec, rt, t, np.ones_like(written))
     assert ((per_block == 0) | (per_block == whole)).all(), "a scale block written in part"
+    _cover(covered, t.name, written)
+    _cover(covered, t.scale.name, per_block > 0)
     return TensorData(np.where(written, q, old.values), np.where(per_block > 0, grid, old.scale_grid))
+
+
+def _cover(covered: dict[str, np.ndarray] | None, name: str, written: np.ndarray) -> None:
+    """Add `written` (a boolean mask of `name`'s logical shape) to what `covered` holds
+    for `name`: statements writing one output add up."""
+    if covered is not None:
+        covered[name] = written | covered[name] if name in covered else written
 
 
 def _block_counts(spec: Spec, rt: Runtime, t: Tensor, mask: np.ndarray) -> np.ndarray:
@@ -298,9 +313,12 @@ def run_direct(
     """Evaluate every statement in order; `init` holds each output's starting values (an
     FP8 output's scale grid may start from `init[<scale name>]`, else NaN). An FP8
     output's scale grid is returned under its scale's name. `covered`, where given,
-    receives for each bf16, f16 or f32 output of a statement the elements the statements
-    write (boolean, its logical shape): an `+=` output keeps its starting values where no
-    leaf adds, so NaN cannot tell those elements apart. `given` names outputs to take
+    receives for each output of a statement the elements the statements write (boolean,
+    its logical shape), and for an FP8 output and an FP8 copy the blocks of their scale
+    grids written too (under the scale's name): an `+=` output keeps its starting values
+    where no leaf adds, and a written element may happen to hold its starting value, so
+    the values cannot tell those elements apart. A row pass's target (every element
+    written) and an output taken from `given` are not reported. `given` names outputs to take
     as they are (values, and an FP8 output's scales) instead of computing them, so that
     what reads them can be checked against what a device wrote: FP8 rounding is
     discontinuous, and a result a hair away from the reference's may round to the next
@@ -339,7 +357,9 @@ def run_direct(
             if name in given:
                 d = given[name]
             else:
-                d = run_fp8_statement(spec, rt, gemm, data, TensorData(results[name], results[out_t.scale.name]))
+                d = run_fp8_statement(
+                    spec, rt, gemm, data, TensorData(results[name], results[out_t.scale.name]), covered
+                )
             results[name], results[out_t.scale.name] = d.values, d.scale_grid
             data[name] = d
             if gemm.copy is not None:
@@ -347,7 +367,9 @@ def run_direct(
                 if gemm.copy in given:
                     c = given[gemm.copy]
                 else:
-                    c = run_fp8_copy(spec, rt, gemm, data, TensorData(results[gemm.copy], results[c_t.scale.name]))
+                    c = run_fp8_copy(
+                        spec, rt, gemm, data, TensorData(results[gemm.copy], results[c_t.scale.name]), covered
+                    )
                 results[gemm.copy], results[c_t.scale.name] = c.values, c.scale_grid
                 data[gemm.copy] = c
             continue

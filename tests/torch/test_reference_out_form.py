@@ -2,17 +2,21 @@
 checked as the executable checks them and written in place; an `+=` output adds into
 what it holds; the elements no statement writes (rows past a capacity group's end or a
 masked count, a padded segment's padding rows, spare scale rows) keep their bytes; and
-the functional form is what it was (fresh outputs, zeros where nothing writes)."""
+the functional form is what it was (fresh outputs, zeros where nothing writes). The
+elements a call writes are the reference's own report (`covered`), checked here as masks
+too: of FP8 outputs, their scale grids and copies as well."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import gemmspec.torch as gt  # noqa: E402
 from gemmspec.errors import ArgumentError  # noqa: E402
-from gemmspec.torch_reference import register_reference  # noqa: E402
+from gemmspec.reference.data import element_offsets  # noqa: E402
+from gemmspec.torch_reference import _Reference, register_reference  # noqa: E402
 
 # Specs of their own: ops are shared by spec text, and other tests register CPU kernels.
 RAGGED = """\
@@ -63,6 +67,29 @@ gemm out_form_copy {
   tensor h   : e4m3 [T, F] scale f32 [1, 128]
   tensor h_t : e4m3 [T, F] layout segment_major(expert) pad 16 scale f32 [128, 1] per expert = copy(h)
   h[t, f] = sum[k] x[t, k] * w[expert(t), f, k]
+}
+"""
+# FP8 outputs a statement writes in part: rows past a capacity group's end, rows past a
+# masked count (values and their [1, 128] scales alike).
+CAPACITY_FP8 = """\
+gemm out_form_capacity_fp8 {
+  dim T
+  dim N = 256, K = 128
+  group expert[E = 3] = ragged(T, offsets = offs, capacity)
+  tensor x : e4m3 [T, K] scale f32 [1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : e4m3 [T, N] scale f32 [1, 128]
+  y[t, n] = sum[k] x[t, k] * w[expert(t), n, k]
+}
+"""
+MASKED_FP8 = """\
+gemm out_form_masked_fp8 {
+  dim M = 32, N = 256, K = 128
+  group expert[E = 3] = masked(M, counts = counts)
+  tensor x : e4m3 [E, M, K] scale f32 [1, 1, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : e4m3 [E, M, N] scale f32 [1, 1, 128]
+  y[e, m, n] = sum[k] x[e, m, k] * w[e, n, k]
 }
 """
 
@@ -203,6 +230,19 @@ def copy_inputs(counts=(0, 3, 17, 20)):
     return inputs
 
 
+def padded_positions(counts, columns: int = 256) -> torch.Tensor:
+    """Which elements of COPY's h_t buffer hold a logical element: each segment a block of
+    ceil(n / 16) * 16 rows, stored column by column, element (i, f) of a segment of n rows
+    at f * rows + i; the rest of the block is padding."""
+    pitch = [-(-n // 16) * 16 for n in counts]
+    stored = torch.zeros(sum(pitch) * columns, dtype=torch.bool)
+    start = 0
+    for n, rows in zip(counts, pitch):
+        stored[start + (torch.arange(columns)[:, None] * rows + torch.arange(n)[None, :]).reshape(-1)] = True
+        start += rows * columns
+    return stored
+
+
 def test_fp8_outputs_padded_copy_and_spare_scale_rows():
     """Every element and scale of h is written as the functional form writes it; of the
     copy h_t, each segment's elements (in blocks of 16-row multiples) and the counted
@@ -219,21 +259,111 @@ def test_fp8_outputs_padded_copy_and_spare_scale_rows():
     assert set(given) == {"h", "h_scale", "h_t", "h_t_scale"}
     assert same_bytes(given["h"], fresh["h"]) and same_bytes(given["h_scale"], fresh["h_scale"])
     assert given["h_t"].shape == (40 + 4 * 15, 256) and given["h_t_scale"].shape == (4, 256)
-    # Each segment a block of ceil(n / 16) * 16 rows, stored column by column: element
-    # (i, f) of a segment of n rows at f * rows + i; the rest of the block is padding.
-    stored = torch.zeros(100 * 256, dtype=torch.bool)
-    start = 0
-    for n in counts:
-        pitch = -(-n // 16) * 16
-        stored[start + (torch.arange(256)[:, None] * pitch + torch.arange(n)[None, :]).reshape(-1)] = True
-        start += pitch * 256
-    assert stored.sum() == 40 * 256 and start == 80 * 256
+    stored = torch.cat([padded_positions(counts), torch.zeros(20 * 256, dtype=torch.bool)])
+    assert stored.sum() == 40 * 256
     flat = {n: v.reshape(-1) for n, v in (("given", given["h_t"]), ("fresh", fresh["h_t"]), ("old", old["h_t"]))}
     assert same_bytes(flat["given"][stored], flat["fresh"][stored])
     assert same_bytes(flat["given"][~stored], flat["old"][~stored])
     counted = sum(-(-n // 128) for n in counts)  # 3 of the 4 rows
     assert same_bytes(given["h_t_scale"][:counted], fresh["h_t_scale"][:counted])
     assert same_bytes(given["h_t_scale"][counted:], old["h_t_scale"][counted:])
+
+
+def written_masks(o: gt.GemmOp, inputs: dict, outputs: dict):
+    """(runtime, each output's starting and new values, its mask of the elements written)
+    of an in-place call of `o`, as its in-place form decides them (logical shapes)."""
+    ref = _Reference(o)
+    given = o.checked_on_host(inputs, outputs)
+    rt, outs, covered = ref.compute({n: given[n] for n in o.inputs}, given)
+    start = {n: ref.logical(rt, n, given[n]) for n in o.outputs}
+    return rt, start, outs, {n: ref.written(n, outs[n].shape, covered) for n in o.outputs}
+
+
+def fp8_operands(shapes: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random FP8 operands of `shapes` (name: (shape, scale block)) with their scales."""
+    g, out = gen(seed), {}
+    for name, (shape, block) in shapes.items():
+        out[name], out[f"{name}_scale"] = gt.quantize(torch.randn(*shape, generator=g), "e4m3", block)
+    return out
+
+
+def test_an_fp8_output_written_in_part_reports_its_rows_and_scale_blocks():
+    """Rows past a capacity group's end and past a masked count: neither the values nor
+    their scales are in the mask, the rest all are; the in-place form writes exactly the
+    mask (the functional form's bytes there), the rest keeping its bytes."""
+    cap = op(CAPACITY_FP8)
+    cap_in = {
+        **fp8_operands({"x": ((40, 128), (1, 128)), "w": ((3, 256, 128), (1, 128, 128))}, seed=20),
+        "offs": torch.tensor([0, 9, 9, 30], dtype=torch.int32),
+    }
+    masked = op(MASKED_FP8)
+    counts = [32, 0, 11]
+    masked_in = {
+        **fp8_operands({"x": ((3, 32, 128), (1, 1, 128)), "w": ((3, 256, 128), (1, 128, 128))}, seed=21),
+        "counts": torch.tensor(counts, dtype=torch.int32),
+    }
+    rows = torch.arange(40) < 30
+    live = torch.arange(32)[None, :] < torch.tensor(counts)[:, None]
+    for o, inputs, want in ((cap, cap_in, rows), (masked, masked_in, live)):
+        fresh = dict(zip(o.outputs, o(**inputs)))
+        given = {n: noise(f.shape, f.dtype, seed=22 + i) for i, (n, f) in enumerate(fresh.items())}
+        old = {n: v.clone() for n, v in given.items()}
+        _, _, _, masks = written_masks(o, inputs, given)
+        assert masks["y"].shape == (*want.shape, 256) and masks["y_scale"].shape == (*want.shape, 2)
+        for name in ("y", "y_scale"):
+            mask = torch.from_numpy(masks[name])
+            assert torch.equal(mask, want[..., None].expand(mask.shape)), (o.name, name)
+        o(**inputs, **given)
+        for name in ("y", "y_scale"):
+            assert same_bytes(given[name][want], fresh[name][want]), name
+            assert same_bytes(given[name][~want], old[name][~want]), name
+
+
+def test_a_padded_copy_reports_its_logical_elements_and_counted_scale_rows():
+    """The copy's mask is its logical shape, all written: mapped to its buffer it is every
+    element but the padding rows; its scales' mask is the counted rows (3 of the 4 a call
+    allocates), all written, the spare row outside it."""
+    o = op(COPY)
+    counts = (0, 3, 17, 20)
+    inputs = copy_inputs(counts)
+    fresh = dict(zip(o.outputs, o(**inputs)))
+    given = {n: noise(f.shape, f.dtype, seed=30 + i) for i, (n, f) in enumerate(fresh.items())}
+    rt, _, _, masks = written_masks(o, inputs, given)
+    assert masks["h"].shape == (40, 256) and masks["h"].all() and masks["h_scale"].all()
+    assert masks["h_t"].shape == (40, 256) and masks["h_t"].all()
+    assert masks["h_t_scale"].shape == (3, 256) and masks["h_t_scale"].all()
+    at = element_offsets(o.exe.spec, rt, o.exe.spec.tensor("h_t"))
+    buffer = torch.zeros(given["h_t"].numel(), dtype=torch.bool)
+    buffer[torch.from_numpy(at[masks["h_t"]])] = True
+    assert torch.equal(buffer[: 80 * 256], padded_positions(counts)) and not buffer[80 * 256 :].any()
+
+
+@pytest.mark.parametrize("spec", ["copy", "capacity"])
+def test_an_element_written_with_its_starting_value_is_written(spec):
+    """Outputs given holding exactly what the call writes: every value written equals its
+    starting value bit for bit, and the mask still says written (no comparison of values
+    could tell)."""
+    if spec == "copy":
+        o, inputs = op(COPY), copy_inputs()
+        want = {n: None for n in o.outputs}  # all written
+    else:
+        o = op(CAPACITY_FP8)
+        inputs = {
+            **fp8_operands({"x": ((40, 128), (1, 128)), "w": ((3, 256, 128), (1, 128, 128))}, seed=20),
+            "offs": torch.tensor([0, 9, 9, 30], dtype=torch.int32),
+        }
+        want = {n: torch.arange(40) < 30 for n in o.outputs}
+    given = dict(zip(o.outputs, o(**inputs)))
+    _, start, outs, masks = written_masks(o, inputs, given)
+    for name in o.outputs:
+        mask, rows = masks[name], want[name]
+        new = np.asarray(outs[name], np.float64)  # a scale grid: float32
+        same = new.view(np.int64) == start[name].view(np.int64)
+        assert mask.any() and same[mask].all(), name  # what a comparison of values would miss
+        if rows is None:
+            assert mask.all(), name
+        else:
+            assert torch.equal(torch.from_numpy(mask), rows[:, None].expand(mask.shape)), name
 
 
 @pytest.mark.parametrize(
@@ -260,3 +390,43 @@ def test_an_output_sharing_memory_with_an_input_is_refused():
     y = inputs["x"].view(-1)[: 40 * 64].view(40, 64)  # x's first rows
     with pytest.raises(ArgumentError, match="output 'y' overlaps input 'x'"):
         o(**inputs, y=y)
+
+
+def misaligned(value: torch.Tensor, by: int) -> torch.Tensor:
+    """`value`'s elements in memory `by` bytes past a 16-byte aligned address."""
+    size = value.numel() * value.element_size()
+    raw = bytearray(size + 32)
+    skip = (-torch.frombuffer(raw, dtype=torch.uint8).data_ptr()) % 16 + by
+    out = torch.frombuffer(raw, dtype=torch.uint8, offset=skip, count=size).view(value.dtype).view(value.shape)
+    out.copy_(value)
+    assert out.data_ptr() % 16 == by
+    return out
+
+
+@pytest.mark.parametrize(
+    "spec, name, by, match",
+    [
+        ("ragged", "x", 2, "tensor 'x' must be 16-byte aligned"),
+        ("ragged", "offs", 2, r"'offs' must be 4-byte aligned \(int32\)"),
+        ("capacity_fp8", "x_scale", 4, "scale 'x_scale' must be 16-byte aligned"),
+    ],
+    ids=["data", "offsets", "scale"],
+)
+def test_misaligned_inputs_are_refused_by_both_forms(spec, name, by, match):
+    """The functional form checks the inputs' addresses as the GPU's does (which checks
+    every call's), with the in-place form's error."""
+    if spec == "ragged":
+        o, inputs = op(RAGGED), ragged_inputs()
+    else:
+        o = op(CAPACITY_FP8)
+        inputs = {
+            **fp8_operands({"x": ((40, 128), (1, 128)), "w": ((3, 256, 128), (1, 128, 128))}, seed=20),
+            "offs": torch.tensor([0, 9, 9, 30], dtype=torch.int32),
+        }
+    fresh = o(**inputs)
+    fresh = fresh if isinstance(fresh, tuple) else (fresh,)
+    inputs[name] = misaligned(inputs[name], by)
+    with pytest.raises(ArgumentError, match=match):
+        o(**inputs)
+    with pytest.raises(ArgumentError, match=match):
+        o(**inputs, **dict(zip(o.outputs, fresh)))
