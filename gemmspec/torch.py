@@ -205,6 +205,7 @@ class GemmOp:
             tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), *d[1:]) for d in s.dims)
             for s in self.shapes
         )
+        self._output_strides = tuple(self._declared_strides(name) for name in self.outputs)
         self._define()
 
     # ---- shapes -------------------------------------------------------------------------
@@ -287,13 +288,55 @@ class GemmOp:
             "a fresh output cannot be sized; pass it in"
         )
 
+    def _declared_strides(self, name: str) -> tuple | None:
+        """How a fresh output `name` is strided where its layout is not row-major (`major(D)`,
+        `row_major pad P`, `strides(...)`): its element strides as polynomials in run-time dims, and where each of those dims is
+        read, (input index, axis, rows added). None where row-major storage is what the
+        layout asks for (segment_major buffers are contiguous too)."""
+        spec = self.exe.spec
+        if any(t.scale is not None and t.scale.name == name for t in spec.tensors):
+            return None  # the checker holds an output's scales row-major (the epilogue writes them so)
+        layout = spec.tensor(name).layout
+        if layout.kind != "strided" or layout.text == "row_major":
+            return None
+        where = {}
+        for d in sorted(set().union(*(p.symbols for p in layout.strides))):
+            try:
+                at = self._logical_dim(d, name)
+            except GemmspecError as e:  # raised when a fresh output is needed, not before
+                where[d] = e
+                continue
+            where[d] = (self.inputs.index(at[0]), *at[1:])
+        return layout.strides, where
+
+    def _strides_of(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[int, ...] | None]:
+        """Each output's element strides for a fresh one, from the inputs in the op's order
+        (None: row-major)."""
+        out = []
+        for declared in self._output_strides:
+            if declared is None:
+                out.append(None)
+                continue
+            polys, where = declared
+            for at in where.values():
+                if isinstance(at, GemmspecError):
+                    raise at
+            env = {d: inputs[i].shape[axis] + rows for d, (i, axis, rows) in where.items()}
+            out.append(tuple(int(p.evaluate(env)) for p in polys))
+        return out
+
     def output_sizes(self, inputs: dict[str, torch.Tensor]) -> list[list]:
         return self._sizes_of(self._take_inputs(inputs))
+
+    def output_strides(self, inputs: dict[str, torch.Tensor]) -> list[tuple[int, ...] | None]:
+        """The element strides a fresh output has, as its layout declares them (None:
+        row-major); `output_sizes`' companion."""
+        return self._strides_of(self._take_inputs(inputs))
 
     def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
         """The size of each output, from the inputs in the op's order."""
         try:
-            return [
+            sizes = [
                 # (input, axis, rows added[, per]): a copy's anchored scale rows divide by `per`.
                 [d if isinstance(d, int) else (inputs[d[0]].shape[d[1]] + d[2]) // (d[3] if len(d) > 3 else 1) for d in dims]
                 for dims in self._output_dims
@@ -307,14 +350,39 @@ class GemmOp:
                         f"got shape {list(value.shape)}"
                     ) from None
             raise
+        if any(n < 0 for size in sizes for n in size):
+            # A padded segment_major buffer with fewer rows than its padding, read for a dim
+            # no other input has: say the shape it needs, as the executable says it.
+            for name, value in zip(self.inputs, inputs):
+                t = self.exe._tensor_named(name)
+                if t is not None and t.layout.pad_rows and value.shape[t.layout.seg_axis] < t.layout.pad_rows:
+                    raise ArgumentError(
+                        f"tensor '{name}' must have shape {self.exe._declared_shape(t)}"
+                        f"{self.exe._padding_note(t)}, got {list(value.shape)}"
+                    )
+            raise ArgumentError(f"{self.exe.spec.name}: the inputs give an output a negative size {sizes}")
+        return sizes
+
+    def _host_array(self, name: str, value: torch.Tensor) -> DeviceArray:
+        """`value` described as the executable's checks read an argument (no device)."""
+        element = _HOST_ELEMENTS.get(value.dtype)
+        if element is None:
+            raise ArgumentError(f"tensor {name!r} has unsupported element type {value.dtype}")
+        raw = DeviceArray(value.data_ptr(), tuple(value.shape), tuple(value.stride()), element, -1)
+        return as_device_array(raw, name=name, dtype_hint=self.exe._hints.get(name))
 
     def _allocate(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Fresh outputs for `inputs` (in the op's order), on their device."""
+        """Fresh outputs for `inputs` (in the op's order), on their device, strided as their
+        layouts declare."""
         device = inputs[0].device
         out = []
-        for s, size in zip(self.shapes, self._sizes_of(inputs)):
-            make = torch.zeros if s.zero else torch.empty
-            out.append(make(size, dtype=_DTYPES[s.dtype], device=device))
+        for s, size, strides in zip(self.shapes, self._sizes_of(inputs), self._strides_of(inputs)):
+            if strides is None:
+                make = torch.zeros if s.zero else torch.empty
+                out.append(make(size, dtype=_DTYPES[s.dtype], device=device))
+                continue
+            fresh = torch.empty_strided(size, strides, dtype=_DTYPES[s.dtype], device=device)
+            out.append(fresh.zero_() if s.zero else fresh)
         return tuple(out)
 
     def checked_on_host(
@@ -328,16 +396,10 @@ class GemmOp:
         them (the in-place form), of the outputs given. Returns the inputs (and the
         outputs) detached, untyped storage read as the type the spec declares."""
         tensors = {**inputs, **(outputs or {})}
-        arrays = {}
-        for name, value in tensors.items():
-            element = _HOST_ELEMENTS.get(value.dtype)
-            if element is None:
-                raise ArgumentError(f"tensor {name!r} has unsupported element type {value.dtype}")
-            raw = DeviceArray(value.data_ptr(), tuple(value.shape), tuple(value.stride()), element, -1)
-            arrays[name] = as_device_array(raw, name=name, dtype_hint=self.exe._hints.get(name))
+        arrays = {name: self._host_array(name, value) for name, value in tensors.items()}
         if outputs is None:
-            for s, size in zip(self.shapes, self.output_sizes(inputs)):
-                strides = tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
+            for s, size, declared in zip(self.shapes, self.output_sizes(inputs), self.output_strides(inputs)):
+                strides = declared or tuple(math.prod(size[i + 1 :]) for i in range(len(size)))
                 arrays[s.name] = DeviceArray(0, tuple(size), strides, s.dtype, -1)
         self.exe._check_metadata(arrays)
         if outputs is None:
@@ -381,8 +443,9 @@ class GemmOp:
 
     def _fake(self, *args: torch.Tensor):
         outs = [
-            torch.empty(size, dtype=_DTYPES[s.dtype], device=args[0].device)
-            for s, size in zip(self.shapes, self._sizes_of(args))
+            torch.empty(size, dtype=_DTYPES[s.dtype], device=args[0].device) if strides is None
+            else torch.empty_strided(size, strides, dtype=_DTYPES[s.dtype], device=args[0].device)
+            for s, size, strides in zip(self.shapes, self._sizes_of(args), self._strides_of(args))
         ]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -563,9 +626,10 @@ def _quantize_torch(value: torch.Tensor, dtype: str, block: tuple) -> tuple[torc
     saturated before the cast (the kernel's conversion saturates; what torch's cast does
     past the largest FP8 value has changed between its versions)."""
     v = value.float()
-    # A dim's name: one block over the whole (run-time) dim.
+    # A dim's name: one block over the whole (run-time) dim, so one entry along it even
+    # where the dim is empty (an all-zero block: scale 1).
+    grid = [1 if isinstance(b, str) else -(-n // b) for n, b in zip(v.shape, block)]
     block = tuple(max(n, 1) if isinstance(b, str) else b for n, b in zip(v.shape, block))
-    grid = [-(-n // b) for n, b in zip(v.shape, block)]
     pad = []
     for n, b, g in reversed(list(zip(v.shape, block, grid))):
         pad += [0, g * b - n]

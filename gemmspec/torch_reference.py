@@ -19,6 +19,7 @@ from . import torch as gt
 from .reference.data import (
     Runtime,
     TensorData,
+    check_group_values,
     dim_size,
     element_offsets,
     scale_grid_shape,
@@ -85,6 +86,17 @@ class _Reference:
         `initial` (as stored) or, without it, from zeros."""
         spec = self.spec
         rt = self.runtime(inputs)
+        try:
+            check_group_values(spec, rt)
+        except ValueError as e:  # offsets or counts the spec's groups cannot take
+            raise gt.ArgumentError(f"{spec.name}: {e}") from e
+        given = {**inputs, **(initial or {})}
+        for name, t in self.anchored.items():
+            # The rows the offsets imply, which the GPU's offsets check counts (the host only
+            # knows the range they lie in); the GPU says it with the shape they make.
+            grid = scale_grid_shape(spec, rt, t)
+            if name in given and given[name].shape[0] < grid[0]:
+                raise gt.ArgumentError(f"scale '{name}' must have shape {list(grid)}, got {list(given[name].shape)}")
         data = {}
         for t in spec.tensors:
             if t.name in inputs:
@@ -149,10 +161,11 @@ def reference_kernel(gemm_op: gt.GemmOp):
     def run(*args):
         inputs = gemm_op.checked_on_host(dict(zip(gemm_op.inputs, args)))
         rt, outs, _ = ref.compute(inputs, None)
-        result = [
-            torch.from_numpy(ref.stored(rt, s.name, outs[s.name], size)).to(gt.torch_dtype(s.dtype))
-            for s, size in zip(gemm_op.shapes, gemm_op.output_sizes(inputs))
-        ]
+        result = []
+        for s, size, strides in zip(gemm_op.shapes, gemm_op.output_sizes(inputs), gemm_op.output_strides(inputs)):
+            value = torch.from_numpy(ref.stored(rt, s.name, outs[s.name], size)).to(gt.torch_dtype(s.dtype))
+            # Strided as the op allocates it on the GPU (a layout such as major(T) declares it).
+            result.append(value if strides is None else torch.empty_strided(size, strides, dtype=value.dtype).copy_(value))
         return result[0] if len(result) == 1 else tuple(result)
 
     return run
