@@ -101,3 +101,28 @@ def test_in_a_captured_cuda_graph(in_place):
     graph.replay()
     torch.cuda.synchronize()
     assert_close_elementwise(out, reference(x, w, offs), dtype="bf16", name="y replayed", guards=guarded)
+
+
+@pytest.mark.parametrize(("layout", "strides"), [("major(T)", lambda t: (1, t)), ("row_major pad 320", lambda t: (320, 1))])
+@pytest.mark.parametrize("tokens", [0, 1, 130])
+def test_a_fresh_output_takes_its_declared_layout(layout, strides, tokens):
+    # The op allocates a fresh output as its layout declares, eagerly and under
+    # torch.compile; the executable's stride check accepts its own allocation.
+    op = gt.op(f"""
+gemm fresh_layout_gpu {{
+  dim T
+  dim N = 256, K = 128
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [N, K]
+  tensor y : f32 [T, N] layout {layout}
+  y[t, n] = sum[k] x[t, k] * w[n, k]
+}}""")
+    gen = torch.Generator(device="cpu").manual_seed(tokens)
+    x = torch.randn(tokens, 128, generator=gen).cuda().to(torch.bfloat16)
+    w = (torch.randn(256, 128, generator=gen) / 16).cuda().to(torch.bfloat16)
+    want = x.double() @ w.double().T
+    y = op(x=x, w=w)
+    assert y.shape == (tokens, 256) and (tokens <= 1 or y.stride() == strides(tokens))
+    assert_close_elementwise(y, want, dtype="f32", operand_dtype="bf16", name=f"y {layout}")
+    compiled = torch.compile(lambda x, w: op(x=x, w=w) * 1.0, fullgraph=True)
+    assert_close_elementwise(compiled(x, w), want, dtype="f32", operand_dtype="bf16", name=f"y {layout}, compiled")
