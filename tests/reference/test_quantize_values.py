@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -218,14 +219,17 @@ def test_kernel_bit_rule_matches_the_reference(dst):
 def test_kernel_source_spells_the_rule_the_test_transliterates():
     from gemmspec.codegen.kernels import QuantizeKernelConfig, render_quantize
 
+    # The rule lives in the device header every kernel includes; the quantize kernel calls it.
+    header = (Path(__file__).resolve().parents[2] / "gemmspec" / "codegen" / "include" / "gemmspec_ptx.cuh").read_text()
+    assert "static_cast<int>(bits >> 23) - 127 - max_exp + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0)" in header
+    assert "e = max(e, -127);" in header and "__uint_as_float(0x00400000u)" in header
+    assert "if (bits >= 0x7f800000u) return amax;" in header and "if (!(amax > 0.0f)) return 1.0f;" in header
+    assert "const float q = __fdiv_rn(amax, fp8_max);" in header and "return q > 0.0f ? q : 1.0f;" in header
     for dst, exp in (("e4m3", 8), ("e5m2", 15)):
         src = render_quantize(QuantizeKernelConfig(out_type=dst, pow2=True))
         assert f"constexpr int OUT_MAX_EXP = {exp};" in src
-        assert "static_cast<int>(bits >> 23) - 127 - OUT_MAX_EXP + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0)" in src
-        assert "e = max(e, -127);" in src and "__uint_as_float(0x00400000u)" in src
-        assert "if (bits >= 0x7f800000u) return amax;" in src and "if (!(amax > 0.0f)) return 1.0f;" in src
-        assert "__fdiv_rn(amax, OUT_MAX)" not in src and "powf" not in src
-    assert "__fdiv_rn(amax, OUT_MAX)" in render_quantize(QuantizeKernelConfig())
+        assert "gs_fp8_scale_pow2(amax, OUT_MAX_EXP)" in src and "gs_fp8_scale(amax" not in src and "powf" not in src
+    assert "gs_fp8_scale(amax, OUT_MAX)" in render_quantize(QuantizeKernelConfig())
 
 
 def pow2_by_blocks(x: np.ndarray, dst: str, br: int, bc: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,8 +3,9 @@
 // The kernel ABI's leaf table and tensor-map slots, plus thin wrappers over the PTX the
 // emitted kernels use, one section per concern: shared-memory addresses and wgmma
 // matrix descriptors, wgmma fences, mbarriers, TMA loads, tensor-map patching,
-// register reallocation, programmatic dependent launch, and element conversions. The wgmma instructions themselves
-// are emitted per kernel (their operand count depends on the tile width).
+// register reallocation, programmatic dependent launch, element conversions and FP8 block
+// scales. The wgmma instructions themselves are emitted per kernel (their operand count
+// depends on the tile width).
 // Includes only CUDA toolkit headers so it compiles under NVRTC and nvcc alike.
 #pragma once
 
@@ -494,6 +495,33 @@ template <typename T> struct GsPair;
 template <> struct GsPair<float> { typedef float2 type; };
 template <> struct GsPair<__nv_bfloat16> { typedef __nv_bfloat162 type; };
 template <> struct GsPair<__half> { typedef __half2 type; };
+
+// ---------------------------------------------------------------------------
+// FP8 block scales: the quantize rule (docs/language.md, quantize), held once for the
+// quantize and requantize passes and an FP8 D's epilogue. Float32 throughout, so a numpy
+// float32 reference reproduces it bit for bit.
+// ---------------------------------------------------------------------------
+// amax / fp8_max by IEEE division, or 1 where that is 0: an all-zero block, or one whose
+// amax underflows the quotient (its zeros would become 0 / 0).
+__device__ __forceinline__ float gs_fp8_scale(float amax, float fp8_max) {
+  const float q = __fdiv_rn(amax, fp8_max);
+  return q > 0.0f ? q : 1.0f;
+}
+
+// The least power of two 2^e with e >= -127 and amax <= fp8_max * 2^e, for
+// fp8_max = 1.75 * 2^max_exp (e4m3: 448, max_exp 8; e5m2: 57344, max_exp 15); 1 where amax
+// is 0, amax where it is +inf (no power of two holds it). For amax = 1.f * 2^E (E unbiased),
+// the bound holds from e = E - max_exp when 1.f <= 1.75 (fraction bits at most 0x600000),
+// else from one more; e stops at -127 (UE8M0's smallest, a float32 subnormal), which every
+// subnormal amax gets. Integer work on the bits, exact: no pow or log function.
+__device__ __forceinline__ float gs_fp8_scale_pow2(float amax, int max_exp) {
+  if (!(amax > 0.0f)) return 1.0f;                 // an all-zero block
+  const unsigned bits = __float_as_uint(amax);
+  if (bits >= 0x7f800000u) return amax;            // +inf
+  int e = static_cast<int>(bits >> 23) - 127 - max_exp + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0);
+  e = max(e, -127);
+  return e > -127 ? __uint_as_float(static_cast<unsigned>(e + 127) << 23) : __uint_as_float(0x00400000u);
+}
 
 // ---------------------------------------------------------------------------
 // The offsets check's scan of an index tensor.
