@@ -309,9 +309,11 @@ class GemmOp:
             where[d] = (self.inputs.index(at[0]), *at[1:])
         return layout.strides, where
 
-    def _strides_of(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[int, ...] | None]:
+    def _strides_of(self, inputs: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...] | None, ...]:
         """Each output's element strides for a fresh one, from the inputs in the op's order
         (None: row-major)."""
+        if not any(self._output_strides):  # the common case, on every functional call
+            return self._output_strides
         out = []
         for declared in self._output_strides:
             if declared is None:
@@ -323,12 +325,12 @@ class GemmOp:
                     raise at
             env = {d: inputs[i].shape[axis] + rows for d, (i, axis, rows) in where.items()}
             out.append(tuple(int(p.evaluate(env)) for p in polys))
-        return out
+        return tuple(out)
 
     def output_sizes(self, inputs: dict[str, torch.Tensor]) -> list[list]:
         return self._sizes_of(self._take_inputs(inputs))
 
-    def output_strides(self, inputs: dict[str, torch.Tensor]) -> list[tuple[int, ...] | None]:
+    def output_strides(self, inputs: dict[str, torch.Tensor]) -> tuple[tuple[int, ...] | None, ...]:
         """The element strides a fresh output has, as its layout declares them (None:
         row-major); `output_sizes`' companion."""
         return self._strides_of(self._take_inputs(inputs))
