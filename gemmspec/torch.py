@@ -167,8 +167,11 @@ class OutputShape:
 
     name: str
     dtype: str
-    dims: tuple[int | tuple[str, int, int] | tuple[str, int, int, int], ...]
+    dims: tuple[int | tuple[str, int, int] | tuple[str, int, int, int] | None, ...]  # None: unsized
     zero: bool  # a statement adds into it or scatters rows into it: a fresh one starts from zeros
+    # Why no fresh one can be made (a run-time dim that no input has): the in-place form
+    # takes it as given, the functional form raises this.
+    unsized: str | None = None
 
 
 class GemmOp:
@@ -202,9 +205,10 @@ class GemmOp:
         self._take_inputs = take(self.inputs)
         self._to_executable = take(tuple(every.index(n) for n in exe.argument_names()))
         self._output_dims = tuple(  # per output, each dim: a size or (input index, axis, rows added)
-            tuple(d if isinstance(d, int) else (self.inputs.index(d[0]), *d[1:]) for d in s.dims)
+            tuple(d if d is None or isinstance(d, int) else (self.inputs.index(d[0]), *d[1:]) for d in s.dims)
             for s in self.shapes
         )
+        self._unsized = next((s.unsized for s in self.shapes if s.unsized), None)
         self._output_strides = tuple(self._declared_strides(name) for name in self.outputs)
         self._define()
 
@@ -221,7 +225,10 @@ class GemmOp:
             segments = group_chain_count(spec, g.name) * g.count
             dims = []
             for d, b in zip(t.dims, t.scale.block):
-                size = self._logical_dim(d, name)
+                try:
+                    size = self._logical_dim(d, name)
+                except GemmspecError as e:
+                    return OutputShape(name, "f32", (None,) * len(t.dims), False, str(e))
                 if d == g.dim:
                     grow = segments * (b - 1)
                     dims.append((size + grow) // b if isinstance(size, int) else (size[0], size[1], size[2] + grow, b))
@@ -233,6 +240,8 @@ class GemmOp:
             # fixed columns (the checker's [1, ..., 1, 128] blocks).
             t = of[name]
             data = self._output_shape(t.name)
+            if data.unsized:
+                return OutputShape(name, "f32", (None,) * len(data.dims), False, data.unsized)
             dims = tuple(d if b == 1 else -(-d // b) for d, b in zip(data.dims, t.scale.block))
             return OutputShape(name, "f32", dims, False)
         t = spec.tensor(name)
@@ -248,14 +257,17 @@ class GemmOp:
                     # Prefer an input whose extent is the dim itself.
                     if d not in where or (where[d][2] and not extra(other, axis)):
                         where[d] = (other.name, axis, -extra(other, axis))
-        dims: list[int | tuple[str, int, int]] = []
+        dims: list[int | tuple[str, int, int] | None] = []
+        unsized = None
         for axis, d in enumerate(t.dims):
             size = spec.dim(d).size
             if size is None and d not in where:
-                raise GemmspecError(
+                unsized = unsized or (
                     f"{spec.name}: output '{name}' has run-time dim {d}, which no input "
                     "tensor has, so a fresh output cannot be sized; pass it in"
                 )
+                dims.append(None)
+                continue
             rows = extra(t, axis)
             dims.append(size + rows if size is not None else (*where[d][:2], where[d][2] + rows))
         # A statement adds into it, or writes only the rows an index tensor names: a fresh
@@ -266,7 +278,7 @@ class GemmOp:
             g.out.tensor == name and (g.accumulate or g.scatter or (self.gradients and _past_capacity(spec, g)))
             for g in spec.gemms
         )
-        return OutputShape(name, t.dtype, tuple(dims), zero)
+        return OutputShape(name, t.dtype, tuple(dims), zero, unsized)
 
     def _logical_dim(self, d: str, name: str) -> int | tuple[str, int, int]:
         """Dim `d`'s size: fixed, or (input, axis, rows added) from an input holding it."""
@@ -337,6 +349,8 @@ class GemmOp:
 
     def _sizes_of(self, inputs: tuple[torch.Tensor, ...]) -> list[list]:
         """The size of each output, from the inputs in the op's order."""
+        if self._unsized:
+            raise ArgumentError(self._unsized)
         try:
             sizes = [
                 # (input, axis, rows added[, per]): a copy's anchored scale rows divide by `per`.

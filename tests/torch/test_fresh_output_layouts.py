@@ -8,7 +8,9 @@
   size);
 - per-segment [128, 1] scales with fewer rows than the offsets imply are an
   ArgumentError that gives the shape they make, as on the GPU (not an IndexError);
-- `quantize` with a dim's name as the block has one entry along an empty dim.
+- `quantize` with a dim's name as the block has one entry along an empty dim;
+- an op whose output has a run-time dim no input has (a scattered output's rows) is
+  made, and takes that output in place; only the functional form refuses, saying so.
 """
 
 from __future__ import annotations
@@ -163,3 +165,33 @@ def test_quantize_over_a_whole_dim_has_one_entry_along_it(tokens):
     else:
         amax = value.abs().reshape(tokens, 2, 128).amax(dim=(0, 2))
         assert torch.equal(scale[0], amax / torch.full_like(amax, 448.0))
+
+
+SCATTERED = """
+gemm scattered_rows {
+  dim T, S
+  dim N = 16, K = 64
+  tensor dst : i32 [T]
+  tensor x : bf16 [T, K]
+  tensor w : bf16 [N, K]
+  tensor y : bf16 [S, N]
+  y[dst[t], n] = sum[k] x[t, k] * w[n, k]
+}
+"""
+
+
+def test_an_output_no_input_sizes_is_taken_in_place():
+    op = _op(SCATTERED)
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 64, generator=gen).bfloat16(), torch.randn(16, 64, generator=gen).bfloat16()
+    dst = torch.tensor([4, 0, 2], dtype=torch.int32)
+    y = torch.full((5, 16), float("nan"), dtype=torch.bfloat16)
+    op(dst=dst, x=x, w=w, y=y)
+    want = x.double().numpy() @ w.double().numpy().T
+    _close(y[[4, 0, 2]], want)
+    assert y[[1, 3]].isnan().all()  # rows no entry names keep their bytes
+    message = "scattered_rows: output 'y' has run-time dim S, which no input tensor has, so a fresh output " \
+              "cannot be sized; pass it in"
+    for call in (lambda: op(dst=dst, x=x, w=w), lambda: op.functional(dst.to("meta"), x.to("meta"), w.to("meta"))):
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            call()
