@@ -96,6 +96,8 @@ def test_fresh_outputs_are_sized_for_the_copy():
     op._output_dims = tuple(
         tuple(d if isinstance(d, int) else (op.inputs.index(d[0]), *d[1:]) for d in s.dims) for s in shapes.values()
     )
+    op._unsized = None  # every output sized from the inputs
+    assert not any(s.unsized for s in shapes.values())
     T = 300
     inputs = tuple(SimpleNamespace(shape=(T,) if n == "src" else (1,)) for n in op.inputs)
     sizes = dict(zip(op.outputs, op._sizes_of(inputs)))
