@@ -107,6 +107,10 @@ def _operand(spec: Spec, gemm: Gemm, acc: Access, roles: tuple[str, str]) -> Ope
             s = lay.other_strides[j] * seg_len
             if use.kind == "role":
                 stride[use.role] = s
+                # Another dim the leaf splits (a column slice of a segment's block): the leaf
+                # starts at its slice, as in a strided layout.
+                if use.role in segmented and use.index is None:
+                    offset = offset + Poly.sym(f"start.{use.role}") * s
             else:
                 offset = offset + Poly.sym(f"g.{use.axis}") * s
     rows = _rows(spec, gemm, acc)
