@@ -23,6 +23,7 @@ from .reference.data import (
     dim_size,
     element_offsets,
     scale_grid_shape,
+    unpack,
 )
 from .reference.direct import run_direct
 
@@ -64,7 +65,8 @@ class _Reference:
         t = self.tensors.get(name)
         if t is None or t.layout.kind != "segment_major":
             return values
-        return values.reshape(-1)[element_offsets(self.spec, rt, t)]
+        # Rows past a capacity group's end have no storage: zeros, which no statement reads.
+        return unpack(values.reshape(-1), element_offsets(self.spec, rt, t), 0.0)
 
     def stored(self, rt: Runtime, name: str, values: np.ndarray, size: list[int]) -> np.ndarray:
         """Logical `values` in a fresh buffer of `size` (zeros where no element lies)."""
@@ -75,8 +77,10 @@ class _Reference:
         t = self.tensors.get(name)
         if t is None or t.layout.kind != "segment_major":
             return values
+        at = element_offsets(self.spec, rt, t)
+        stored = at >= 0  # rows past a capacity group's end have no storage
         out = np.zeros(int(np.prod(size)))
-        out[element_offsets(self.spec, rt, t)] = values
+        out[at[stored]] = values[stored]
         return out.reshape(size)
 
     def compute(self, inputs: dict[str, torch.Tensor], initial: dict[str, torch.Tensor] | None):

@@ -338,7 +338,9 @@ def quantize_rows(values: np.ndarray, dtype: str, pow2: bool = False, block: int
 
 
 def element_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
-    """Offset in elements of every logical element of `t` (its layout's definition)."""
+    """Offset in elements of every logical element of `t` (its layout's definition); -1
+    for an element a segment_major layout does not store (a row past a capacity group's
+    end, in no segment)."""
     shape = tuple(dim_size(spec, rt, d) for d in t.dims)
     lay = t.layout
     env = dict(rt.dims)
@@ -380,9 +382,19 @@ def storage_elements(spec: Spec, rt: Runtime, t: Tensor) -> int:
 
 
 def pack(offsets: np.ndarray, values: np.ndarray, fill: float = np.nan) -> np.ndarray:
+    """`values` in a flat buffer at `offsets` (`fill` elsewhere); elements at offset -1 have
+    no storage and are left out."""
     flat = np.full(int(offsets.max(initial=-1)) + 1, fill, dtype=np.float64)
-    flat[offsets] = values
+    stored = offsets >= 0
+    flat[offsets[stored]] = np.broadcast_to(values, offsets.shape)[stored]
     return flat
+
+
+def unpack(flat: np.ndarray, offsets: np.ndarray, outside: np.ndarray | float = np.nan) -> np.ndarray:
+    """The values at `offsets` of a flat buffer; `outside` where an element has no storage
+    (offset -1)."""
+    stored = offsets >= 0
+    return np.where(stored, flat[np.where(stored, offsets, 0)] if flat.size else np.nan, outside)
 
 
 def scale_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
@@ -524,7 +536,9 @@ def random_inputs(spec: Spec, rt: Runtime, rng: np.random.Generator) -> dict[str
             if any(g.accumulate for g in spec.gemms if g.out.tensor == t.name):
                 data[t.name] = TensorData(quantize(rng.standard_normal(shape), t.dtype))
             continue
-        if t.dtype in FP8_TYPES:
+        if t.dtype in FP8_TYPES and t.scale is None:  # no statement reads it: its codes alone
+            data[t.name] = TensorData(quantize(rng.uniform(-FP8_MAX[t.dtype], FP8_MAX[t.dtype], size=shape), t.dtype))
+        elif t.dtype in FP8_TYPES:
             low, high = (-11, -7) if t.name in feeds_f16 else (-4, 2)
             grid = (2.0 ** rng.uniform(low, high, size=scale_grid_shape(spec, rt, t))).astype(np.float32)
             q = quantize(rng.uniform(-FP8_MAX[t.dtype], FP8_MAX[t.dtype], size=shape) * 0.5, t.dtype)

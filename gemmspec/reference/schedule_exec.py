@@ -44,6 +44,7 @@ from .data import (
     scale_offsets,
     segments,
     swiglu_grad_values,
+    unpack,
 )
 from .direct import chain_names, fp8_outputs, silu, swiglu_pairs
 
@@ -246,10 +247,10 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
     in; FP8 and scales out)."""
     src, dst = spec.tensor(p.source), spec.tensor(p.target)
     src_off, dst_off = element_offsets(spec, rt, src), element_offsets(spec, rt, dst)
-    q_src = flat[src.name][src_off]
+    q_src = unpack(flat[src.name], src_off)
     if p.kind == "swiglu_grad":  # two unscaled sources
         other = spec.tensor(p.other)
-        dh = flat[other.name][element_offsets(spec, rt, other)]
+        dh = unpack(flat[other.name], element_offsets(spec, rt, other))
         q, grid = swiglu_grad_values(spec, rt, dst, q_src, src.dtype, dh, other.dtype)
         flat[dst.name] = pack(dst_off, q)
         flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
@@ -260,7 +261,7 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
         flat[dst.scale.name] = pack(scale_offsets(spec, rt, dst), grid)
         return
     if p.kind == "gather":
-        index = flat[p.index][element_offsets(spec, rt, spec.tensor(p.index))]
+        index = unpack(flat[p.index], element_offsets(spec, rt, spec.tensor(p.index)))
         grid = flat[src.scale.name][scale_offsets(spec, rt, src)] if src.scale else None
         q, grid = gathered_rows(index, q_src, grid)
         flat[dst.name] = pack(dst_off, q)
@@ -272,7 +273,7 @@ def run_prepass(spec: Spec, rt: Runtime, p: PrePass, flat: dict[str, np.ndarray]
         q, grid = q_src, grid_src
     elif p.index is not None or p.weight is not None:
         index, weight = (
-            None if n is None else flat[n][element_offsets(spec, rt, spec.tensor(n))]
+            None if n is None else unpack(flat[n], element_offsets(spec, rt, spec.tensor(n)))
             for n in (p.index, p.weight)
         )
         q, grid = requantize_rows_values(spec, rt, src, TensorData(q_src, grid_src), dst, index, weight)
@@ -290,11 +291,13 @@ def run_postpass(spec: Spec, rt: Runtime, p: PostPass, flat: dict[str, np.ndarra
         if name is None:
             continue
         t = spec.tensor(name)
-        values = flat[name][element_offsets(spec, rt, t)]
+        values = unpack(flat[name], element_offsets(spec, rt, t))
         grid = flat[t.scale.name][scale_offsets(spec, rt, t)] if t.scale is not None else None
         data[name] = TensorData(values, grid)
     dst = spec.tensor(p.target)
-    flat[dst.name][element_offsets(spec, rt, dst)] = quantize(row_pass_values(spec, rt, dst, data), dst.dtype)
+    at = element_offsets(spec, rt, dst)
+    stored = at >= 0
+    flat[dst.name][at[stored]] = quantize(row_pass_values(spec, rt, dst, data), dst.dtype)[stored]
 
 
 def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, TensorData], init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -319,8 +322,8 @@ def run_schedule(spec: Spec, rt: Runtime, schedule: Schedule, inputs: dict[str, 
         run_step[kind](spec, rt, x, flat)
     out = {}
     for name in init:
-        if name not in fp8:
-            out[name] = flat[name][element_offsets(spec, rt, spec.tensor(name))]
+        if name not in fp8:  # an element with no storage keeps its starting value
+            out[name] = unpack(flat[name], element_offsets(spec, rt, spec.tensor(name)), init[name])
     for name, t in fp8.items():
         out[name] = flat[name][scale_offsets(spec, rt, t)]
     return out

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gemmspec.bench import moe_spec
 from gemmspec.pipeline import lower_file
-from gemmspec.reference.data import dim_size, quantize, random_inputs, random_runtime
+from gemmspec.reference.data import Runtime, dim_size, quantize, random_inputs, random_runtime
 from gemmspec.reference.direct import run_direct
 from gemmspec.reference.schedule_exec import run_schedule
 
@@ -727,3 +727,32 @@ def test_segment_major_with_another_dim_split_per_leaf(text, lengths):
     # Every element of y is written: f32 results, within a float32 rounding of one another.
     assert np.allclose(want, by_hand, rtol=2**-23, atol=1e-12)
     assert np.allclose(got, want, rtol=2**-23, atol=1e-12)
+
+
+CAPACITY_SEGMENT_MAJOR = """
+gemm capacity_segment_major {
+  dim T
+  dim N = 3, K = 2
+  group expert[E = 2] = ragged(T, offsets = offs, capacity)
+  tensor dy : bf16 [T, N] layout segment_major(expert)
+  tensor x  : bf16 [T, K]
+  tensor dw : f32 [E, N, K]
+  dw[e, n, k] = sum[t in expert(e)] dy[t, n] * x[t, k]
+}
+"""
+
+
+@pytest.mark.parametrize("ends", [[0, 1, 1], [0, 2, 3], [0, 0, 0]])
+def test_a_segment_major_tensor_over_a_capacity_group(ends):
+    # Rows past the offsets' end lie in no segment: a segment_major layout stores them
+    # nowhere (the flat executor once wrote and read them at the buffer's last element).
+    (lo,) = lower_file(CAPACITY_SEGMENT_MAJOR)
+    rt = Runtime({"T": 4}, {"offs": np.array(ends)})
+    data = random_inputs(lo.spec, rt, np.random.default_rng(len(ends) + ends[-1]))
+    init = {"dw": np.full((2, 3, 2), 5.0)}
+    got = run_schedule(lo.spec, rt, lo.schedule, dict(data), {"dw": init["dw"].copy()})["dw"]
+    dy, x = data["dy"].values, data["x"].values
+    by_hand = np.stack([dy[a:b].T @ x[a:b] for a, b in zip(ends, ends[1:])])
+    assert np.allclose(got, by_hand, rtol=2**-23, atol=1e-12)
+    assert np.allclose(run_direct(lo.spec, rt, dict(data), {"dw": init["dw"].copy()})["dw"], by_hand,
+                       rtol=2**-23, atol=1e-12)
