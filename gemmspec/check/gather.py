@@ -276,6 +276,17 @@ def check_gathered(ctx: Context, gemm: Gemm, acc: Access, ref: ast.Ref, t: Tenso
             f"drop `per {sc.anchor}`: the scale of {t.name}[{shown}, k] is "
             f"{sc.name}[{shown} / {sc.block[axis]}, k / 128]",
         )
+    if sc.whole(axis):
+        want = [str(b) for b in sc.block]
+        want[axis] = "1"
+        raise ctx.error(
+            f"the scales of '{t.name}' are one block over the whole of {dim}, but its rows are "
+            f"{what} through {shown}: a scale found through the index needs blocks of rows",
+            decl.pos,
+            f"use [{', '.join(want)}] blocks on '{t.name}': the scale of row {shown} is then "
+            f"{sc.name}[{shown}, ...]",
+            fix(set_scale(ctx, t.name, want)),
+        )
     if ctx.per_channel(gemm):
         # Blockwise instead: [1, 128] on the gathered rows, and 128 along K on the second
         # factor where it is per-channel too (both operands scale alike along K).

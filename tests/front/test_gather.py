@@ -252,3 +252,31 @@ def test_explain_says_which_loader_each_launch_uses_and_why(capsys, tmp_path):
     assert launch["scales"]["A"]["rows_through"]["tensor"] == "idx"
     assert "rows_through" not in launch["operands"]["B"] and launch["signature"]["cluster"] == 1
     assert launch["runtime_tensors"] == ["offs", "idx", "src"]
+
+
+def test_a_scale_over_the_whole_gathered_dim_cannot_be_read_through_the_index():
+    # One block over all of S along the gathered rows: the scale of row gix[t] is no block
+    # the index can name (before this refusal the lowering wrote the dim's name into the
+    # block and emission failed). Located at the declaration's scale, with a fix.
+    text = """
+gemm gather_whole_scale {
+  dim T, S
+  dim N = 16, K = 256
+  group expert[E = 2] = ragged(T, offsets = offs)
+  tensor gix : i32 [T]
+  tensor x : e4m3 [S, K] scale f32 [S, 128]
+  tensor w : e4m3 [E, N, K] scale f32 [1, 128, 128]
+  tensor y : bf16 [T, N]
+  y[t, n] = sum[k] x[gix[t], k] * w[expert(t), n, k]
+}
+"""
+    with pytest.raises(SpecError) as info:
+        check(parse(text))
+    err = info.value
+    assert "the scales of 'x' are one block over the whole of S, but its rows are gathered through gix[t]" \
+        in err.message, err.render()
+    line = text.splitlines()[err.location.line - 1]
+    assert line.strip().startswith("tensor x :") and line[err.location.column - 1:].startswith("scale f32 [S, 128]")
+    assert "use [1, 128] blocks on 'x'" in err.note
+    fixed = text.replace("scale f32 [S, 128]", "scale f32 [1, 128]")
+    check(parse(fixed))  # the note's blocks check
