@@ -209,7 +209,11 @@ class GemmOp:
             for s in self.shapes
         )
         self._unsized = next((s.unsized for s in self.shapes if s.unsized), None)
-        self._output_strides = tuple(self._declared_strides(name) for name in self.outputs)
+        try:
+            self._output_strides = tuple(self._declared_strides(name) for name in self.outputs)
+        except GemmspecError as e:  # a stride's dim no input has: no fresh output either
+            self._unsized = self._unsized or str(e)
+            self._output_strides = (None,) * len(self.outputs)
         self._define()
 
     # ---- shapes -------------------------------------------------------------------------
@@ -302,9 +306,10 @@ class GemmOp:
 
     def _declared_strides(self, name: str) -> tuple | None:
         """How a fresh output `name` is strided where its layout is not row-major (`major(D)`,
-        `row_major pad P`, `strides(...)`): its element strides as polynomials in run-time dims, and where each of those dims is
-        read, (input index, axis, rows added). None where row-major storage is what the
-        layout asks for (segment_major buffers are contiguous too)."""
+        `row_major pad P`, `strides(...)`): its element strides as polynomials in run-time
+        dims, and where each of those dims is read, (input index, axis, rows added). None
+        where row-major storage is what the layout asks for (segment_major buffers are
+        contiguous too). GemmspecError where a dim of the strides is in no input."""
         spec = self.exe.spec
         if any(t.scale is not None and t.scale.name == name for t in spec.tensors):
             return None  # the checker holds an output's scales row-major (the epilogue writes them so)
@@ -313,11 +318,7 @@ class GemmOp:
             return None
         where = {}
         for d in sorted(set().union(*(p.symbols for p in layout.strides))):
-            try:
-                at = self._logical_dim(d, name)
-            except GemmspecError as e:  # raised when a fresh output is needed, not before
-                where[d] = e
-                continue
+            at = self._logical_dim(d, name)
             where[d] = (self.inputs.index(at[0]), *at[1:])
         return layout.strides, where
 
@@ -332,9 +333,6 @@ class GemmOp:
                 out.append(None)
                 continue
             polys, where = declared
-            for at in where.values():
-                if isinstance(at, GemmspecError):
-                    raise at
             env = {d: inputs[i].shape[axis] + rows for d, (i, axis, rows) in where.items()}
             out.append(tuple(int(p.evaluate(env)) for p in polys))
         return tuple(out)

@@ -394,7 +394,9 @@ def unpack(flat: np.ndarray, offsets: np.ndarray, outside: np.ndarray | float = 
     """The values at `offsets` of a flat buffer; `outside` where an element has no storage
     (offset -1)."""
     stored = offsets >= 0
-    return np.where(stored, flat[np.where(stored, offsets, 0)] if flat.size else np.nan, outside)
+    # An empty buffer stores nothing: every offset is -1 there.
+    values = flat[np.where(stored, offsets, 0)] if flat.size else np.zeros(offsets.shape)
+    return np.where(stored, values, outside)
 
 
 def scale_offsets(spec: Spec, rt: Runtime, t: Tensor) -> np.ndarray:
