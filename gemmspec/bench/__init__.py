@@ -3,7 +3,8 @@
 The package, from the bottom up: `inputs` (random operands, offsets), `compare`
 (relative error and the check of a result, for the rows and the anchors alike),
 `specs` (the .gspec texts the rows build), `timing` (do_bench or the event loop,
-the clock under load, `Result`), `anchors/` (PyTorch and DeepGEMM, each an adapter
+the clock under load, `Result`), `card` (the copy rate the memory-bound rows are judged
+against, and whether the H200's recorded figures apply), `anchors/` (PyTorch and DeepGEMM, each an adapter
 timed on the inputs gemmspec ran on), `measure` (gemmspec's side of each case),
 `cases` (the table: shape, types, anchors and target per case), `report` and `plot`
 (the table, its JSON, the chart), `sweep` (`--sweep`: one shape over token counts)

@@ -4,7 +4,7 @@ target, and the procedure that measures gemmspec's side of it (`measure.py`).
 A case runs its procedure on its shape, then each anchor it names, in order, on the
 inputs gemmspec ran on (`Case.measure`). `deepgemm_recorded_tflops` is DeepGEMM 2.6.1's
 figure on one H200, 2026-11-30 (same shapes; M-grouped rows count its 128-row padding
-as useful work), printed where DeepGEMM does not run live.
+as useful work), printed where DeepGEMM does not run live, on an H200 only (`card.py`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from dataclasses import dataclass, field, replace
 from . import measure
 from .anchors import Problem, deepgemm
 from .anchors import torch as torch_anchor
+from .card import REFERENCE_COPY_RATE_TBS, tbs_text
 from .inputs import masked_counts, routed_counts
 from .timing import Result
-
-# The H200's measured HBM copy rate: decode rows are judged as a share of it, and their
-# bytes over it are the floor of their time.
-COPY_RATE_TBS = 4.2
 
 RAGGED = [1, 127, 0, 5155, 10949, 129, 10269, 6138]
 MASKED = [983, 769, 816, 1024, 734, 666]
@@ -49,12 +46,13 @@ class Target:
     copy_share: float | None = None
     vs_deepgemm: float | None = None
 
-    def describe(self) -> str:
+    def describe(self, copy_rate_tbs: float = REFERENCE_COPY_RATE_TBS) -> str:
+        """The target in words; `copy_rate_tbs`: the rate a share is of (the card's, `card.py`)."""
         parts = []
         if self.tflops:
             parts.append(f">= {self.tflops:.0f} TFLOPS")
         if self.copy_share:
-            parts.append(f">= {self.copy_share:.0%} of {COPY_RATE_TBS} TB/s")
+            parts.append(f">= {self.copy_share:.0%} of {tbs_text(copy_rate_tbs)} TB/s")
         if self.vs_torch:
             parts.append(f">= {self.vs_torch:.2f}x torch")
         if self.vs_deepgemm:
@@ -150,7 +148,7 @@ CASES = [
 # ------------------------------------------------------------------------------ decode
 # A few tokens per expert: each active expert's weights are read once, so these rows are
 # bound by HBM bandwidth and launch latency, and rated in TB/s of the bytes they must move
-# (`measure.decode_bytes`) against the 4.2 TB/s copy rate. Ragged rows are contiguous tokens
+# (`measure.decode_bytes`) against the card's copy rate (`card.py`). Ragged rows are contiguous tokens
 # with offsets; the routed rows draw each token's experts by a seeded top-k routing.
 DECODE_E32 = [0, 55, 57, 2, 0, 18, 9, 0, 61, 46, 40, 56, 2, 25, 0, 106, 0, 86, 0, 61, 14, 0, 91, 0, 0, 108, 33, 1, 0,
               129, 1, 23]
@@ -176,6 +174,7 @@ BF16 = "bf16 x bf16 -> bf16"
 # timed around one launch after a 256 MB memset as the bench's flush leaves L2
 # (scripts/decode_stream_floor.cu, one H200, 2026-12-04). No kernel that loads the bytes
 # this way takes less under the bench's method: a target below it is out of reach so.
+# Shown on an H200 only (`card.py`).
 STREAM_FLOOR_RECORDED = "2026-12-04"
 STREAM_FLOOR_US = {
     "decode_ragged_E32_T1024_N4096_K7168": 176.0,

@@ -3,7 +3,8 @@ gemmspec's, its clock and power, the check it passed, and the case's verdict aga
 its target (with DeepGEMM's recorded figure where it did not run live). Rows judged
 against the HBM copy rate (the decode rows) also show their share of it, and their case
 the bytes it reads, the floor those bytes set at the copy rate and, where recorded, how
-long its weights take streamed alone in the kernel's access pattern.
+long its weights take streamed alone in the kernel's access pattern. The copy rate, and
+whether the recorded figures are shown, come from the card the bench ran on (`card.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ..clocks import at_power_cap, peak_tflops
-from .cases import CASES, COPY_RATE_TBS, STREAM_FLOOR_RECORDED, Case
+from .card import REFERENCE, Card, tbs_text
+from .cases import CASES, STREAM_FLOOR_RECORDED, Case
 from .timing import Result
 
 # The verdict of a case whose target has a DeepGEMM ratio that could not be judged.
@@ -24,9 +26,11 @@ def live_deepgemm(rows: list[Result]) -> Result | None:
     return next((r for r in rows if r.impl.startswith("DeepGEMM") and r.ms == r.ms), None)
 
 
-def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Result] | None = None) -> str:
+def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Result] | None = None,
+            card: Card = REFERENCE) -> str:
     """`others`: the case's rows beside gemmspec's first, which `vs_separate` compares
-    with and among which a live DeepGEMM row is found for `vs_deepgemm`."""
+    with and among which a live DeepGEMM row is found for `vs_deepgemm`; `card`: whose
+    copy rate a `copy_share` is of."""
     t = case.target
     ok = True
     judged_deepgemm = True
@@ -39,7 +43,7 @@ def verdict(case: Case, ours: Result, torch_row: Result | None, others: list[Res
     if t.tflops is not None:
         ok &= ours.rate >= t.tflops
     if t.copy_share is not None:
-        ok &= ours.unit == "TB/s" and ours.rate >= t.copy_share * COPY_RATE_TBS
+        ok &= ours.unit == "TB/s" and ours.rate >= t.copy_share * card.copy_rate_tbs
     if t.max_us is not None:
         ok &= ours.ms * 1e3 <= t.max_us
     if t.vs_torch is not None:
@@ -56,25 +60,28 @@ def _clock(r: Result) -> str:
     return f"{r.sm_mhz:5.0f} MHz {r.power_w:4.0f} W{cap}"
 
 
-def copy_share(r: Result) -> float:
+def copy_share(r: Result, copy_rate_tbs: float) -> float:
     """A TB/s row's rate as a share of the HBM copy rate."""
-    return r.rate / COPY_RATE_TBS
+    return r.rate / copy_rate_tbs
 
 
-def hbm_floor_us(moved: float) -> float:
+def hbm_floor_us(moved: float, copy_rate_tbs: float) -> float:
     """The time `moved` bytes take at the HBM copy rate, in microseconds."""
-    return moved / (COPY_RATE_TBS * 1e12) * 1e6
+    return moved / (copy_rate_tbs * 1e12) * 1e6
 
 
-def _rate(r: Result, share: bool) -> str:
+def _rate(r: Result, share: bool, copy_rate_tbs: float) -> str:
     if not share:
         return f"{r.rate:7.1f} {r.unit:>4}"
-    return f"{r.rate:7.2f} {r.unit:>4} {copy_share(r):4.0%} of {COPY_RATE_TBS}"
+    return f"{r.rate:7.2f} {r.unit:>4} {copy_share(r, copy_rate_tbs):4.0%} of {tbs_text(copy_rate_tbs)}"
 
 
-def report(results: list[Result], failures: dict[str, str], sms: int | None = None) -> tuple[str, list[dict]]:
+def report(results: list[Result], failures: dict[str, str], sms: int | None = None,
+           card: Card = REFERENCE) -> tuple[str, list[dict]]:
     """The table and its JSON summary; `sms`: the GPU's SM count, for each compute-bound
-    row's peak at the clock it ran at."""
+    row's peak at the clock it ran at; `card`: the copy rate the memory-bound rows are
+    judged against, and whether the figures recorded on the reference card are shown."""
+    rate = card.copy_rate_tbs
     lines = [
         f"{'case':36} {'impl':44} {'ms':>9} {'rate':>12} {'gemmspec/it':>11}  {'clock, power':17}  check",
     ]
@@ -93,15 +100,16 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
         for r in rows:
             ratio = r.ms / ours.ms if r is not ours else 1.0
             lines.append(
-                f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {_rate(r, share)} "
+                f"{case.name:36} {r.impl[:44]:44} {r.ms:9.4f} {_rate(r, share, rate)} "
                 f"{ratio:10.2f}x  {_clock(r)}  {r.check}"
             )
         # The recorded figure stands in where no DeepGEMM row was timed (not installed, or
-        # its anchor failed), the same test the verdict's DeepGEMM ratio takes.
-        dg = None if live_deepgemm(rows) else case.deepgemm_recorded_tflops
+        # its anchor failed), the same test the verdict's DeepGEMM ratio takes; it is the
+        # reference card's, so another card's table leaves it out.
+        dg = None if live_deepgemm(rows) or not card.is_reference else case.deepgemm_recorded_tflops
         if dg:
             lines.append(f"{'':36} {'DeepGEMM 2.6.1 (recorded 2026-11-30)':44} {'':9} {dg:7.1f} TFLOPS {dg and ours.rate / dg:10.2f}x (gemmspec / it)")
-        case_verdict = verdict(case, ours, torch_row, rows[1:])
+        case_verdict = verdict(case, ours, torch_row, rows[1:], card)
         roof = None
         if case.peak and sms and ours.sm_mhz:
             roof = peak_tflops(case.peak, sms, ours.sm_mhz)
@@ -110,17 +118,18 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
             f"{ours.rate / roof:.0%} of it" if roof else ""
         )
         floor = (
-            f"; reads {ours.work / 1e6:.1f} MB: {hbm_floor_us(ours.work):.1f} us at {COPY_RATE_TBS} TB/s"
+            f"; reads {ours.work / 1e6:.1f} MB: {hbm_floor_us(ours.work, rate):.1f} us at {tbs_text(rate)} TB/s"
             if share and ours.unit == "TB/s" else ""
         )
-        if case.stream_floor_us is not None:
-            floor += (f"; its weights streamed alone: {case.stream_floor_us:.1f} us "
+        stream_floor_us = case.stream_floor_us if card.is_reference else None
+        if stream_floor_us is not None:
+            floor += (f"; its weights streamed alone: {stream_floor_us:.1f} us "
                       f"(no math, after the flush; recorded {STREAM_FLOOR_RECORDED})")
-        lines.append(f"{'':36} target {case.target.describe()}: {case_verdict}{at_clock}{floor}")
+        lines.append(f"{'':36} target {case.target.describe(rate)}: {case_verdict}{at_clock}{floor}")
         entry = {
             "case": case.name,
             "what": case.what,
-            "target": case.target.describe(),
+            "target": case.target.describe(rate),
             "verdict": case_verdict,
             "deepgemm_recorded_tflops": dg,
             "peak_at_clock_tflops": roof,
@@ -128,9 +137,9 @@ def report(results: list[Result], failures: dict[str, str], sms: int | None = No
         }
         if share:
             entry["bytes_read"] = ours.work
-            entry["hbm_floor_us"] = hbm_floor_us(ours.work)
-            entry["stream_floor_us"] = case.stream_floor_us
+            entry["hbm_floor_us"] = hbm_floor_us(ours.work, rate)
+            entry["stream_floor_us"] = stream_floor_us
             for d, r in zip(entry["rows"], rows):
-                d["copy_share"] = copy_share(r)
+                d["copy_share"] = copy_share(r, rate)
         summary.append(entry)
     return "\n".join(lines), summary

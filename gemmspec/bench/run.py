@@ -13,12 +13,14 @@ expand's BF16 `+=`) restores it before every launch, untimed, and is timed by th
 the same inputs (its output checked against gemmspec's first; ragged groups copied once,
 untimed, into the 128-row aligned layout it needs); elsewhere, or with `--no-deepgemm`,
 DeepGEMM 2.6.1's figures measured on an H200 on 2026-11-30 are printed as recorded
-references. Where nvidia-smi is on the PATH, each row also shows the SM clock and board
+references (on an H200 only). Where nvidia-smi is on the PATH, each row also shows the SM clock and board
 power of its kernel kept running for a second after it is timed (a sustained FP8 GEMM
 runs at the card's power cap, at a clock well below the maximum), and each compute-bound
 case the share of the tensor cores' peak at the clock gemmspec's row ran at. The
 decode rows (`--only decode`) are bound by HBM bandwidth: they report TB/s of the bytes
-they must read and write and its share of the 4.2 TB/s copy rate. `--sweep decode` times
+they must read and write and its share of the card's copy rate: the H200's 4.2 TB/s on an
+H200, where the targets are stated, and on any other card the rate of a 1 GiB
+device-to-device copy timed at the start of the run (`card.py`). `--sweep decode` times
 one decode shape over token counts instead of the table (see `sweep.py`).
 
     gemmspec bench [--only NAME ...] [--repeat N] [--idle MS] [--json FILE] [--plot FILE.png] [--no-deepgemm]
@@ -42,6 +44,7 @@ from ..errors import OutputError
 from ..output import check_output_file, make_output_dir
 from . import specs, timing
 from .anchors import deepgemm
+from .card import Card, measure_copy_rate
 from .cases import CASES, selected_cases
 from .inputs import load_torch
 from .plot import plot, plot_sweep
@@ -82,11 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         "--sweep", choices=sorted(SWEEPS), metavar="NAME",
         help="instead of the table, time one shape over token counts: 'decode' is DeepSeek-V3's FP8 gate/up "
         "(256 experts top-8, N=4096, K=7168) at T = 1, 2, 4, ..., 4096 for gemmspec, torch and DeepGEMM (where "
-        "importable), each point's time beside its HBM floor (bytes read / 4.2 TB/s); --plot draws time "
+        "importable), each point's time beside its HBM floor (bytes read / the copy rate: 4.2 TB/s on an H200, "
+        "measured in the run on another card); --plot draws time "
         "against T, log-log, --json writes the points",
     )
     ap.add_argument("--no-deepgemm", action="store_true",
-                    help="do not run DeepGEMM even where deep_gemm is importable (print its recorded figures)")
+                    help="do not run DeepGEMM even where deep_gemm is importable (print its recorded figures, on an H200)")
     ap.add_argument("--tile", metavar="MxN", help="force this tile on every gemmspec launch (a tile directive)")
     ap.add_argument(
         "--idle", type=float, default=0.0, metavar="MS",
@@ -196,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     dg = deepgemm.DEEPGEMM = None if args.no_deepgemm else deepgemm.load()
     if dg is not None:
         print(f"DeepGEMM {deepgemm.version(dg)} found: timed beside gemmspec", file=sys.stderr)
+    card = Card(torch.cuda.get_device_name(), measure_copy_rate(torch))
     if args.sweep:
-        return _sweep(args, torch, props, dg)
+        return _sweep(args, torch, props, dg, card)
     chosen = selected_cases(args.only)
     results: list[Result] = []
     failures: dict[str, str] = {}
@@ -215,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     timing.SAMPLER = None
     sms = props.multi_processor_count
-    text, summary = report(results, failures, sms)
-    print(f"GPU: {torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}")
+    text, summary = report(results, failures, sms, card)
+    print(f"GPU: {card.name} ({sms} SMs), torch {torch.__version__}; {card.describe()}")
     print(text)
     if any(r.sm_mhz is not None for r in results):
         print("clock, power: medians of nvidia-smi samples while each row was timed; * at the power cap")
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         make_output_dir(Path(args.json).parent, "--json file's directory")
         with open(args.json, "w") as f:
             version = deepgemm.version(dg) if dg is not None else None
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": version,
+            json.dump({"gpu": card.name, "torch": torch.__version__, "deepgemm": version,
+                       "copy_rate_tbs": card.copy_rate_tbs, "measured_copy_rate_tbs": card.measured_tbs,
                        "cases": summary}, f, indent=1)
     if args.plot:
         make_output_dir(Path(args.plot).parent, "--plot file's directory")
@@ -232,22 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _sweep(args, torch, props, dg) -> int:
+def _sweep(args, torch, props, dg, card: Card) -> int:
     """`--sweep NAME`: the sweep's points timed, its table printed, written and drawn."""
     sweep = SWEEPS[args.sweep]
     with ClockSampler(gpu_id(props)) as sampler:
         timing.SAMPLER = sampler
         results, failures = run_sweep(sweep, args.repeat)
     timing.SAMPLER = None
-    text, summary = sweep_report(sweep, results, failures)
-    print(f"GPU: {torch.cuda.get_device_name()} ({props.multi_processor_count} SMs), torch {torch.__version__}")
+    text, summary = sweep_report(sweep, results, failures, card)
+    print(f"GPU: {card.name} ({props.multi_processor_count} SMs), torch {torch.__version__}; {card.describe()}")
     print(text)
     if args.json:
         make_output_dir(Path(args.json).parent, "--json file's directory")
         with open(args.json, "w") as f:
             version = deepgemm.version(dg) if dg is not None else None
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "deepgemm": version}
-                      | summary, f, indent=1)
+            json.dump({"gpu": card.name, "torch": torch.__version__, "deepgemm": version,
+                       "measured_copy_rate_tbs": card.measured_tbs} | summary, f, indent=1)
     if args.plot:
         make_output_dir(Path(args.plot).parent, "--plot file's directory")
         plot_sweep(summary, args.plot)

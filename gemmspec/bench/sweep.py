@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from . import measure
 from .anchors import deepgemm
 from .anchors import torch as torch_anchor
-from .cases import COPY_RATE_TBS
+from .card import REFERENCE, Card, tbs_text
 from .inputs import load_torch, random_fp8, random_scales, routed_counts
 from .report import copy_share, hbm_floor_us
 from .timing import Result
@@ -98,17 +98,20 @@ def system(impl: str) -> str:
     return impl.split(" (")[0]
 
 
-def sweep_report(sweep: Sweep, results: list[Result], failures: dict[str, str]) -> tuple[str, dict]:
+def sweep_report(sweep: Sweep, results: list[Result], failures: dict[str, str],
+                 card: Card = REFERENCE) -> tuple[str, dict]:
     """The sweep's table (one line per point and system: time, TB/s, share of the copy
-    rate, time over the floor, gemmspec's ratio) and its JSON summary."""
+    rate, time over the floor, gemmspec's ratio) and its JSON summary; `card`: whose copy
+    rate the floor and shares are of."""
+    rate = card.copy_rate_tbs
     lines = [
-        f"sweep: {sweep.what}; floor = bytes read / {COPY_RATE_TBS} TB/s",
+        f"sweep: {sweep.what}; floor = bytes read / {tbs_text(rate)} TB/s",
         f"{'T':>5} {'rows':>6} {'experts':>7} {'MB read':>8} {'floor us':>9}  {'impl':44} {'us':>9} "
         f"{'TB/s':>6} {'copy':>5} {'x floor':>7} {'gemmspec/it':>11}  check",
     ]
-    summary = {"sweep": sweep.what, "copy_rate_tbs": COPY_RATE_TBS, "points": []}
+    summary = {"sweep": sweep.what, "copy_rate_tbs": rate, "points": []}
     for p in points(sweep):
-        floor = hbm_floor_us(p.bytes_read)
+        floor = hbm_floor_us(p.bytes_read, rate)
         head = f"{p.tokens:5} {sum(p.lengths):6} {p.active_experts:7} {p.bytes_read / 1e6:8.1f} {floor:9.1f}"
         entry = {"tokens": p.tokens, "rows": sum(p.lengths), "active_experts": p.active_experts,
                  "bytes_read": p.bytes_read, "hbm_floor_us": floor}
@@ -123,11 +126,11 @@ def sweep_report(sweep: Sweep, results: list[Result], failures: dict[str, str]) 
         for j, r in enumerate(rows):
             us = r.ms * 1e3
             lines.append(
-                f"{head if j == 0 else '':{len(head)}}  {r.impl[:44]:44} {us:9.1f} {r.rate:6.2f} {copy_share(r):5.0%} "
+                f"{head if j == 0 else '':{len(head)}}  {r.impl[:44]:44} {us:9.1f} {r.rate:6.2f} {copy_share(r, rate):5.0%} "
                 f"{us / floor:7.2f} {r.ms / ours.ms:10.2f}x  {r.check}"
             )
         entry["systems"] = [
-            {"system": system(r.impl), "impl": r.impl, "us": r.ms * 1e3, "tbs": r.rate, "copy_share": copy_share(r),
+            {"system": system(r.impl), "impl": r.impl, "us": r.ms * 1e3, "tbs": r.rate, "copy_share": copy_share(r, rate),
              "check": r.check}
             for r in rows
         ]
