@@ -96,3 +96,44 @@ def test_the_sweeps_floor_is_at_the_cards_rate():
     assert summary["points"][0]["hbm_floor_us"] == pytest.approx(pts[0].bytes_read / 3.0e6)
     share = summary["points"][0]["systems"][0]["copy_share"]
     assert share == pytest.approx(pts[0].bytes_read / 10e-6 / 3.0e12)
+
+
+def test_the_copy_rate_counts_bytes_read_and_written(monkeypatch):
+    """measure_copy_rate's arithmetic and what it times, with stand-ins for torch and
+    triton's do_bench: a 1 GiB copy that takes 0.7158 ms moves 3.0 TB/s."""
+    import sys
+    import types
+
+    from gemmspec.bench import card
+
+    timed = []
+
+    class Tensor:
+        def __init__(self, n):
+            self.n = n
+            self.copied_from = None
+
+        def copy_(self, other):
+            self.copied_from = other
+
+    class FakeCuda:
+        emptied = 0
+
+        def empty_cache(self):
+            FakeCuda.emptied += 1
+
+    fake_torch = types.SimpleNamespace(
+        uint8="uint8", cuda=FakeCuda(),
+        empty=lambda n, dtype, device: Tensor(n), empty_like=lambda t: Tensor(t.n),
+    )
+
+    def do_bench(fn, warmup, rep, return_mode):
+        fn()
+        timed.append((warmup, rep, return_mode))
+        return 2 * card.COPY_BYTES / 3.0e12 * 1e3
+
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setitem(sys.modules, "triton.testing", types.SimpleNamespace(do_bench=do_bench))
+    assert card.measure_copy_rate(fake_torch) == pytest.approx(3.0)
+    assert timed == [(50, 300, "median")] and FakeCuda.emptied == 1
+    assert card.COPY_BYTES == 1 << 30
