@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .placement import Placement
 
-__all__ = ["SINGLE", "Exchange", "Route", "exchange_counts", "local_rows", "route", "sum_slots"]
+__all__ = ["SINGLE", "Exchange", "Route", "exchange_counts", "local_rows", "refuse_step", "route", "sum_slots"]
 
 
 class _Single:
@@ -138,6 +138,16 @@ def exchange_counts(ex: Exchange, expert_counts: torch.Tensor, stray: torch.Tens
     got = ex.counts(send, [chunks * (e + 1) for e in placement.sizes], [chunks * (mine + 1)] * ex.world)
     got = got.view(ex.world, chunks, mine + 1)
     return got[..., :mine], got[..., mine].sum(-1)
+
+
+def refuse_step(ex: Exchange, chunks: int, placement: Placement, device: torch.device) -> None:
+    """This rank's part of a step it refuses (its own arguments are wrong): the counts
+    exchange the other ranks are waiting in, with no rows and a stray count of -1 per
+    chunk. A negative stray count is no count of rows: `exchange_counts`' callers read it
+    as that rank's refusal and refuse the step with it, so no rank waits for rows that
+    never come."""
+    counts = torch.zeros((chunks, placement.experts), dtype=torch.int64, device=device)
+    exchange_counts(ex, counts, torch.full((chunks,), -1, dtype=torch.int64, device=device), placement)
 
 
 def local_rows(recv_counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

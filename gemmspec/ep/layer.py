@@ -32,7 +32,16 @@ import torch
 from .. import torch as gt
 from ..errors import ArgumentError
 from ..torch_reference import register_reference
-from .exchange import Exchange, exchange_counts, local_rows, rank_counts, route, sum_slots, wait
+from .exchange import (
+    Exchange,
+    exchange_counts,
+    local_rows,
+    rank_counts,
+    refuse_step,
+    route,
+    sum_slots,
+    wait,
+)
 from .placement import Placement, expert_ffn, plan
 
 __all__ = ["EPMoE", "EPMoEDecode", "ExpertParallel"]
@@ -128,9 +137,15 @@ class ExpertParallel:
         wrong += _weight_errors(weights, self.rank_plan.weight_shapes)
         if wrong:
             shapes = ", ".join(f"{w} {list(s)}" for w, s in self.rank_plan.weight_shapes)
+            others = ""
+            if self.exchange.world > 1:
+                # The other ranks are on their way into this step's counts exchange: take
+                # part in it with a refusal, so that they refuse the step too, not wait.
+                refuse_step(self.exchange, self.chunks, self.placement, topk_idx.device)
+                others = "; every rank refuses this step"
             raise ArgumentError(
                 f"{self.roles.spec.name}: takes x [tokens, {self.roles.hidden}], topk_idx (integer) and topk_w "
-                f"[tokens, k >= 1] and this rank's expert weights ({shapes}); {'; '.join(wrong)}"
+                f"[tokens, k >= 1] and this rank's expert weights ({shapes}); {'; '.join(wrong)}{others}"
             )
         if x.device.type == "cpu" and not self._cpu_ready:
             register_reference(self.fn.forward_op, self.fn.backward_op)
@@ -162,6 +177,11 @@ class ExpertParallel:
         recv, strays = exchange_counts(ex, counts, stray, placement)  # [world, chunks, local], [world]
         host = torch.cat([rank_counts(counts, placement).reshape(-1), recv.sum(-1).reshape(-1), strays]).tolist()
         n, w = len(bounds), ex.world
+        refused = [s for s, c in enumerate(host[2 * n * w:]) if c < 0]  # see refuse_step
+        if refused:
+            who = (f"rank {refused[0]} refused its own arguments (its error says why)" if len(refused) == 1 else
+                   f"ranks {', '.join(map(str, refused))} refused their own arguments (their errors say why)")
+            raise ArgumentError(f"{self.roles.spec.name}: {who}; no rows were exchanged")
         bad = {s: c for s, c in enumerate(host[2 * n * w:]) if c}
         if bad:  # every rank saw the same counts: all refuse the step, none waits on another
             where = ", ".join(f"{c} on rank {s}" for s, c in bad.items())
@@ -365,7 +385,9 @@ class EPMoEDecode:
     smaller capacity the rows past it in each rank's buffer are dropped (their
     contribution is zero); `dropped` counts them on the device. A routed row whose
     expert id lies outside [0, E) is not sent either (its contribution is zero; checking
-    on the host would make the call wait for it): `stray` counts those on the device."""
+    on the host would make the call wait for it): `stray` counts those on the device.
+    A call whose own arguments are refused still serves the other ranks (`_serve_only`)
+    before it raises."""
 
     def __init__(self, spec, *, tokens: int, top_k: int, group=None, placement: Placement | None = None,
                  capacity: int | None = None, name: str | None = None):
@@ -413,10 +435,29 @@ class EPMoEDecode:
             raise ArgumentError("EPMoEDecode: call load(weights) before decode")
         wrong = _shape_errors(x, topk_idx, topk_w, self.roles.hidden, self.tokens, self.top_k)
         if wrong:
+            served = ""
+            if self.exchange.world > 1:
+                self._serve_only()
+                served = "; this rank's experts still served the other ranks' rows"
             raise ArgumentError(
                 f"EPMoEDecode: made for {self.tokens} tokens and k = {self.top_k}: x [{self.tokens}, "
-                f"{self.roles.hidden}], topk_idx (integer) and topk_w [{self.tokens}, {self.top_k}]; {'; '.join(wrong)}"
+                f"{self.roles.hidden}], topk_idx (integer) and topk_w [{self.tokens}, {self.top_k}]; "
+                f"{'; '.join(wrong)}{served}"
             )
+        return self._decode(x, topk_idx, topk_w)
+
+    def _serve_only(self) -> None:
+        """A call that sends none of this rank's rows, for a rank whose own arguments are
+        refused: the other ranks are in this call's exchanges (a decode call waits for no
+        host check, so they cannot learn of the refusal) and their rows for this rank's
+        experts still come back computed, so their outputs are whole and no rank waits."""
+        device = self._owner.device
+        nowhere = torch.full((self.tokens, self.top_k), self.placement.experts, dtype=torch.int64, device=device)
+        zeros = torch.zeros((self.tokens, self.top_k), device=device)
+        self._decode(torch.zeros((self.tokens, self.roles.hidden), device=device), nowhere, zeros)
+        self.stray = self.dropped = None  # the counts of that call, not of the caller's arguments
+
+    def _decode(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         ex, roles, placement, cap = self.exchange, self.roles, self.placement, self.capacity
         spec, world, device = self.op.exe.spec, ex.world, x.device
         r = route(topk_idx, placement.experts)

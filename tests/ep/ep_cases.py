@@ -42,6 +42,7 @@ class Case:
     capacity: int | None = None  # a decode case (EPMoEDecode): rows per rank pair, None: tokens * k
     decode: bool = False
     stray: tuple[tuple[int, int, int, int], ...] = ()  # (rank, token, slot, id outside [0, E)) put in the routing
+    refuse: tuple[int, ...] = ()  # ranks that pass an x one column too wide (their own arguments refused)
 
     def spec(self, decode: bool = False) -> str:
         return (DECODE_SPEC if decode else SPEC).replace("E = 8", f"E = {self.experts}")
@@ -86,6 +87,17 @@ DECODE_3_DROP = Case("decode, 3 ranks, capacity 2", world=3, experts=6, tokens=(
 # the step. In decode they are sent nowhere and counted.
 STRAY_3 = Case("3 ranks, stray ids", world=3, experts=6, tokens=(5, 0, 4), k=2, allowed=(0, 2, 3),
                stray=((0, 1, 0, -1), (2, 0, 1, 6), (2, 3, 0, 40)))
+# Rank 1 passes an x one column too wide: it refuses its own arguments and takes part in
+# the counts exchange with that refusal, so ranks 0 and 2 refuse the step too (rank 2's
+# stray id is not what they report: the refusal comes first). Two chunks: the refusal is
+# one count per chunk.
+REFUSE_3 = Case("3 ranks, rank 1's arguments refused", world=3, experts=6, tokens=(5, 3, 4), k=2, allowed=(0, 2, 3),
+                chunks=2, refuse=(1,), stray=((2, 0, 1, 6),))
+# Decode: rank 1's x is one column too wide. A decode call waits for no host check, so
+# ranks 0 and 2 cannot learn of it: rank 1 serves their rows for its experts, sending none
+# of its own, and raises; their outputs are whole.
+DECODE_3_REFUSE = Case("decode, 3 ranks, rank 1's arguments refused", world=3, experts=6, tokens=(4, 4, 4), k=2,
+                       allowed=(0, 2, 3), decode=True, seed=4, refuse=(1,))
 DECODE_3_STRAY = Case("decode, 3 ranks, stray ids", world=3, experts=6, tokens=(4, 4, 4), k=2, allowed=(0, 2, 4),
                       decode=True, seed=3, stray=((1, 2, 1, -3), (2, 0, 0, 6)))
 
@@ -100,6 +112,8 @@ def step(layer, case: Case, rank: int, device: str):
     """One forward and backward of `layer` (an ExpertParallel) on rank `rank`'s inputs:
     what the test compares, on the CPU."""
     x, idx, w = case.inputs(rank)
+    if rank in case.refuse:
+        x = torch.cat([x, x[:, :1]], 1)
     full = case.weights()
     e = layer.experts
     x = x.to(device).requires_grad_(True)
@@ -117,12 +131,23 @@ def decode_step(case: Case, group, rank: int, device: str, graph: bool = False) 
     """EPMoEDecode on rank `rank`'s inputs: its output (twice, for determinism) and the
     rows it dropped; with `graph`, the second call is a CUDA graph's replay."""
     from gemmspec.ep import EPMoEDecode
+    from gemmspec.errors import ArgumentError
 
     x, idx, w = (t.to(device) for t in case.inputs(rank))
     layer = EPMoEDecode(case.spec(decode=True), tokens=case.tokens[rank], top_k=case.k, group=group,
                         capacity=case.capacity)
     full, e = case.weights(), layer.rank_plan.experts
     layer.load({n: full[n][e.start:e.stop].to(device) for n in layer.roles.weights})
+    if rank in case.refuse:  # as many calls as the other ranks make, each refused
+        assert not graph, "a refusing rank's calls are not captured"
+        x = torch.cat([x, x[:, :1]], 1)
+        errors = []
+        for _ in range(2):
+            try:
+                layer.decode(x, idx, w)
+            except ArgumentError as err:
+                errors.append(str(err))
+        return {"errors": errors, "stray": layer.stray, "dropped": layer.dropped}
     first = layer.decode(x, idx, w)
     if graph:
         side = torch.cuda.Stream()
@@ -165,7 +190,7 @@ def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, 
                 results[case.name] = decode_step(case, group, rank, device, graph=device != "cpu")
                 continue
             layer = ExpertParallel(case.spec(), group=group, chunks=case.chunks)
-            if case.stray:  # every rank must refuse the step, and the next case must still run
+            if case.stray or case.refuse:  # every rank must refuse the step, and the next case must still run
                 try:
                     step(layer, case, rank, device)
                 except ArgumentError as e:
@@ -183,12 +208,26 @@ def worker(rank: int, cases: list[Case], port: int, out_dir: str, backend: str, 
         dist.destroy_process_group()
 
 
+# A run of every case takes seconds; a rank left waiting in an exchange would wait for ever.
+RANKS_DEADLINE_S = 300
+
+
 def run_ranks(cases: list[Case], out_dir: Path, backend: str = "gloo", device: str = "cpu") -> list[dict]:
-    """Spawn one process per rank of the largest case; every rank's results."""
+    """Spawn one process per rank of the largest case; every rank's results. Processes
+    still running after RANKS_DEADLINE_S are ended, and that is a failure: a hang."""
+    import time
+
     import torch.multiprocessing as mp
 
     world = max(c.world for c in cases)
-    mp.spawn(worker, args=(cases, free_port(), str(out_dir), backend, device), nprocs=world, join=True)
+    ctx = mp.spawn(worker, args=(cases, free_port(), str(out_dir), backend, device), nprocs=world, join=False)
+    deadline = time.monotonic() + RANKS_DEADLINE_S
+    while not ctx.join(timeout=1.0):  # raises where a rank failed
+        if time.monotonic() > deadline:
+            waiting = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"ranks {waiting} still running after {RANKS_DEADLINE_S} s: a rank waits in an exchange")
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 

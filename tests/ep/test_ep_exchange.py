@@ -21,7 +21,9 @@ from ep_cases import (  # noqa: E402
     CASE_3,
     DECODE_3,
     DECODE_3_DROP,
+    DECODE_3_REFUSE,
     DECODE_3_STRAY,
+    REFUSE_3,
     STRAY_3,
     dropped_rows,
     expected_dispatch,
@@ -102,8 +104,9 @@ OWN_BLOCKS = (2**-3, 1.5)
 def results(tmp_path_factory):
     """One spawn of three processes over gloo runs every case (the two-rank ones on a
     group of ranks 0 and 1), to pay for the processes' start once."""
-    # The refused step first: the cases after it show that no rank was left waiting.
-    return run_ranks([STRAY_3, CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP, DECODE_3_STRAY],
+    # The refused steps first: the cases after them show that no rank was left waiting.
+    return run_ranks([STRAY_3, REFUSE_3, DECODE_3_REFUSE, CASE_2, CASE_2_CHUNKS, CASE_3, DECODE_3, DECODE_3_DROP,
+                      DECODE_3_STRAY],
                      tmp_path_factory.mktemp("ep"))
 
 
@@ -160,6 +163,37 @@ def test_every_rank_refuses_a_step_with_stray_ids(results):
     message = errors.pop()
     assert message is not None
     assert message.endswith("topk_idx holds expert ids outside [0, 6): 1 on rank 0, 2 on rank 2; no rows were exchanged")
+
+
+def test_a_rank_refusing_its_own_arguments_takes_every_rank_with_it(results):
+    # Rank 1's x is one column too wide. It says what is wrong with it; ranks 0 and 2,
+    # already in the counts exchange, learn of the refusal there and raise too, ahead of
+    # rank 2's stray id. The cases after this one ran, so no rank was left waiting.
+    own = results[1][REFUSE_3.name]["error"]
+    assert "x is [3, 129]" in own and own.endswith("; every rank refuses this step")
+    for rank in (0, 2):
+        assert results[rank][REFUSE_3.name]["error"].endswith(
+            ": rank 1 refused its own arguments (its error says why); no rows were exchanged")
+    assert all(CASE_2.name in results[r] for r in (0, 1)) and DECODE_3_STRAY.name in results[2]
+
+
+def test_a_decode_rank_refusing_its_arguments_still_serves_the_others(results):
+    # Rank 1 raises on both calls; ranks 0 and 2 made both calls with it (no rank waits,
+    # and the cases after this one ran) and their outputs are whole: rank 1's experts
+    # computed their rows.
+    own = results[1][DECODE_3_REFUSE.name]
+    assert len(own["errors"]) == 2
+    for message in own["errors"]:
+        assert "x is [4, 129]" in message
+        assert message.endswith("; this rank's experts still served the other ranks' rows")
+    assert own["stray"] is None and own["dropped"] is None
+    want = one_process_forward(DECODE_3_REFUSE, {})
+    for rank in (0, 2):
+        got = results[rank][DECODE_3_REFUSE.name]
+        assert (got["stray"], got["dropped"]) == (0, 0)
+        assert torch.equal(_bits(got["out"]), _bits(got["again"]))
+        _close(got["out"], want[rank], f"decode beside a refusing rank, rank {rank}", 2**-8, 2**-10)
+    assert DECODE_3_STRAY.name in results[2]
 
 
 def test_decode_sends_stray_rows_nowhere(results):
