@@ -57,7 +57,7 @@ class ClockReading:
 
 
 def at_power_cap(share: float) -> bool:
-    """A row counts as power-capped where most of its samples had the cap active."""
+    """A row counts as power-capped where at least half of its samples had the cap active."""
     return share >= 0.5
 
 

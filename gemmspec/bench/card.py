@@ -11,12 +11,15 @@ same run, and the recorded figures, which are another card's, are left out.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # The reference card, and its measured HBM copy rate (bytes read plus written by a
 # device-to-device copy), in TB/s.
 REFERENCE_CARD = "H200"
 REFERENCE_COPY_RATE_TBS = 4.2
+# "NVIDIA H200" and its NVL form, not a GH200 (a Grace Hopper of other memory).
+_REFERENCE_NAME = re.compile(r"(?<![A-Za-z0-9])H200(?![0-9])")
 # The copy timed on each run: large enough that L2 (50 MB) holds a negligible part of it.
 COPY_BYTES = 1 << 30
 
@@ -38,7 +41,7 @@ class Card:
     @property
     def is_reference(self) -> bool:
         """The targets' card, on which the recorded figures were measured."""
-        return REFERENCE_CARD in self.name
+        return _REFERENCE_NAME.search(self.name) is not None
 
     @property
     def copy_rate_tbs(self) -> float:

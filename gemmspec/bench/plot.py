@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import sys
 
+from .card import tbs_text
+
 
 def _pyplot():
     try:
@@ -40,7 +42,7 @@ def plot_sweep(summary: dict, path: str) -> None:
     for label, pts in sweep_series(summary).items():
         xs, ys = zip(*pts)
         if label == "HBM floor":
-            ax.plot(xs, ys, "k--", lw=1.2, label=f"HBM floor (bytes read / {summary['copy_rate_tbs']} TB/s)")
+            ax.plot(xs, ys, "k--", lw=1.2, label=f"HBM floor (bytes read / {tbs_text(summary['copy_rate_tbs'])} TB/s)")
         else:
             ax.plot(xs, ys, "o-", ms=3, label=label)
     ax.set_xscale("log", base=2)

@@ -34,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -132,17 +133,29 @@ def _plot_formats() -> set[str] | None:
     return set(FigureCanvasBase.get_supported_filetypes())
 
 
+def plot_file(text: str) -> str:
+    """The file a --plot name is saved to: matplotlib gives a name without a suffix (or
+    ending in '.') its default type's, '.png', so the checks must look at that name."""
+    if os.path.splitext(text)[1] in ("", "."):
+        return text.rstrip(".") + ".png"
+    return text
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """The --json and --plot files can be written (their folders made), and a plot drawn."""
     for option, text in (("--json", args.json), ("--plot", args.plot)):
         if text is not None:
             check_output_file(text, option)
+    if args.plot is not None and plot_file(args.plot) != args.plot:
+        args.plot = plot_file(args.plot)  # the name matplotlib will write, checked as such
+        check_output_file(args.plot, "--plot")
     if args.json is not None and args.plot is not None and Path(args.json).resolve() == Path(args.plot).resolve():
         raise OutputError(f"--json and --plot name the same file, {args.plot}", args.plot)
     if args.plot is not None:
         formats = _plot_formats()
         if formats is None:
-            raise OutputError("--plot needs matplotlib, which is not installed (pip install matplotlib)", args.plot)
+            raise OutputError(f"cannot write the --plot file {args.plot}: it needs matplotlib, which is not "
+                              "installed (pip install matplotlib)", args.plot)
         suffix = Path(args.plot).suffix.lower().lstrip(".")
         if suffix and suffix not in formats:
             raise OutputError(f"cannot write the --plot file {args.plot}: matplotlib saves no '.{suffix}' files "
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--idle takes milliseconds >= 0, got {args.idle}")
     if args.sweep and (args.only is not None or args.list):
         ap.error("--sweep runs one shape over token counts: it takes no --only or --list")
-    tile = _tile(ap, args.tile) if args.tile else None
+    tile = _tile(ap, args.tile) if args.tile is not None else None
     if args.only is not None:
         _check_only(ap, args.only)
     try:
@@ -167,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gemmspec: error: {e}", file=sys.stderr)
         return 2
+    # Set on every call (a later call from Python must not inherit an earlier one's).
     timing.IDLE_MS = args.idle
-    if tile is not None:
-        specs.FORCED_TILE = tile
+    specs.FORCED_TILE = tile
     if args.list:
-        for c in CASES:
+        for c in selected_cases(args.only):
             print(f"{c.name:36} {c.target.describe():32} {c.what}")
         return 0
     # The device first: without one, say so at once rather than after importing torch.

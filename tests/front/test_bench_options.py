@@ -171,7 +171,8 @@ def test_a_plot_needs_matplotlib_and_a_type_it_saves(here, capsys, monkeypatch) 
     before = _tree(here)
     monkeypatch.setattr(bench_run, "_plot_formats", lambda: None)  # matplotlib not installed
     err = file_error(capsys, "--plot", "bench.png")
-    assert err == "gemmspec: error: --plot needs matplotlib, which is not installed (pip install matplotlib)"
+    assert err == ("gemmspec: error: cannot write the --plot file bench.png: it needs matplotlib, which is not "
+                   "installed (pip install matplotlib)")
     monkeypatch.setattr(bench_run, "_plot_formats", lambda: {"png", "pdf", "svg"})
     err = file_error(capsys, "--plot", "bench.txt")
     assert err == "gemmspec: error: cannot write the --plot file bench.txt: matplotlib saves no '.txt' files " \
