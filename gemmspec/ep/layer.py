@@ -350,11 +350,26 @@ class EPMoE(torch.nn.Module):
         if top_k > self.ep.placement.experts:
             raise ArgumentError(f"EPMoE: top_k = {top_k} is more than the spec's {self.ep.placement.experts} experts")
         self.top_k = top_k
+        if full is not None:
+            self._check_full(full)
         full = full if full is not None else self.full_weights(self.ep.plan.roles, seed)
         self.router = torch.nn.Parameter(full["router"].clone())
         e = self.ep.experts
         for w in self.ep.roles.weights:
             self.register_parameter(w, torch.nn.Parameter(full[w][e.start:e.stop].clone()))
+
+    def _check_full(self, full: Mapping[str, torch.Tensor]) -> None:
+        """`full` holds the router's [E, H] and every expert weight's [E, ...]."""
+        e = self.ep.placement.experts
+        want = {"router": (e, self.ep.roles.hidden)}
+        want |= {w: (e, *shape[1:]) for w, shape in self.ep.rank_plan.weight_shapes}
+        wrong = [f"{k} missing" for k in want if k not in full]
+        wrong += [f"{k} is {list(full[k].shape)}" for k, shape in want.items()
+                  if k in full and tuple(full[k].shape) != shape]
+        if wrong:
+            shapes = ", ".join(f"{k} {list(shape)}" for k, shape in want.items())
+            raise ArgumentError(f"EPMoE: full takes every expert's weights and the router's ({shapes}); "
+                                f"{'; '.join(wrong)}")
 
     @staticmethod
     def full_weights(roles, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -370,6 +385,11 @@ class EPMoE(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.ep.roles.hidden:
+            # The router cannot run on it: ExpertParallel refuses it, and the step with the
+            # other ranks (it takes part in their counts exchange).
+            no_route = torch.zeros((x.shape[0] if x.dim() else 0, self.top_k), dtype=torch.int64, device=x.device)
+            return self.ep(x, no_route, no_route.float(), {w: getattr(self, w) for w in self.ep.roles.weights})
         probs = torch.softmax(x.float() @ self.router.t(), dim=-1)
         topk_w, topk_idx = probs.topk(self.top_k, dim=-1)
         return self.ep(x, topk_idx, topk_w, {w: getattr(self, w) for w in self.ep.roles.weights})
@@ -439,6 +459,7 @@ class EPMoEDecode:
             if self.exchange.world > 1:
                 self._serve_only()
                 served = "; this rank's experts still served the other ranks' rows"
+            self.stray = self.dropped = None  # no counts of the caller's arguments
             raise ArgumentError(
                 f"EPMoEDecode: made for {self.tokens} tokens and k = {self.top_k}: x [{self.tokens}, "
                 f"{self.roles.hidden}], topk_idx (integer) and topk_w [{self.tokens}, {self.top_k}]; "
@@ -455,7 +476,6 @@ class EPMoEDecode:
         nowhere = torch.full((self.tokens, self.top_k), self.placement.experts, dtype=torch.int64, device=device)
         zeros = torch.zeros((self.tokens, self.top_k), device=device)
         self._decode(torch.zeros((self.tokens, self.roles.hidden), device=device), nowhere, zeros)
-        self.stray = self.dropped = None  # the counts of that call, not of the caller's arguments
 
     def _decode(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         ex, roles, placement, cap = self.exchange, self.roles, self.placement, self.capacity
@@ -482,8 +502,9 @@ class EPMoEDecode:
             q, s = x.to(gt.torch_dtype(tok.dtype)), None
         else:
             q, s = gt.quantize(x, tok.dtype, tok.scale.block)
-        send_x = torch.zeros((trash + 1, q.shape[1]), dtype=torch.uint8, device=device)
-        send_x.index_copy_(0, at, _bytes(q)[r.token])
+        row_bytes = _bytes(q)  # [S, H * element size]: rows of any type travel as bytes
+        send_x = torch.zeros((trash + 1, row_bytes.shape[1]), dtype=torch.uint8, device=device)
+        send_x.index_copy_(0, at, row_bytes[r.token])
         w = topk_w.reshape(-1)[r.order].float()[:, None]
         meta_cols = [w] if s is None else [s[r.token].float(), w]
         meta = torch.cat(meta_cols, 1)

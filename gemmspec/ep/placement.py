@@ -74,6 +74,8 @@ class Placement:
         return range(self.starts[rank], self.starts[rank] + self.sizes[rank])
 
     def owner(self, expert: int) -> int:
+        if expert < 0:
+            raise IndexError(f"expert {expert} outside the placement's {self.experts}")
         for r in range(self.world):
             if expert < self.starts[r] + self.sizes[r]:
                 return r
@@ -278,7 +280,10 @@ def plan(spec, world_size: int, placement: Placement | None = None, *, capacity:
     if name is not None:
         specs = tuple(s for s in specs if s.name == name)
     if len(specs) != 1:
-        raise GemmspecError(f"pass name=... to pick one spec of {', '.join(s.name for s in check(file))}")
+        names = ", ".join(s.name for s in check(file))
+        if name is not None:
+            raise GemmspecError(f"no spec named {name!r}: the file holds {names}")
+        raise GemmspecError(f"pass name=... to pick one spec of {names}")
     roles = expert_ffn(specs[0])
     placement = placement or Placement.contiguous(roles.experts, world_size)
     if placement.world != world_size or placement.experts != roles.experts:
