@@ -637,3 +637,18 @@ def test_the_sweep_is_usages_shape():
     assert list(sweep.SWEEPS) == ["decode"]
     assert "DeepSeek-V3 gate/up" in s.what and "256 experts top-8, N=4096, K=7168" in s.what
     assert s.tokens[0] == 1 and s.tokens[-1] == 4096 and all(b == 2 * a for a, b in zip(s.tokens, s.tokens[1:]))
+
+
+def test_list_with_only_lists_the_cases_it_picks(gpu_never_looked_for, capsys):
+    assert bench.main(["--list", "--only", "decode_masked", "lora_shrink"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["lora_shrink_L4xE8_R16_K4096_T8192", "decode_masked_E32xM64_N4096_K7168",
+                      "decode_masked_E32xM64_N7168_K2048"]  # table order
+
+
+def test_a_call_does_not_inherit_an_earlier_calls_tile_or_idle(gpu_never_looked_for, capsys):
+    assert bench.main(["--tile", "64x64", "--idle", "2", "--list"]) == 0
+    assert (specs.FORCED_TILE, timing.IDLE_MS) == ((64, 64), 2.0)
+    assert bench.main(["--list"]) == 0
+    assert (specs.FORCED_TILE, timing.IDLE_MS) == (None, 0.0)
+    capsys.readouterr()
