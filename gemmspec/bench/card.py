@@ -44,17 +44,21 @@ class Card:
         return _REFERENCE_NAME.search(self.name) is not None
 
     @property
+    def _judged_by_reference(self) -> bool:
+        """Judged against the reference card's recorded rate: on that card, or where
+        nothing was measured."""
+        return self.is_reference or self.measured_tbs is None
+
+    @property
     def copy_rate_tbs(self) -> float:
         """The rate memory-bound rows are judged against: the reference card's recorded
         rate on that card, this run's measured rate on any other."""
-        if self.is_reference or self.measured_tbs is None:
-            return REFERENCE_COPY_RATE_TBS
-        return self.measured_tbs
+        return REFERENCE_COPY_RATE_TBS if self._judged_by_reference else self.measured_tbs
 
     def describe(self) -> str:
         """One line on the rate used and where it comes from."""
         measured = f"{self.measured_tbs:.2f} TB/s" if self.measured_tbs is not None else "not measured"
-        if self.is_reference or self.measured_tbs is None:
+        if self._judged_by_reference:
             return (f"copy rate: {tbs_text(self.copy_rate_tbs)} TB/s, the {REFERENCE_CARD}'s recorded rate "
                     f"(this run's 1 GiB device-to-device copy: {measured})")
         return (f"copy rate: {tbs_text(self.copy_rate_tbs)} TB/s, this run's 1 GiB device-to-device copy "

@@ -146,9 +146,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
     for option, text in (("--json", args.json), ("--plot", args.plot)):
         if text is not None:
             check_output_file(text, option)
-    if args.plot is not None and plot_file(args.plot) != args.plot:
-        args.plot = plot_file(args.plot)  # the name matplotlib will write, checked as such
-        check_output_file(args.plot, "--plot")
+    if args.plot is not None:
+        written = plot_file(args.plot)
+        if written != args.plot:  # the name matplotlib will write, checked as such
+            check_output_file(written, "--plot")
+            args.plot = written
     if args.json is not None and args.plot is not None and Path(args.json).resolve() == Path(args.plot).resolve():
         raise OutputError(f"--json and --plot name the same file, {args.plot}", args.plot)
     if args.plot is not None:

@@ -363,9 +363,7 @@ class EPMoE(torch.nn.Module):
         e = self.ep.placement.experts
         want = {"router": (e, self.ep.roles.hidden)}
         want |= {w: (e, *shape[1:]) for w, shape in self.ep.rank_plan.weight_shapes}
-        wrong = [f"{k} missing" for k in want if k not in full]
-        wrong += [f"{k} is {list(full[k].shape)}" for k, shape in want.items()
-                  if k in full and tuple(full[k].shape) != shape]
+        wrong = _weight_errors(full, want.items())
         if wrong:
             shapes = ", ".join(f"{k} {list(shape)}" for k, shape in want.items())
             raise ArgumentError(f"EPMoE: full takes every expert's weights and the router's ({shapes}); "
